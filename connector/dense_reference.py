@@ -1,0 +1,129 @@
+"""Reconciling per-group local hits when a model has SEVERAL dense groups.
+
+Why this exists: vLLM 0.32's ``KVCacheManager.get_computed_blocks_for_connector``
+takes ``coordinator.full_attention_group_id`` -- the FIRST full-attention group
+only -- as "the dense reference". It reports that group's per-group hit as the
+local prefix and falls back to the convergent lookup only if some group hit
+deeper than it. With two dense groups at different block sizes (a drafter booked
+as full attention, Gemma4's per-layer head sizes) that is wrong: when the second
+dense group was evicted deeper, vLLM reports a length whose blocks that group
+does not hold, and the scheduler resumes on missing KV (HTTP 200, corrupted
+generations).
+
+The rule here, over per-group hits ``h``:
+
+* dense groups = the downward-closed ones (:func:`hybridkv.store.truncation.is_downward_closed`);
+* eviction guard: fall back to the convergent lookup iff some non-dense group
+  hit deeper than the MAX of the dense hits (only then is it evidence that dense
+  blocks were evicted);
+* reported local length: the MIN of the dense hits, every dense group trimmed to
+  it (every returned block list covers it);
+* diverged: some group's hit is below the reported length, or a sparse group's
+  hit is above it (its state sits at another boundary; with one dense group the
+  guard already catches that case, so the answer equals vLLM's exactly).
+
+With a single dense group all of this reduces to vLLM's current answer.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+
+from hybridkv.store.geometry import GroupGeometry
+from hybridkv.store.truncation import trim_to_hit
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.request import Request
+
+
+@dataclass(frozen=True)
+class ReconciledHit:
+    """Outcome of :func:`reconcile_dense_hits`."""
+
+    fallback: bool  # use the convergent lookup (get_computed_blocks)
+    reported_tokens: int  # local prefix to report when not falling back
+    diverged: bool  # some group lacks valid state at reported_tokens
+
+
+def reconcile_dense_hits(
+    hits: Sequence[int],
+    dense: Sequence[bool],
+    cacheable: Sequence[bool] | None = None,
+) -> ReconciledHit:
+    """Max-guard / min-report over per-group hit lengths (pure)."""
+    if cacheable is None:
+        cacheable = [True] * len(hits)
+    dense_hits = [h for h, d, c in zip(hits, dense, cacheable) if d and c]
+    if not dense_hits:
+        return ReconciledHit(fallback=True, reported_tokens=0, diverged=False)
+    deepest_dense = max(dense_hits)
+    sparse_hits = [h for h, d, c in zip(hits, dense, cacheable) if c and not d]
+    if any(h > deepest_dense for h in sparse_hits):
+        return ReconciledHit(fallback=True, reported_tokens=0, diverged=False)
+    reported = min(dense_hits)
+    diverged = any(h < reported for h in hits) or any(h > reported for h in sparse_hits)
+    return ReconciledHit(fallback=False, reported_tokens=reported, diverged=diverged)
+
+
+def reconciled_computed_blocks_for_connector(
+    manager: "KVCacheManager", geometry: GroupGeometry, request: "Request"
+) -> tuple["KVCacheBlocks", int, int, bool]:
+    """Drop-in for ``KVCacheManager.get_computed_blocks_for_connector``.
+
+    Same return contract: (blocks, local computed tokens, shared-prefix
+    boundary, hit_diverged). Per-group hits come from vLLM's own
+    ``find_longest_cache_hit_per_group``; only the choice of reference differs.
+    """
+    coordinator = manager.coordinator
+    if not (
+        isinstance(coordinator, HybridKVCacheCoordinator)
+        and geometry.dense_group_ids
+        and geometry.sparse_group_ids
+    ):
+        return *manager.get_computed_blocks(request), False
+    if not manager.prefix_cache_lookup_enabled(request):
+        return manager.empty_kv_cache_blocks, 0, 0, False
+
+    computed, hits = coordinator.find_longest_cache_hit_per_group(
+        request.block_hashes, request.num_tokens - 1
+    )
+    result = reconcile_dense_hits(
+        hits,
+        [g.downward_closed for g in geometry.groups],
+        [g.prefix_cacheable for g in geometry.groups],
+    )
+    if result.fallback:
+        return *manager.get_computed_blocks(request), False
+    trim_to_hit(
+        computed,
+        [g.block_size for g in geometry.groups],
+        [g.downward_closed and g.prefix_cacheable for g in geometry.groups],
+        result.reported_tokens,
+    )
+    blocks = manager.create_kv_cache_blocks(computed)
+    # Per-group lookups do not detect an uncached shared prefix (boundary 0),
+    # exactly as vLLM's version.
+    return blocks, result.reported_tokens, 0, result.diverged
+
+
+def install_reconciled_lookup(manager: "KVCacheManager") -> GroupGeometry:
+    """Replace ``get_computed_blocks_for_connector`` on THIS manager only.
+
+    Called from a hybridkv connector's ``bind_kv_cache_manager``; the scheduler
+    uses the method only when the connector reports
+    ``supports_divergent_local_hybrid_hits``. Other managers (other engines in
+    the same process, tests) keep vLLM's method.
+    """
+    geometry = GroupGeometry.from_kv_cache_manager(manager)
+
+    def _lookup(self: "KVCacheManager", request: "Request"):
+        return reconciled_computed_blocks_for_connector(self, geometry, request)
+
+    manager.get_computed_blocks_for_connector = types.MethodType(_lookup, manager)
+    return geometry

@@ -1,0 +1,514 @@
+"""Thin, bounded client over ``mooncake.store.MooncakeDistributedStore`` (0.3.13.post1).
+
+Why this layer exists
+---------------------
+The binding returns bare integers, blocks for tens of seconds when the master is gone or hung,
+and ``setup()`` against an absent master retries for 90 s before returning -1. The connector runs
+these calls on vLLM's scheduler and worker paths, where a stall is an outage. So this module
+keeps few verbs, turns every failure into either a per-key Mooncake code or a ``StoreError``
+naming the operation and the fix, and never lets a call block the caller beyond ``timeout_s``.
+
+Which outcome is a return value and which an exception
+------------------------------------------------------
+* ``put_from`` / ``get_into`` / ``put_bytes`` / ``remove`` return Mooncake's codes: per key,
+  callers decide (a missing key is normal for a cache).
+* ``exists`` returns ``list[bool]``, which cannot carry a code, so a failed lookup raises.
+* A call that the client itself refuses or abandons (timeout, closed, circuit open) raises
+  ``StoreError`` with one of the hybridkv codes below, never a Mooncake code.
+
+Binding facts measured on this version (loopback, tcp, P2PHANDSHAKE)
+--------------------------------------------------------------------
+``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
+rdma_devices, master_server_addr) -> int``: 0 ok; 20-30 ms. With no master listening it retries
+20 x ~4.5 s (about 90 s) and returns -1, hence the TCP probe before it.
+
+``batch_is_exist(keys: list[str]) -> list[int]``: 1 present, 0 absent, negative code on error
+(-900 dead master, -901 hung master). ``[]`` for ``[]``. It also renews the objects' lease.
+
+``register_buffer(ptr: int, size: int) -> int``: 0 ok; registering the same pointer again, or a
+sub-range of a registered region, returns -600. ``unregister_buffer(ptr) -> int``: 0 ok, -600
+for a pointer that is not registered. With protocol "tcp" registration is NOT required:
+``batch_put_from``/``batch_get_into`` on unregistered memory succeeded. RDMA needs it, so
+callers register anyway; ``register`` here is idempotent for regions already covered.
+
+``batch_put_from(keys, buffer_ptrs, sizes, config=ReplicateConfig()) -> list[int]``: per key 0
+or a negative code. A key that already exists answers 0 and KEEPS THE OLD VALUE (first writer
+wins; ``batch_upsert_from`` would overwrite). Size 0 -> -600. Larger than any free space in
+the segments -> -200 at once. Two equal keys in one batch both answer 0.
+
+``batch_get_into(keys, buffer_ptrs, sizes) -> list[int]``: per key the number of bytes read
+(the object size, which may be smaller than the buffer) or a negative code: -704 missing,
+-600 buffer smaller than the object (nothing written).
+
+``put(key, bytes) -> int`` goes through the client's local buffer (``local_buffer_size``
+bounds it); ``put(key, b"")`` -> -600. ``get(key) -> bytes`` answers ``b""`` for a missing key
+AND for a dead master, so ``get_bytes`` classifies an empty answer with ``get_size``
+(-704 missing). ``remove(key, force=False) -> int``: 0, -704 missing, -706 while the object's
+lease (``default_kv_lease_ttl`` of the master, renewed by exists/get) has not expired.
+
+``close() -> int``: 1-2 s normally, about 10 s with a dead master (it tries to unmount its
+segment), so ``close`` here waits at most ``close_timeout_s``.
+
+Master failure, measured
+------------------------
+* SIGKILLed master: the first call answers -900 at once; every later call blocks ~4.3-4.5 s
+  and answers -900 (batch_is_exist, batch_get_into, batch_put_from alike). The binding releases
+  the GIL while it waits. ``health_check()`` keeps answering 0 until the client's background
+  ping notices (a few seconds), then 2.
+* Restarted master (same port): the client reconnects by itself within about 1 s; all earlier
+  keys are gone (exists -> 0) and the first put may answer -200 until the client has remounted
+  its segment.
+* Hung master (SIGSTOP): calls block 30 s and answer -901 (RPC_TIMEOUT); after SIGCONT it
+  answers normally again.
+
+How calls are bounded (the choice made here)
+--------------------------------------------
+Every store call runs on a small pool of daemon worker threads and the caller waits at most
+``timeout_s``; the binding releases the GIL, so waiting is cheap and the call keeps running in
+C++. On timeout the caller gets ``StoreError(CALL_TIMEOUT)``; while any abandoned call is still
+blocked, new calls fail at once with ``CLIENT_STUCK`` instead of queueing behind it (no thread
+pile-up, no unbounded latency), and the backend heals by itself when the abandoned call returns.
+A call that answers RPC_FAIL/RPC_TIMEOUT opens a short circuit (``retry_after_s``): calls fail
+fast with ``MASTER_UNREACHABLE`` instead of each paying the ~4.4 s the binding needs to
+rediscover that the master is dead; after it one call is let through to probe again.
+Daemon threads are used (not ``ThreadPoolExecutor``) because the latter joins its threads at
+interpreter exit, which would turn one stuck call into a hung process.
+CAVEAT: an abandoned ``get_into`` may still write into its destination after the timeout; the
+destination must be treated as garbage until ``stuck_calls`` is 0 (in practice the binding
+fails before any transfer when the master is the problem, but a slow peer could write late).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from types import TracebackType
+from typing import Any, Callable, Sequence, TypeVar
+
+__all__ = [
+    "MooncakeBackend",
+    "StoreError",
+    "ERROR_NAMES",
+    "code_name",
+    "OK",
+    "NO_AVAILABLE_HANDLE",
+    "INVALID_PARAMS",
+    "OBJECT_NOT_FOUND",
+    "OBJECT_ALREADY_EXISTS",
+    "OBJECT_HAS_LEASE",
+    "LEASE_EXPIRED",
+    "TRANSFER_FAIL",
+    "RPC_FAIL",
+    "RPC_TIMEOUT",
+    "CALL_TIMEOUT",
+    "CLIENT_CLOSED",
+    "CLIENT_STUCK",
+    "MASTER_UNREACHABLE",
+    "NOT_INSTALLED",
+]
+
+# --- Mooncake codes (mooncake-store/include/types.h ErrorCode; "seen" = observed here) -------
+OK = 0
+INTERNAL_ERROR = -1  # seen: setup() against an absent master, after ~90 s of retries
+NO_AVAILABLE_HANDLE = -200  # seen: put larger than the free segment space / segment not yet remounted
+INVALID_PARAMS = -600  # seen: buffer too small for get, size 0 put, double register_buffer
+OBJECT_NOT_FOUND = -704  # seen: get/get_size/remove of a missing key
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706  # seen: remove while the lease of a recently read/put object runs
+LEASE_EXPIRED = -707
+TRANSFER_FAIL = -800
+RPC_FAIL = -900  # seen: master SIGKILLed (first call at once, later calls after ~4.4 s)
+RPC_TIMEOUT = -901  # seen: master SIGSTOPped, after 30 s
+
+# --- hybridkv codes: the client refused or abandoned the call (outside Mooncake's range) ------
+CALL_TIMEOUT = -10_001
+CLIENT_CLOSED = -10_002
+CLIENT_STUCK = -10_003
+MASTER_UNREACHABLE = -10_004
+NOT_INSTALLED = -10_005
+
+ERROR_NAMES: dict[int, str] = {
+    OK: "OK",
+    INTERNAL_ERROR: "INTERNAL_ERROR",
+    -100: "BUFFER_OVERFLOW",
+    -101: "SHARD_INDEX_OUT_OF_RANGE",
+    -102: "SEGMENT_NOT_FOUND",
+    -103: "CLIENT_NOT_FOUND",
+    NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
+    -300: "INVALID_VERSION",
+    -400: "INVALID_KEY",
+    -500: "WRITE_FAIL",
+    INVALID_PARAMS: "INVALID_PARAMS",
+    -601: "ILLEGAL_CLIENT",
+    -700: "INVALID_WRITE",
+    -701: "INVALID_READ",
+    -702: "INVALID_REPLICA",
+    -703: "REPLICA_IS_NOT_READY",
+    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
+    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
+    OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
+    LEASE_EXPIRED: "LEASE_EXPIRED",
+    TRANSFER_FAIL: "TRANSFER_FAIL",
+    RPC_FAIL: "RPC_FAIL",
+    RPC_TIMEOUT: "RPC_TIMEOUT",
+    -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
+    -1011: "UNAVAILABLE_IN_CURRENT_MODE",
+    -1700: "TENANT_QUOTA_EXCEEDED",
+    CALL_TIMEOUT: "HKV_CALL_TIMEOUT",
+    CLIENT_CLOSED: "HKV_CLIENT_CLOSED",
+    CLIENT_STUCK: "HKV_CLIENT_STUCK",
+    MASTER_UNREACHABLE: "HKV_MASTER_UNREACHABLE",
+    NOT_INSTALLED: "HKV_NOT_INSTALLED",
+}
+
+_FIXES: dict[int, str] = {
+    INTERNAL_ERROR: "check the master address and the client's stderr (glog) for the cause",
+    NO_AVAILABLE_HANDLE: "the segments are full or not mounted yet: give the store more "
+    "global_segment_size, lower the master's eviction watermark, or retry",
+    INVALID_PARAMS: "check sizes (>0, buffer at least the object size) and that a buffer is not "
+    "registered twice",
+    OBJECT_NOT_FOUND: "the key is not in the store (never written, evicted, or lost with a master restart)",
+    OBJECT_HAS_LEASE: "the object was read recently; retry after the master's default_kv_lease_ttl",
+    RPC_FAIL: "the master is not reachable: is mooncake_master running at the configured address?",
+    RPC_TIMEOUT: "the master did not answer in time: is it overloaded or stopped?",
+    CALL_TIMEOUT: "the store did not answer within timeout_s; the master or a segment owner is "
+    "hung or dead; raise timeout_s only if transfers are legitimately that slow",
+    CLIENT_CLOSED: "the backend was closed; create a new MooncakeBackend",
+    CLIENT_STUCK: "an earlier call is still blocked in Mooncake after its timeout; the backend "
+    "recovers when it returns (check the master)",
+    MASTER_UNREACHABLE: "a recent call found the master unreachable; calls fail fast for "
+    "retry_after_s, then one is let through to probe again",
+    NOT_INSTALLED: "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 and "
+    "apt-get install -y libibverbs1 librdmacm1",
+}
+
+_UNREACHABLE_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
+
+T = TypeVar("T")
+_DEFAULT = object()  # "use self.timeout_s" (None already means unbounded)
+
+
+def code_name(code: int) -> str:
+    """Name of a Mooncake or hybridkv code; unknown codes keep their number visible."""
+    return ERROR_NAMES.get(code, f"UNKNOWN({code})")
+
+
+class StoreError(Exception):
+    """A store operation failed as a whole; ``code`` is a Mooncake or hybridkv code."""
+
+    def __init__(self, op: str, code: int, detail: str = "", fix: str | None = None) -> None:
+        self.op = op
+        self.code = int(code)
+        self.detail = detail
+        self.fix = fix if fix is not None else _FIXES.get(self.code, "")
+        msg = f"mooncake {op} failed: {code_name(self.code)} ({self.code})"
+        if detail:
+            msg += f": {detail}"
+        if self.fix:
+            msg += f". Fix: {self.fix}"
+        super().__init__(msg)
+
+
+class _DaemonPool:
+    """Fixed set of daemon threads; a stuck call must never block interpreter exit."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._q: "queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None]" = (
+            queue.SimpleQueue()
+        )
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(max(1, n))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
+        fut: Future[T] = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._q.put(None)
+
+
+def _parse_address(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise StoreError("setup", INVALID_PARAMS, f"master_address {addr!r} is not HOST:PORT",
+                         fix="pass the master as 'HOST:PORT', e.g. EmbeddedMaster().address")
+    return host, int(port)
+
+
+class MooncakeBackend:
+    """One Mooncake store client with bounded calls; see the module docstring for semantics.
+
+    ``global_segment_size`` is the memory this process contributes to the store (0: it only
+    reads/writes other nodes' segments). ``local_buffer_size`` stages ``put_bytes``/``get_bytes``.
+    ``timeout_s`` bounds every store call (None or 0: call directly, unbounded).
+    """
+
+    def __init__(
+        self,
+        master_address: str,
+        local_hostname: str = "127.0.0.1",
+        global_segment_size: int = 256 << 20,
+        local_buffer_size: int = 64 << 20,
+        protocol: str = "tcp",
+        timeout_s: float | None = 5.0,
+        retry_after_s: float = 1.0,
+        close_timeout_s: float = 15.0,
+        workers: int = 4,
+        rdma_devices: str = "",
+        metadata_server: str = "P2PHANDSHAKE",
+    ) -> None:
+        self.master_address = master_address
+        self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
+        self.retry_after_s = float(retry_after_s)
+        self.close_timeout_s = float(close_timeout_s)
+        self.global_segment_size = int(global_segment_size)
+        self.local_buffer_size = int(local_buffer_size)
+        self._regions: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._stuck = 0
+        self._stuck_op = ""
+        self._unreachable_until = 0.0
+        self._closed = False
+        self._pool: _DaemonPool | None = None
+
+        host, port = _parse_address(master_address)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:  # includes a missing libibverbs.so.1
+            raise StoreError("import", NOT_INSTALLED, str(e)) from e
+
+        # setup() against a closed port retries for ~90 s; a TCP connect answers in microseconds.
+        probe_s = min(self.timeout_s or 2.0, 2.0)
+        try:
+            with socket.create_connection((host, port), timeout=probe_s):
+                pass
+        except OSError as e:
+            raise StoreError(
+                "setup", RPC_FAIL, f"master {master_address} is not reachable ({e})",
+                fix="start mooncake_master (tests: hybridkv.store.embedded_master.EmbeddedMaster) "
+                "or correct master_address",
+            ) from e
+
+        self._store = MooncakeDistributedStore()
+        self._pool = _DaemonPool(workers, name=f"mooncake-{port}")
+        setup_timeout = max(self.timeout_s or 0.0, 30.0) if self.timeout_s else None
+        rc = self._bounded(
+            "setup", self._store.setup, local_hostname, metadata_server, self.global_segment_size,
+            self.local_buffer_size, protocol, rdma_devices, master_address, timeout=setup_timeout,
+        )
+        if rc != 0:
+            self._pool.shutdown()
+            self._closed = True
+            raise StoreError(
+                "setup", rc,
+                f"master={master_address} host={local_hostname} protocol={protocol} "
+                f"segment={self.global_segment_size} local_buffer={self.local_buffer_size}",
+                fix="check that the master is a mooncake_master of the same version, that the "
+                "segment sizes fit in memory, and the client's stderr (glog)",
+            )
+
+    # --- call machinery -----------------------------------------------------------------------
+
+    @property
+    def stuck_calls(self) -> int:
+        """Calls abandoned after ``timeout_s`` that are still blocked inside Mooncake."""
+        return self._stuck
+
+    def _admit(self, op: str) -> None:
+        if self._closed:
+            raise StoreError(op, CLIENT_CLOSED)
+        if self._stuck:
+            raise StoreError(op, CLIENT_STUCK, f"{self._stuck} abandoned call(s), last: {self._stuck_op}")
+        left = self._unreachable_until - time.monotonic()
+        if left > 0:
+            raise StoreError(op, MASTER_UNREACHABLE, f"{self.master_address}; next probe in {left:.2f}s")
+
+    def _bounded(self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT) -> T:
+        wait = self.timeout_s if timeout is _DEFAULT else timeout
+        if wait is None or self._pool is None:
+            return fn(*args)
+        fut = self._pool.submit(fn, *args)
+        try:
+            return fut.result(timeout=wait)
+        except FutureTimeout:
+            with self._lock:
+                self._stuck += 1
+                self._stuck_op = op
+            fut.add_done_callback(self._unstuck)
+            raise StoreError(op, CALL_TIMEOUT, f"no answer from {self.master_address} within {wait:.2f}s") from None
+
+    def _unstuck(self, _fut: "Future[Any]") -> None:
+        with self._lock:
+            self._stuck -= 1
+
+    def _call(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        self._admit(op)
+        return self._bounded(op, fn, *args)
+
+    def _note_codes(self, codes: Sequence[int]) -> None:
+        if any(c in _UNREACHABLE_CODES for c in codes):
+            self._unreachable_until = time.monotonic() + self.retry_after_s
+        elif self._unreachable_until:
+            self._unreachable_until = 0.0
+
+    # --- verbs --------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """One ``batch_is_exist`` round trip; raises because a bool cannot say "unknown"."""
+        keys = list(keys)
+        if not keys:
+            return []
+        codes = self._call("exists", self._store.batch_is_exist, keys)
+        self._note_codes(codes)
+        bad = [c for c in codes if c < 0]
+        if bad:
+            raise StoreError("exists", bad[0], f"{len(bad)} of {len(keys)} lookups failed")
+        return [c == 1 for c in codes]
+
+    def register(self, addr: int, size: int) -> None:
+        """Register memory once; a region inside one already registered is a no-op.
+
+        Mooncake answers -600 to a second registration of the same or an inner range, which
+        would otherwise make "register the KV cache again after a reconfigure" an error.
+        """
+        if self._closed:
+            raise StoreError("register", CLIENT_CLOSED)
+        if size <= 0:
+            raise StoreError("register", INVALID_PARAMS, f"size {size} must be > 0")
+        with self._lock:
+            for base, length in self._regions.items():
+                if base <= addr and addr + size <= base + length:
+                    return
+            rc = self._store.register_buffer(int(addr), int(size))
+            if rc != 0:
+                raise StoreError(
+                    "register", rc, f"addr=0x{addr:x} size={size} overlaps or was registered elsewhere",
+                    fix="register whole allocations once; unregister before re-registering a changed region",
+                )
+            self._regions[int(addr)] = int(size)
+
+    def unregister(self, addr: int) -> None:
+        """Forget a region registered with ``register`` at exactly ``addr``; unknown: no-op."""
+        with self._lock:
+            if self._closed or addr not in self._regions:
+                return
+            rc = self._store.unregister_buffer(int(addr))
+            del self._regions[addr]
+        if rc != 0:
+            raise StoreError("unregister", rc, f"addr=0x{addr:x}")
+
+    def put_from(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Per key 0 or a negative Mooncake code; an existing key keeps its old value."""
+        keys, addrs, sizes = self._check_batch("put_from", keys, addrs, sizes)
+        if not keys:
+            return []
+        codes = self._call("put_from", self._store.batch_put_from, keys, addrs, sizes)
+        self._note_codes(codes)
+        return list(codes)
+
+    def get_into(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Per key bytes read (the object size, may be < the buffer) or a negative code."""
+        keys, addrs, sizes = self._check_batch("get_into", keys, addrs, sizes)
+        if not keys:
+            return []
+        codes = self._call("get_into", self._store.batch_get_into, keys, addrs, sizes)
+        self._note_codes(codes)
+        return list(codes)
+
+    def put_bytes(self, key: str, data: bytes) -> int:
+        """Small objects (metadata, tests): 0 or a negative code; staged in the local buffer."""
+        rc = self._call("put_bytes", self._store.put, key, data)
+        self._note_codes([rc])
+        return rc
+
+    def get_bytes(self, key: str) -> bytes | None:
+        """The object, or None when it is missing; raises when the store cannot say.
+
+        ``get`` answers b"" both for a missing key and a dead master; empty objects cannot be
+        stored (-600), so an empty answer is classified with one ``get_size`` round trip.
+        """
+        data = self._call("get_bytes", self._store.get, key)
+        if data:
+            self._note_codes([0])
+            return bytes(data)
+        size = self._call("get_bytes", self._store.get_size, key)
+        self._note_codes([size])
+        if size == OBJECT_NOT_FOUND or size > 0:  # > 0: removed/replaced in between; report missing
+            return None
+        raise StoreError("get_bytes", size if size < 0 else INTERNAL_ERROR, f"key={key!r}")
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """0, -704 missing, -706 while the object's lease runs (``force`` skips the check)."""
+        rc = self._call("remove", self._store.remove, key, force)
+        self._note_codes([rc])
+        return rc
+
+    def close(self) -> None:
+        """Idempotent; waits at most ``close_timeout_s`` (close takes ~10 s with a dead master)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        store = getattr(self, "_store", None)
+        if store is not None:
+            done = threading.Event()
+
+            def _close() -> None:
+                try:
+                    store.close()
+                finally:
+                    done.set()
+
+            threading.Thread(target=_close, name="mooncake-close", daemon=True).start()
+            done.wait(self.close_timeout_s)
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_batch(
+        op: str, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
+    ) -> tuple[list[str], list[int], list[int]]:
+        k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
+        if not (len(k) == len(a) == len(s)):
+            raise StoreError(op, INVALID_PARAMS, f"{len(k)} keys, {len(a)} addrs, {len(s)} sizes",
+                             fix="pass one address and one size per key")
+        return k, a, s
+
+    def __enter__(self) -> "MooncakeBackend":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("stuck" if self._stuck else "open")
+        return f"MooncakeBackend({self.master_address}, {state}, segment={self.global_segment_size})"

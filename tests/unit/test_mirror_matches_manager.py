@@ -1,0 +1,96 @@
+"""The store mirror's hit equals vLLM's real KVCacheManager hit, block for block."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
+from hybridkv.store.mirror import StoreMirror
+from tests.unit.harness import (
+    cached_keys,
+    evict_random,
+    make_request,
+    nonnull_positions,
+    run_prefill,
+)
+from tests.unit.strategies import geometries, token_workloads
+
+PROPERTY = settings(
+    max_examples=500,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def _mirror_for(manager) -> StoreMirror:
+    return StoreMirror(GroupGeometry.from_params(CoordinatorParams.from_kv_cache_manager(manager)))
+
+
+@PROPERTY
+@given(geo=geometries(), work=token_workloads(), seed=st.integers(0, 2**16), evict=st.sampled_from([0.0, 0.2, 0.5]))
+def test_mirror_hit_equals_manager_hit(geo, work, seed, evict):
+    prompts, queries = work
+    rng = random.Random(seed)
+    manager = geo.manager()
+    for p in prompts:
+        run_prefill(manager, geo, p, rng)
+    evict_random(manager, rng, evict)
+    contents = cached_keys(manager)
+    mirror = _mirror_for(manager)
+    for q in queries:
+        req = make_request(geo, q)
+        blocks, want, _ = manager.get_computed_blocks(req)
+        got = mirror.longest_hit(req.block_hashes, req.num_tokens - 1, contents)
+        assert got.tokens == want, geo.label
+        # Same blocks, same positions, same keys, in every group.
+        for gid, group_blocks in enumerate(blocks.blocks):
+            positions = nonnull_positions(group_blocks)
+            assert [i for i, _ in got.blocks[gid]] == positions, (geo.label, gid)
+            for (idx, key), block in zip(got.blocks[gid], [group_blocks[i] for i in positions]):
+                assert key[0] == gid
+                assert bytes(block.block_hash)[:-4] == key[1]
+        # The batched-existence path probes enough keys to reach the same hit.
+        calls = []
+
+        def exists(keys):
+            calls.append(len(keys))
+            return [k in contents for k in keys]
+
+        via_probe = mirror.longest_hit(req.block_hashes, req.num_tokens - 1, exists)
+        assert via_probe.tokens == want
+        assert len(calls) == 1, "one batched existence query per lookup"
+
+
+@PROPERTY
+@given(geo=geometries(), work=token_workloads(), seed=st.integers(0, 2**16))
+def test_local_dense_prefix_is_not_probed_and_does_not_change_hit(geo, work, seed):
+    """Given the local dense hit, the mirror probes only beyond it and still
+    computes the hit over (local dense blocks + store)."""
+    prompts, queries = work
+    rng = random.Random(seed)
+    manager = geo.manager()
+    for p in prompts:
+        run_prefill(manager, geo, p, rng)
+    contents = cached_keys(manager)
+    mirror = _mirror_for(manager)
+    geometry = mirror.geometry
+    for q in queries:
+        req = make_request(geo, q)
+        _, want, _ = manager.get_computed_blocks(req)
+        local = want // geometry.scheduler_block_size * geometry.scheduler_block_size
+        probe = mirror.probe_keys(req.block_hashes, req.num_tokens - 1, local)
+        unit = geometry.hash_block_size
+        local_hashes = {bytes(h) for h in req.block_hashes[: local // unit]}
+        for gid, h in probe:
+            if gid in geometry.dense_group_ids:
+                assert h not in local_hashes
+        got = mirror.longest_hit(
+            req.block_hashes,
+            req.num_tokens - 1,
+            lambda keys: [k in contents for k in keys],
+            local_dense_tokens=local,
+        )
+        assert got.tokens == want, geo.label

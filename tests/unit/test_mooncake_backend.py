@@ -1,0 +1,329 @@
+"""MooncakeBackend and EmbeddedMaster against a real mooncake_master (no mocks).
+
+Why real: the semantics the connector relies on (first writer wins, -704 for a missing key,
+what a dead master does) are the master's, and a mock would only restate our assumptions.
+Nothing skips: a missing binary or library is a failed test with the install hint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+import uuid
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from hybridkv.store.embedded_master import INSTALL_HINT, EmbeddedMaster, MasterError, find_master_binary
+from hybridkv.store.mooncake_backend import (
+    CALL_TIMEOUT,
+    CLIENT_CLOSED,
+    CLIENT_STUCK,
+    INVALID_PARAMS,
+    MASTER_UNREACHABLE,
+    OBJECT_HAS_LEASE,
+    OBJECT_NOT_FOUND,
+    RPC_FAIL,
+    RPC_TIMEOUT,
+    MooncakeBackend,
+    StoreError,
+    code_name,
+)
+
+LEASE_MS = 300
+NO_HANG_S = 30.0  # generous: this asserts "does not hang", not latency
+
+
+def _key(tag: str) -> str:
+    return f"test/{tag}/{uuid.uuid4().hex}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[EmbeddedMaster]:
+    with EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def backend(master: EmbeddedMaster) -> Iterator[MooncakeBackend]:
+    # One client per module: close() costs 1-2 s.
+    b = MooncakeBackend(master.address, global_segment_size=128 << 20, local_buffer_size=32 << 20, timeout_s=10.0)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def buffers(backend: MooncakeBackend) -> tuple[np.ndarray, np.ndarray]:
+    src = np.zeros(16 << 20, dtype=np.uint8)
+    dst = np.zeros(16 << 20, dtype=np.uint8)
+    backend.register(src.ctypes.data, src.nbytes)
+    backend.register(dst.ctypes.data, dst.nbytes)
+    return src, dst
+
+
+# --- EmbeddedMaster -------------------------------------------------------------------------
+
+
+def test_master_binary_is_installed() -> None:
+    # Fails (does not skip) on a machine without the wheel: the message carries the fix.
+    assert os.access(find_master_binary(), os.X_OK)
+
+
+def test_embedded_master_address_stop_twice_and_context() -> None:
+    m = EmbeddedMaster(default_kv_lease_ttl_ms=1000)
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", m.address)
+    assert m.is_running() and m.log_path is not None and m.log_path.exists()
+    pid = m.pid
+    assert pid is not None
+    with socket.create_connection(("127.0.0.1", m.rpc_port), timeout=1):
+        pass
+    m.stop()
+    m.stop()  # second stop is a no-op
+    assert not m.is_running()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with EmbeddedMaster() as m2:
+        assert m2.is_running() and m2.address != ""
+    assert not m2.is_running()
+
+
+def test_embedded_master_missing_binary_says_how_to_install() -> None:
+    with pytest.raises(MasterError) as ei:
+        EmbeddedMaster(binary="/nonexistent/mooncake_master")
+    assert "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1" in str(ei.value)
+    assert "libibverbs1" in str(ei.value) and "librdmacm1" in INSTALL_HINT
+
+
+def test_embedded_master_early_exit_reports_log() -> None:
+    with pytest.raises(MasterError, match="unknown command line flag"):
+        EmbeddedMaster(extra_args=["--no_such_flag_hybridkv=1"])
+
+
+# --- basic verbs ----------------------------------------------------------------------------
+
+
+def test_exists_missing_and_present(backend: MooncakeBackend) -> None:
+    k1, k2 = _key("ex1"), _key("ex2")
+    assert backend.exists([]) == []
+    assert backend.exists([k1, k2]) == [False, False]
+    assert backend.put_bytes(k1, b"meta") == 0
+    assert backend.exists([k1, k2, k1]) == [True, False, True]
+
+
+def test_put_from_get_into_round_trip_numpy(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    src, dst = buffers
+    rng = np.random.default_rng(0)
+    sizes = [4096, 1, 100_000, 256 << 10, 3 << 20, 12345]
+    offs = np.cumsum([0] + sizes[:-1]).tolist()
+    src[: sum(sizes)] = rng.integers(0, 256, sum(sizes), dtype=np.uint8)
+    dst[:] = 0
+    keys = [_key(f"rt{i}") for i in range(len(sizes))]
+    base_s, base_d = src.ctypes.data, dst.ctypes.data
+    assert backend.put_from(keys, [base_s + o for o in offs], sizes) == [0] * len(keys)
+    assert backend.exists(keys) == [True] * len(keys)
+    # read back in reverse order into different places
+    got = backend.get_into(keys[::-1], [base_d + o for o in offs[::-1]], sizes[::-1])
+    assert got == sizes[::-1]
+    assert np.array_equal(dst[: sum(sizes)], src[: sum(sizes)])
+
+
+def test_put_from_get_into_round_trip_torch(backend: MooncakeBackend) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randn(8, 2, 16, 64, generator=g).to(torch.bfloat16)  # KV-cache-like layout
+    out = torch.zeros_like(blocks)
+    backend.register(blocks.data_ptr(), blocks.numel() * blocks.element_size())
+    backend.register(out.data_ptr(), out.numel() * out.element_size())
+    per = blocks[0].numel() * blocks.element_size()
+    keys = [_key(f"blk{i}") for i in range(blocks.shape[0])]
+    assert backend.put_from(keys, [blocks[i].data_ptr() for i in range(8)], [per] * 8) == [0] * 8
+    assert backend.get_into(keys, [out[i].data_ptr() for i in range(8)], [per] * 8) == [per] * 8
+    assert torch.equal(blocks.view(torch.int16), out.view(torch.int16))  # byte-exact
+
+
+def test_put_on_existing_key_keeps_old_value(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    # Mooncake's put is first-writer-wins (upsert would overwrite): documented behaviour.
+    src, dst = buffers
+    k = _key("keep")
+    src[:1000] = 7
+    assert backend.put_from([k], [src.ctypes.data], [1000]) == [0]
+    src[:1000] = 9
+    assert backend.put_from([k], [src.ctypes.data], [1000]) == [0]
+    assert backend.get_into([k], [dst.ctypes.data], [1000]) == [1000]
+    assert (dst[:1000] == 7).all()
+    kb = _key("keepb")
+    assert backend.put_bytes(kb, b"first") == 0
+    assert backend.put_bytes(kb, b"second") == 0
+    assert backend.get_bytes(kb) == b"first"
+
+
+def test_get_missing_key_gives_missing_code(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    src, dst = buffers
+    present, missing = _key("p"), _key("missing")
+    src[:64] = 3
+    assert backend.put_from([present], [src.ctypes.data], [64]) == [0]
+    dst[:8192] = 0
+    res = backend.get_into([missing, present], [dst.ctypes.data, dst.ctypes.data + 4096], [64, 64])
+    assert res == [OBJECT_NOT_FOUND, 64]
+    assert (dst[:64] == 0).all() and (dst[4096:4160] == 3).all()
+    assert backend.get_bytes(missing) is None
+    assert code_name(OBJECT_NOT_FOUND) == "OBJECT_NOT_FOUND"
+
+
+def test_buffer_too_small_and_larger_buffer(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    src, dst = buffers
+    k = _key("small")
+    src[:10000] = 5
+    assert backend.put_from([k], [src.ctypes.data], [10000]) == [0]
+    dst[:10000] = 0
+    assert backend.get_into([k], [dst.ctypes.data], [9999]) == [INVALID_PARAMS]
+    assert (dst[:10000] == 0).all()  # nothing written
+    # a larger buffer is fine: the answer is the object size
+    assert backend.get_into([k], [dst.ctypes.data], [20000]) == [10000]
+    assert (dst[:10000] == 5).all()
+
+
+def test_zero_size_put_and_batch_mismatch(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    src, _ = buffers
+    assert backend.put_from([_key("z")], [src.ctypes.data], [0]) == [INVALID_PARAMS]
+    assert backend.put_from([], [], []) == [] and backend.get_into([], [], []) == []
+    with pytest.raises(StoreError) as ei:
+        backend.put_from([_key("a"), _key("b")], [src.ctypes.data], [1, 1])
+    assert ei.value.code == INVALID_PARAMS and ei.value.op == "put_from"
+
+
+def test_register_is_idempotent(backend: MooncakeBackend) -> None:
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    backend.register(buf.ctypes.data, buf.nbytes)
+    backend.register(buf.ctypes.data, buf.nbytes)  # Mooncake alone would answer -600
+    backend.register(buf.ctypes.data + 4096, 4096)  # inner range: covered
+    backend.unregister(buf.ctypes.data)
+    backend.unregister(buf.ctypes.data)  # unknown: no-op
+    backend.register(buf.ctypes.data, buf.nbytes)  # again after unregister
+    backend.unregister(buf.ctypes.data)
+
+
+def test_remove_respects_lease(backend: MooncakeBackend) -> None:
+    k = _key("rm")
+    assert backend.put_bytes(k, b"x" * 100) == 0
+    assert backend.get_bytes(k) == b"x" * 100  # grants a lease
+    assert backend.remove(k) == OBJECT_HAS_LEASE
+    time.sleep(LEASE_MS / 1000 + 0.3)
+    assert backend.remove(k) == 0
+    assert backend.remove(k) == OBJECT_NOT_FOUND
+    assert backend.exists([k]) == [False]
+
+
+def test_error_message_names_op_and_fix() -> None:
+    e = StoreError("get_into", RPC_FAIL, "detail")
+    assert e.op == "get_into" and e.code == RPC_FAIL
+    assert "get_into" in str(e) and "RPC_FAIL" in str(e) and "mooncake_master" in str(e)
+
+
+# --- failure modes: no call may hang ----------------------------------------------------------
+
+
+def test_setup_without_master_fails_fast() -> None:
+    addr = f"127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as ei:
+        MooncakeBackend(addr, global_segment_size=0)
+    assert time.monotonic() - t0 < 5.0  # the raw setup() would retry for ~90 s
+    assert ei.value.code == RPC_FAIL and ei.value.op == "setup" and addr in str(ei.value)
+
+
+def _assert_failed(fn, bound_s: float = NO_HANG_S) -> float:
+    """The call must fail (StoreError or only negative codes) and return within the bound."""
+    t0 = time.monotonic()
+    try:
+        res = fn()
+    except StoreError:
+        pass
+    else:
+        assert all(c < 0 for c in res), res
+    dt = time.monotonic() - t0
+    assert dt < bound_s, dt
+    return dt
+
+
+def test_master_killed_next_calls_fail_within_bound() -> None:
+    m = EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS)
+    b = MooncakeBackend(m.address, global_segment_size=32 << 20, local_buffer_size=8 << 20,
+                        timeout_s=3.0, retry_after_s=0.5, close_timeout_s=2.0)
+    try:
+        buf = np.arange(1 << 16, dtype=np.uint8)
+        b.register(buf.ctypes.data, buf.nbytes)
+        k = _key("dead")
+        assert b.put_from([k], [buf.ctypes.data], [4096]) == [0]
+        m.kill()
+        t0 = time.monotonic()
+        for _ in range(2):
+            _assert_failed(lambda: b.exists([k]))
+            _assert_failed(lambda: b.put_from([_key("n")], [buf.ctypes.data], [4096]))
+            _assert_failed(lambda: b.get_into([k], [buf.ctypes.data + 8192], [4096]))
+        time.sleep(0.6)  # past retry_after_s: the next call probes Mooncake again
+        _assert_failed(lambda: b.exists([k]))
+        _assert_failed(lambda: b.get_bytes(k))
+        assert time.monotonic() - t0 < NO_HANG_S
+        # the failure is typed: a dead-master code, our timeout, or the open circuit
+        with pytest.raises(StoreError) as ei:
+            b.exists([k])
+        assert ei.value.code in (RPC_FAIL, RPC_TIMEOUT, CALL_TIMEOUT, CLIENT_STUCK, MASTER_UNREACHABLE)
+    finally:
+        t0 = time.monotonic()
+        b.close()  # ~10 s in Mooncake with a dead master; bounded by close_timeout_s
+        assert time.monotonic() - t0 < 5.0
+        m.stop()
+    with pytest.raises(StoreError) as ei:
+        b.exists(["x"])
+    assert ei.value.code == CLIENT_CLOSED
+
+
+def test_hung_master_call_times_out_and_backend_recovers() -> None:
+    # SIGSTOP: the binding itself would block 30 s (then -901); the backend gives up after timeout_s.
+    m = EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS)
+    b = MooncakeBackend(m.address, global_segment_size=32 << 20, local_buffer_size=8 << 20,
+                        timeout_s=1.0, close_timeout_s=3.0)
+    try:
+        k = _key("hung")
+        assert b.put_bytes(k, b"v") == 0
+        assert m.pid is not None
+        os.kill(m.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreError) as ei:
+                b.exists([k])
+            assert ei.value.code == CALL_TIMEOUT and time.monotonic() - t0 < 5.0
+            assert b.stuck_calls == 1
+            t0 = time.monotonic()
+            with pytest.raises(StoreError) as ei:
+                b.get_into([k], [0], [1])  # refused before touching Mooncake (addr 0 never used)
+            assert ei.value.code == CLIENT_STUCK and time.monotonic() - t0 < 0.5
+        finally:
+            os.kill(m.pid, signal.SIGCONT)
+        deadline = time.monotonic() + NO_HANG_S + 5
+        while b.stuck_calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.stuck_calls == 0
+        deadline = time.monotonic() + 10
+        while True:  # the abandoned call may have opened the circuit briefly
+            try:
+                assert b.exists([k]) == [True]
+                break
+            except StoreError as e:
+                assert e.code == MASTER_UNREACHABLE and time.monotonic() < deadline, e
+                time.sleep(0.2)
+    finally:
+        b.close()
+        m.stop()
