@@ -225,7 +225,17 @@ class StoreMirror:
             reachable_boundaries=boundaries,
             dcp_world_size=manager.dcp_world_size,
         )
-        return [True] * n if mask is None else list(mask)
+        mask = [True] * n if mask is None else list(mask)
+        if group.is_mamba:
+            # vLLM's dense Mamba mask keeps every block, but its finder only
+            # accepts a state block that ends on the hit alignment; others can
+            # never serve a hit (and in align mode usually hold no state).
+            align = manager.cache_hit_alignment_tokens
+            mask = [
+                m and ((start_block + i + 1) * group.block_size) % align == 0
+                for i, m in enumerate(mask)
+            ]
+        return mask
 
     def block_key(self, group_id: int, block_hashes: Sequence[bytes], end_token: int) -> BlockKey:
         """Key of group ``group_id``'s object holding valid KV up to ``end_token``."""

@@ -8,7 +8,7 @@ from tests.unit.harness import Geometry, fa, mamba, sw
 
 
 @st.composite
-def geometries(draw, max_groups: int = 5) -> Geometry:
+def geometries(draw, allow_eagle: bool = True) -> Geometry:
     """1-3 full-attention groups at 16/32/64, 0-2 sliding-window groups,
     0-1 Mamba align group, EAGLE on/off, fine-grained on/off (with Mamba)."""
     n_fa = draw(st.integers(1, 3))
@@ -35,7 +35,7 @@ def geometries(draw, max_groups: int = 5) -> Geometry:
         from functools import reduce
 
         hash_block = reduce(math.gcd, [s.block_size for s in specs])
-    eagle_mode = draw(st.sampled_from(["off", "flagged", "all"]))
+    eagle_mode = draw(st.sampled_from(["off", "flagged", "all"] if allow_eagle else ["off"]))
     eagle_group = draw(st.integers(0, n_fa - 1)) if eagle_mode == "flagged" else None
     geo = Geometry(
         specs=specs,

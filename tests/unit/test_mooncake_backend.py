@@ -260,7 +260,7 @@ def _assert_failed(fn, bound_s: float = NO_HANG_S) -> float:
 def test_master_killed_next_calls_fail_within_bound() -> None:
     m = EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS)
     b = MooncakeBackend(m.address, global_segment_size=32 << 20, local_buffer_size=8 << 20,
-                        timeout_s=3.0, retry_after_s=0.5, close_timeout_s=2.0)
+                        timeout_s=3.0, retry_after_s=0.5)
     try:
         buf = np.arange(1 << 16, dtype=np.uint8)
         b.register(buf.ctypes.data, buf.nbytes)
@@ -282,8 +282,8 @@ def test_master_killed_next_calls_fail_within_bound() -> None:
         assert ei.value.code in (RPC_FAIL, RPC_TIMEOUT, CALL_TIMEOUT, CLIENT_STUCK, MASTER_UNREACHABLE)
     finally:
         t0 = time.monotonic()
-        b.close()  # ~10 s in Mooncake with a dead master; bounded by close_timeout_s
-        assert time.monotonic() - t0 < 5.0
+        b.close()  # up to ~10 s with a dead master, holding the GIL: unboundable, but must end
+        assert time.monotonic() - t0 < NO_HANG_S
         m.stop()
     with pytest.raises(StoreError) as ei:
         b.exists(["x"])
@@ -294,7 +294,7 @@ def test_hung_master_call_times_out_and_backend_recovers() -> None:
     # SIGSTOP: the binding itself would block 30 s (then -901); the backend gives up after timeout_s.
     m = EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS)
     b = MooncakeBackend(m.address, global_segment_size=32 << 20, local_buffer_size=8 << 20,
-                        timeout_s=1.0, close_timeout_s=3.0)
+                        timeout_s=1.0)
     try:
         k = _key("hung")
         assert b.put_bytes(k, b"v") == 0
@@ -303,7 +303,7 @@ def test_hung_master_call_times_out_and_backend_recovers() -> None:
         try:
             t0 = time.monotonic()
             with pytest.raises(StoreError) as ei:
-                b.exists([k])
+                b.exists([k], timeout_s=0.5)  # per-call bound overrides the backend's 1 s
             assert ei.value.code == CALL_TIMEOUT and time.monotonic() - t0 < 5.0
             assert b.stuck_calls == 1
             t0 = time.monotonic()

@@ -1,0 +1,460 @@
+"""Write tiny hybrid-attention checkpoints for tests that run the real vLLM engine.
+
+No model hub is reachable from the test machines, so every model the end-to-end tests
+boot is written here: a ``config.json`` and a ``model.safetensors`` with seeded random
+bf16 weights. No tokenizer is written; the engine runs with ``skip_tokenizer_init=True``
+and prompts are token-id lists.
+
+Why not ``load_format="dummy"``: vLLM's dummy weights are uniform in [-1e-3, 1e-3], so
+attention is nearly uniform and the output barely depends on the context. A check such as
+"output with loaded KV == output with recomputed KV" then passes even when a block of KV
+is wrong. The weights written here are scaled so that the context matters:
+
+* every RMSNorm keeps gain 1 (so activations stay O(1) through the layers), except the
+  per-head q/k norms, whose gain ``_QK_GAIN`` makes the attention logits a few units wide
+  instead of ~1, so each query attends to a few keys rather than to all of them evenly;
+* projections are normal with std ``1/sqrt(fan_in)``, so each layer's output is as large
+  as its input and a change anywhere in the context propagates instead of vanishing;
+* LM heads are untied from the embeddings (a tied random head keeps predicting the
+  current token: greedy output was one token repeated 16 times);
+* the output rows of the special tokens (pad/eos/bos = 0/1/2) are zero, so greedy decoding
+  never emits EOS and outputs always have the requested length.
+
+Kinds (each yields a distinct hybrid KV-cache layout in vLLM 0.32):
+
+* ``gemma3``: ``Gemma3ForCausalLM`` (text), sliding-window + full attention layers
+  -> a SlidingWindowSpec group and a FullAttentionSpec group.
+* ``qwen3next``: ``Qwen3NextForCausalLM``, Gated-DeltaNet linear attention + full
+  attention -> MambaSpec groups + a FullAttentionSpec group. vLLM requires at least one
+  MoE layer for this architecture, so every second layer is MoE.
+* ``gemma4``: ``Gemma4ForCausalLM`` (text), one sliding layer and two full layers with
+  different head sizes -> two FullAttentionSpec groups at different block sizes.
+
+Usage: ``python -m hybridkv.cli.tiny_models KIND OUT_DIR [--seed N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import zlib
+from collections.abc import Callable
+
+import torch
+from safetensors.torch import save_file
+
+__all__ = ["KINDS", "write_tiny_model", "main"]
+
+# Bump when the config or the initialisation changes, so stale folders are rewritten.
+_FORMAT_VERSION = 1
+_STAMP = ".hybridkv_tiny_model.json"
+
+_VOCAB = 2048
+_HIDDEN = 256
+_MAX_LEN = 4096
+# Gain of the per-head q/k RMSNorms. With unit-RMS q and k the scaled dot product has
+# std ~1 over the keys; the gain multiplies it by _QK_GAIN**2 (~4 here), which makes
+# attention peaked enough that single tokens far back in the prompt change the output.
+_QK_GAIN = 2.0
+# Qwen3-Next has no post-norms, so the raw embedding stays in the residual stream; at std 1
+# it dominates and the model acts like a bigram model (one changed token 5 positions into
+# a 1000-token prompt changed 0/16 greedy tokens). At 0.25 the context wins (13/16).
+_QWEN_EMBED_STD = 0.25
+_SPECIAL_TOKENS = (0, 1, 2)  # pad, eos, bos
+
+# A recipe for one tensor: shape and how to fill it.
+_Init = tuple[tuple[int, ...], Callable[[torch.Generator, tuple[int, ...]], torch.Tensor]]
+
+
+def _normal(std: float) -> Callable[[torch.Generator, tuple[int, ...]], torch.Tensor]:
+    return lambda g, shape: torch.randn(shape, generator=g) * std
+
+
+def _const(value: float) -> Callable[[torch.Generator, tuple[int, ...]], torch.Tensor]:
+    return lambda g, shape: torch.full(shape, float(value))
+
+
+def _linear(out_f: int, in_f: int) -> _Init:
+    """A weight of shape [out, in] whose output has the scale of its input."""
+    return (out_f, in_f), _normal(1.0 / math.sqrt(in_f))
+
+
+def _output_rows(vocab: int, hidden: int, std: float) -> _Init:
+    """Embedding/LM-head rows; special tokens get zero rows so they are never predicted."""
+
+    def fill(g: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+        t = torch.randn(shape, generator=g) * std
+        t[list(_SPECIAL_TOKENS)] = 0.0
+        return t
+
+    return (vocab, hidden), fill
+
+
+# Norms in Gemma3 and Qwen3-Next are "1 + weight" (GemmaRMSNorm): gain 1 is weight 0.
+def _gemma_norm(dim: int, gain: float = 1.0) -> _Init:
+    return (dim,), _const(gain - 1.0)
+
+
+# Norms in Gemma4 (and Qwen3-Next's gated GDN norm) multiply by the weight: gain = weight.
+def _plain_norm(dim: int, gain: float = 1.0) -> _Init:
+    return (dim,), _const(gain)
+
+
+# ---------------------------------------------------------------------------- gemma3
+
+
+def _gemma3_config() -> dict:
+    head_dim = 64
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": _VOCAB,
+        "hidden_size": _HIDDEN,
+        "intermediate_size": 512,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        # Gemma scales queries by query_pre_attn_scalar**-0.5; head_dim gives the usual
+        # 1/sqrt(d) so that _QK_GAIN alone sets the attention temperature.
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": 128,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "max_position_embeddings": _MAX_LEN,
+        "rope_parameters": {
+            "full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        # Untied: with a tied head the input token's own embedding, still large in the
+        # residual stream, makes every random model predict its last token forever.
+        "tie_word_embeddings": False,
+        "use_bidirectional_attention": False,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def _gemma3_tensors(cfg: dict) -> dict[str, _Init]:
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    nq, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    # The embedding is multiplied by sqrt(hidden) in the forward pass: std 1/sqrt(hidden)
+    # gives O(1) residual entries. The LM head is untied (see the config) and scaled for
+    # logits of std ~1.
+    t: dict[str, _Init] = {
+        "model.embed_tokens.weight": ((cfg["vocab_size"], h), _normal(1.0 / math.sqrt(h))),
+        "model.norm.weight": _gemma_norm(h),
+        "lm_head.weight": _output_rows(cfg["vocab_size"], h, 1.0 / math.sqrt(h)),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
+        t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
+        t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
+        t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
+        t[p + "self_attn.q_norm.weight"] = _gemma_norm(d, _QK_GAIN)
+        t[p + "self_attn.k_norm.weight"] = _gemma_norm(d, _QK_GAIN)
+        t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
+        t[p + "mlp.up_proj.weight"] = _linear(inter, h)
+        t[p + "mlp.down_proj.weight"] = _linear(h, inter)
+        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            t[p + f"{norm}_layernorm.weight"] = _gemma_norm(h)
+    return t
+
+
+# ------------------------------------------------------------------------- qwen3next
+
+
+def _qwen3next_config() -> dict:
+    layer_types = ["linear_attention", "full_attention"] * 2
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": _VOCAB,
+        "hidden_size": _HIDDEN,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "full_attention_interval": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "partial_rotary_factor": 0.25,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        # MoE on every second layer (layers 1 and 3); vLLM refuses a Qwen3-Next without
+        # any MoE layer, and the dense layers keep the plain MLP path exercised too.
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 256,
+        "intermediate_size": 512,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": _MAX_LEN,
+        "tie_word_embeddings": False,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def _qwen3next_tensors(cfg: dict) -> dict[str, _Init]:
+    h = cfg["hidden_size"]
+    nq, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    key_dim = nk * cfg["linear_key_head_dim"]
+    value_dim = nv * cfg["linear_value_head_dim"]
+    kernel = cfg["linear_conv_kernel_dim"]
+    t: dict[str, _Init] = {
+        # No embedding scaling and no post-norms in Qwen3-Next: small embeddings keep the
+        # current token from dominating the residual stream over what the layers read
+        # from the context. LM head scaled for logits of std ~1.
+        "model.embed_tokens.weight": ((cfg["vocab_size"], h), _normal(_QWEN_EMBED_STD)),
+        "model.norm.weight": _gemma_norm(h),
+        "lm_head.weight": _output_rows(cfg["vocab_size"], h, 1.0 / math.sqrt(h)),
+    }
+    for i, layer_type in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = _gemma_norm(h)
+        t[p + "post_attention_layernorm.weight"] = _gemma_norm(h)
+        if layer_type == "full_attention":
+            # q_proj also produces the sigmoid output gate (attn_output_gate), hence 2x.
+            t[p + "self_attn.q_proj.weight"] = _linear(2 * nq * d, h)
+            t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
+            t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
+            t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
+            t[p + "self_attn.q_norm.weight"] = _gemma_norm(d, _QK_GAIN)
+            t[p + "self_attn.k_norm.weight"] = _gemma_norm(d, _QK_GAIN)
+        else:
+            a = p + "linear_attn."
+            t[a + "in_proj_qkvz.weight"] = _linear(2 * key_dim + 2 * value_dim, h)
+            t[a + "in_proj_ba.weight"] = _linear(2 * nv, h)
+            conv_channels = 2 * key_dim + value_dim
+            t[a + "conv1d.weight"] = ((conv_channels, 1, kernel), _normal(1.0 / math.sqrt(kernel)))
+            # Decay rate A in [1, 16] and a small dt (softplus(dt_bias) ~ 0.001-0.1) as in
+            # the reference init: per-token decay 0.2-0.999, so the state keeps a memory.
+            t[a + "A_log"] = ((nv,), _log_uniform_a())
+            t[a + "dt_bias"] = ((nv,), _inv_softplus_dt())
+            t[a + "norm.weight"] = _plain_norm(cfg["linear_value_head_dim"])
+            t[a + "out_proj.weight"] = _linear(h, value_dim)
+        if (i + 1) % cfg["decoder_sparse_step"] == 0 and i not in cfg["mlp_only_layers"]:
+            m, inter = p + "mlp.", cfg["moe_intermediate_size"]
+            t[m + "gate.weight"] = _linear(cfg["num_experts"], h)
+            for e in range(cfg["num_experts"]):
+                t[m + f"experts.{e}.gate_proj.weight"] = _linear(inter, h)
+                t[m + f"experts.{e}.up_proj.weight"] = _linear(inter, h)
+                t[m + f"experts.{e}.down_proj.weight"] = _linear(h, inter)
+            s_inter = cfg["shared_expert_intermediate_size"]
+            t[m + "shared_expert.gate_proj.weight"] = _linear(s_inter, h)
+            t[m + "shared_expert.up_proj.weight"] = _linear(s_inter, h)
+            t[m + "shared_expert.down_proj.weight"] = _linear(h, s_inter)
+            t[m + "shared_expert_gate.weight"] = _linear(1, h)
+        else:
+            inter = cfg["intermediate_size"]
+            t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
+            t[p + "mlp.up_proj.weight"] = _linear(inter, h)
+            t[p + "mlp.down_proj.weight"] = _linear(h, inter)
+    return t
+
+
+def _log_uniform_a() -> Callable[[torch.Generator, tuple[int, ...]], torch.Tensor]:
+    """A_log = log(A) with A uniform in [1, 16], as in the reference initialisation."""
+    return lambda g, shape: torch.log(1.0 + 15.0 * torch.rand(shape, generator=g))
+
+
+def _inv_softplus_dt() -> Callable[[torch.Generator, tuple[int, ...]], torch.Tensor]:
+    def fill(g: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+        lo, hi = math.log(0.001), math.log(0.1)
+        dt = torch.exp(lo + (hi - lo) * torch.rand(shape, generator=g))
+        return dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+
+    return fill
+
+
+# ---------------------------------------------------------------------------- gemma4
+
+
+def _gemma4_config() -> dict:
+    # Layer 1 has head_dim 128, layer 2 head_dim 64: equal per-token bytes are impossible,
+    # so vLLM equalises page sizes by giving the two full-attention layers different block
+    # sizes, which keeps them in two FullAttentionSpec groups. (A model with only
+    # full-attention layers would be merged into one group; the sliding layer prevents it.)
+    layer_types = ["sliding_attention", "full_attention", "full_attention"]
+    return {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": _VOCAB,
+        "vocab_size_per_layer_input": _VOCAB,
+        "hidden_size": _HIDDEN,
+        "hidden_size_per_layer_input": 0,
+        "intermediate_size": 512,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "per_layer_config": {"1": {"head_dim": 128}},
+        "sliding_window": 64,
+        "attention_k_eq_v": False,
+        "num_kv_shared_layers": 0,
+        "enable_moe_block": False,
+        "use_double_wide_mlp": False,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "final_logit_softcapping": None,
+        "max_position_embeddings": _MAX_LEN,
+        "rope_parameters": {
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "tie_word_embeddings": False,
+        "use_bidirectional_attention": None,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def _gemma4_tensors(cfg: dict) -> dict[str, _Init]:
+    h, inter, nq = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    t: dict[str, _Init] = {
+        "model.embed_tokens.weight": ((cfg["vocab_size"], h), _normal(1.0 / math.sqrt(h))),
+        "model.norm.weight": _plain_norm(h),
+        "lm_head.weight": _output_rows(cfg["vocab_size"], h, 1.0 / math.sqrt(h)),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        layer = {**cfg, **cfg["per_layer_config"].get(str(i), {})}
+        d, nkv = layer["head_dim"], layer["num_key_value_heads"]
+        # Gemma4 attends with scaling 1.0 (no 1/sqrt(d)): unit-RMS q, k give logits of std
+        # sqrt(d). A q/k gain of _QK_GAIN / d**0.25 brings that back to _QK_GAIN**2, the
+        # same temperature as the other kinds, for either head size.
+        qk_gain = _QK_GAIN / d**0.25
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
+        t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
+        t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
+        t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
+        t[p + "self_attn.q_norm.weight"] = _plain_norm(d, qk_gain)
+        t[p + "self_attn.k_norm.weight"] = _plain_norm(d, qk_gain)
+        t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
+        t[p + "mlp.up_proj.weight"] = _linear(inter, h)
+        t[p + "mlp.down_proj.weight"] = _linear(h, inter)
+        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            t[p + f"{norm}_layernorm.weight"] = _plain_norm(h)
+        t[p + "layer_scalar"] = ((1,), _const(1.0))
+    return t
+
+
+_BUILDERS: dict[str, tuple[Callable[[], dict], Callable[[dict], dict[str, _Init]]]] = {
+    "gemma3": (_gemma3_config, _gemma3_tensors),
+    "qwen3next": (_qwen3next_config, _qwen3next_tensors),
+    "gemma4": (_gemma4_config, _gemma4_tensors),
+}
+KINDS: tuple[str, ...] = tuple(_BUILDERS)
+
+
+# ---------------------------------------------------------------------------- writer
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    """One generator per tensor, keyed by name: a tensor's values do not depend on which
+    other tensors exist or on their order."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _stamp_for(kind: str, seed: int) -> dict:
+    return {"kind": kind, "seed": seed, "format_version": _FORMAT_VERSION}
+
+
+def _is_current(out: pathlib.Path, kind: str, seed: int) -> bool:
+    try:
+        stamp = json.loads((out / _STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    files_present = (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    return files_present and stamp == _stamp_for(kind, seed)
+
+
+def write_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
+    """Write the tiny ``kind`` model into ``out_dir`` and return the folder.
+
+    Idempotent: when ``out_dir`` already holds this kind, seed and format version (a stamp
+    file written last), nothing is rewritten. The stamp is removed first and written only
+    after both files are complete, so an interrupted write is redone on the next call.
+    """
+    if kind not in _BUILDERS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    out = pathlib.Path(out_dir)
+    if _is_current(out, kind, seed):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / _STAMP).unlink(missing_ok=True)
+
+    make_config, make_tensors = _BUILDERS[kind]
+    config = make_config()
+    tensors = {}
+    for name, (shape, fill) in sorted(make_tensors(config).items()):
+        g = torch.Generator().manual_seed(_tensor_seed(seed, name))
+        tensors[name] = fill(g, shape).to(torch.bfloat16).contiguous()
+
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.chmod(0o644)  # safetensors creates the file 0600; other users/containers may read it
+    os.replace(tmp, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / _STAMP).write_text(json.dumps(_stamp_for(kind, seed)) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``python -m hybridkv.cli.tiny_models KIND OUT_DIR [--seed N]``; prints the folder."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hybridkv.cli.tiny_models", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(write_tiny_model(args.kind, args.out_dir, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
