@@ -1,0 +1,31 @@
+"""The `hybridkv` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="store mirror + dense reference on a real mooncake_master")
+    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--seed", type=int, default=0)
+    tiny = sub.add_parser("tiny-model", help="write a tiny hybrid model (seeded random weights)")
+    tiny.add_argument("kind")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.cmd == "demo":
+        from hybridkv.cli.foundation_demo import run_demo
+
+        return run_demo(turns=args.turns, seed=args.seed)
+    from hybridkv.cli.tiny_models import write_tiny_model
+
+    print(write_tiny_model(args.kind, args.out_dir, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
