@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from tests.unit.harness import Geometry, fa, mamba, sw
+
+# Every property runs at least 500 examples (CI included); examples build real
+# vLLM managers, so per-example deadlines are off.
+PROPERTY = settings(
+    max_examples=500,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @st.composite

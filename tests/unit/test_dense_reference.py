@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from vllm.utils.math_utils import cdiv
 
@@ -23,13 +23,8 @@ from tests.unit.harness import (
     mamba,
     run_prefill,
 )
-from tests.unit.strategies import geometries, token_workloads
+from tests.unit.strategies import PROPERTY, geometries, token_workloads
 
-PROPERTY = settings(
-    max_examples=500,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 TWO_DENSE_PLUS_MAMBA = Geometry(
     specs=[fa(16, heads=1), fa(32, heads=2), mamba(32)],

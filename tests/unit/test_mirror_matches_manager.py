@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
@@ -16,13 +16,8 @@ from tests.unit.harness import (
     nonnull_positions,
     run_prefill,
 )
-from tests.unit.strategies import geometries, token_workloads
+from tests.unit.strategies import PROPERTY, geometries, token_workloads
 
-PROPERTY = settings(
-    max_examples=500,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 
 def _mirror_for(manager) -> StoreMirror:

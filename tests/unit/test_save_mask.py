@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
 from hybridkv.store.mirror import StoreMirror
 from tests.unit.harness import make_request
-from tests.unit.strategies import geometries
+from tests.unit.strategies import PROPERTY, geometries
 
-PROPERTY = settings(
-    max_examples=500,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 
 def _mirror(geo) -> StoreMirror:
