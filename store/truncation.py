@@ -18,7 +18,7 @@ sides at once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableSequence, Sequence
+from collections.abc import MutableSequence, Sequence
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import (
@@ -58,7 +58,3 @@ def trim_to_hit(
         if closed:
             del blocks[cdiv(hit_tokens, block_size) :]
 
-
-def dense_ids(downward_closed: Iterable[bool], cacheable: Iterable[bool]) -> list[int]:
-    """Indices of the groups that count as dense references."""
-    return [i for i, (d, c) in enumerate(zip(downward_closed, cacheable)) if d and c]
