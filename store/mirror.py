@@ -97,6 +97,7 @@ class StoreMirror:
         self._coordinator.block_pool = self._pool
         for manager in self._coordinator.single_type_managers:
             manager.block_pool = self._pool
+        self._dense_ids = frozenset(geometry.dense_group_ids)
 
     # ------------------------------------------------------------------ lookup
     def probe_keys(
@@ -155,8 +156,9 @@ class StoreMirror:
             found = {key for key, ok in zip(probe, answers) if ok}
         else:
             found = present
-        local_keys = self._local_dense_keys(block_hashes, local_dense_tokens)
-        self._pool.bind(lambda key: key in found or key in local_keys)
+        local = self._local_hashes(block_hashes, local_dense_tokens)
+        dense = self._dense_ids
+        self._pool.bind(lambda key: key in found or (key[1] in local and key[0] in dense))
         try:
             blocks_by_group, hit_tokens, _ = self._coordinator.find_longest_cache_hit(
                 list(block_hashes), max_tokens
@@ -174,15 +176,12 @@ class StoreMirror:
             per_group.append(tuple(entries))
         return StoreHit(tokens=hit_tokens, blocks=tuple(per_group))
 
-    def _local_dense_keys(
+    def _local_hashes(
         self, block_hashes: Sequence[bytes], local_dense_tokens: int
-    ) -> frozenset[BlockKey]:
-        if not local_dense_tokens:
-            return frozenset()
+    ) -> frozenset[bytes]:
+        """Hashes of the hash units the local prefix cache holds for dense groups."""
         units = local_dense_tokens // self.geometry.hash_block_size
-        return frozenset(
-            (gid, bytes(block_hashes[u])) for gid in self.geometry.dense_group_ids for u in range(units)
-        )
+        return frozenset(bytes(h) for h in block_hashes[:units])
 
     # -------------------------------------------------------------------- save
     def save_mask(
