@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hybridkv.cli import agentic_demo
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
@@ -16,11 +18,19 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("kind")
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
+    agent = sub.add_parser(
+        "agent-demo",
+        help="replay a multi-turn agentic session on a vLLM server; check hits vs recompute",
+        description=agentic_demo.__doc__.split("\n\n")[0],
+    )
+    agentic_demo.add_arguments(agent)
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         from hybridkv.cli.foundation_demo import run_demo
 
         return run_demo(turns=args.turns, seed=args.seed)
+    if args.cmd == "agent-demo":
+        return agentic_demo.run_from_args(args)
     from hybridkv.cli.tiny_models import write_tiny_model
 
     print(write_tiny_model(args.kind, args.out_dir, seed=args.seed))

@@ -2,8 +2,9 @@
 
 No model hub is reachable from the test machines, so every model the end-to-end tests
 boot is written here: a ``config.json`` and a ``model.safetensors`` with seeded random
-bf16 weights. No tokenizer is written; the engine runs with ``skip_tokenizer_init=True``
-and prompts are token-id lists.
+bf16 weights, plus a small offline-trained tokenizer (:mod:`hybridkv.cli.tiny_tokenizer`)
+so the OpenAI server can take text. The end-to-end tests may still run with
+``skip_tokenizer_init=True`` and token-id prompts.
 
 Why not ``load_format="dummy"``: vLLM's dummy weights are uniform in [-1e-3, 1e-3], so
 attention is nearly uniform and the output barely depends on the context. A check such as
@@ -46,10 +47,12 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import save_file
 
+from hybridkv.cli.tiny_tokenizer import write_tiny_tokenizer
+
 __all__ = ["KINDS", "write_tiny_model", "main"]
 
 # Bump when the config or the initialisation changes, so stale folders are rewritten.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: a tokenizer is written too
 _STAMP = ".hybridkv_tiny_model.json"
 
 _VOCAB = 2048
@@ -408,7 +411,9 @@ def _is_current(out: pathlib.Path, kind: str, seed: int) -> bool:
         stamp = json.loads((out / _STAMP).read_text())
     except (OSError, ValueError):
         return False
-    files_present = (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    files_present = all(
+        (out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")
+    )
     return files_present and stamp == _stamp_for(kind, seed)
 
 
@@ -439,6 +444,7 @@ def write_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pa
     tmp.chmod(0o644)  # safetensors creates the file 0600; other users/containers may read it
     os.replace(tmp, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tiny_tokenizer(out, config["vocab_size"])
     (out / _STAMP).write_text(json.dumps(_stamp_for(kind, seed)) + "\n")
     return out
 

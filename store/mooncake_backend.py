@@ -450,6 +450,44 @@ class MooncakeBackend:
         self._note_codes(codes)
         return list(codes)
 
+    def put_from_parts(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        timeout_s: Any = _DEFAULT,
+    ) -> list[int]:
+        """Like ``put_from`` but each object is the concatenation of several regions.
+
+        A KV block of a group lives in one region per layer; gathering them in
+        C++ avoids a staging copy per block.
+        """
+        keys, addrs, sizes = self._check_parts("put_from_parts", keys, addrs, sizes)
+        if not keys:
+            return []
+        codes = self._call(
+            "put_from_parts", self._store.batch_put_from_multi_buffers, keys, addrs, sizes, timeout=timeout_s
+        )
+        self._note_codes(codes)
+        return list(codes)
+
+    def get_into_parts(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        timeout_s: Any = _DEFAULT,
+    ) -> list[int]:
+        """Per key total bytes read into its regions (in order) or a negative code."""
+        keys, addrs, sizes = self._check_parts("get_into_parts", keys, addrs, sizes)
+        if not keys:
+            return []
+        codes = self._call(
+            "get_into_parts", self._store.batch_get_into_multi_buffers, keys, addrs, sizes, timeout=timeout_s
+        )
+        self._note_codes(codes)
+        return list(codes)
+
     def put_bytes(self, key: str, data: bytes) -> int:
         """Small objects (metadata, tests): 0 or a negative code; staged in the local buffer."""
         rc = self._call("put_bytes", self._store.put, key, data)
@@ -505,6 +543,18 @@ class MooncakeBackend:
         if not (len(k) == len(a) == len(s)):
             raise StoreError(op, INVALID_PARAMS, f"{len(k)} keys, {len(a)} addrs, {len(s)} sizes",
                              fix="pass one address and one size per key")
+        return k, a, s
+
+    @staticmethod
+    def _check_parts(
+        op: str, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> tuple[list[str], list[list[int]], list[list[int]]]:
+        k = list(keys)
+        a = [[int(x) for x in row] for row in addrs]
+        s = [[int(x) for x in row] for row in sizes]
+        if not (len(k) == len(a) == len(s)) or any(len(x) != len(y) for x, y in zip(a, s)):
+            raise StoreError(op, INVALID_PARAMS, f"{len(k)} keys, {len(a)} address rows, {len(s)} size rows",
+                             fix="pass one row of region addresses and one of sizes per key")
         return k, a, s
 
     def __enter__(self) -> "MooncakeBackend":

@@ -1,0 +1,19 @@
+"""Warn once per cause: a dead store must not log one line per block or per step."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+_seen: set[tuple[str, str]] = set()
+_lock = threading.Lock()
+
+
+def warn_once(logger: logging.Logger, cause: str, message: str, *args: object) -> None:
+    """Log ``message`` at WARNING the first time ``cause`` is seen by ``logger``."""
+    key = (logger.name, cause)
+    with _lock:
+        if key in _seen:
+            return
+        _seen.add(key)
+    logger.warning("hybridkv [%s] " + message + " (further %s warnings suppressed)", cause, *args, cause)

@@ -1,0 +1,133 @@
+"""``kv_connector_extra_config`` of HybridStoreConnector, validated once at startup.
+
+Why a module of its own: a typo in a JSON config line must be refused when the
+engine starts, naming the key and the fix, not discovered as a silent miss (an
+unknown key ignored) or a crash mid-request. Every key the connector reads is
+declared here with its type, default and meaning; nothing else reads the dict.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string such as ``"512MiB"`` / ``"2GB"`` (binary units)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: expected a size such as 1073741824 or \"1GiB\"")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = (m.group(2) or "").upper().replace("I", "").replace("B", "")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(
+            f"kv_connector_extra_config.{key}={value!r}: expected a size in bytes "
+            "(an integer) or a string such as \"512MiB\" / \"2GiB\""
+        )
+    if n < 0:
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: must be >= 0")
+    return n
+
+
+@dataclass(frozen=True)
+class StoreConnectorConfig:
+    """Validated settings; field docs are what ``--help``-style errors print."""
+
+    # host:port of an existing mooncake_master; None starts an embedded one on 127.0.0.1.
+    master_address: str | None = None
+    # Memory this engine contributes to the store (holds other engines' objects too).
+    global_segment_size: int = 1 << 30
+    # Client staging buffer for small objects.
+    local_buffer_size: int = 16 << 20
+    # Mooncake transfer protocol: "tcp" (works everywhere) or "rdma".
+    protocol: str = "tcp"
+    # RDMA device list for protocol "rdma" (comma separated), "" = auto.
+    rdma_devices: str = ""
+    # Address other store nodes use to reach this engine's segment.
+    local_hostname: str = "127.0.0.1"
+    # Bound on any one store call (seconds); a dead store costs at most this per request.
+    timeout_s: float = 5.0
+    # Bound on the scheduler's existence query (seconds); on expiry the lookup is a miss.
+    lookup_timeout_s: float = 1.0
+    # Also save blocks filled during decode (agentic turns re-send the answer).
+    save_decode: bool = True
+    # Namespace mixed into every key (separate tenants sharing a master).
+    namespace: str = ""
+    # Master lease TTL for the embedded master (ms); must exceed the slowest batch transfer.
+    embedded_lease_ttl_ms: int = 30_000
+    # Max blocks per store batch call (bounds one call's bytes and latency).
+    max_batch_blocks: int = 256
+    # Debugging: append "<key> <group> <bytes>" of every object this worker writes to this file.
+    key_log_path: str = ""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "StoreConnectorConfig":
+        """Parse and validate; unknown keys are refused (a typo must not be a silent no-op)."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config has unknown key(s) {unknown} for HybridStoreConnector; "
+                f"known keys: {sorted(known)}"
+            )
+        kw: dict[str, Any] = {}
+        for key, value in extra.items():
+            if key in ("global_segment_size", "local_buffer_size"):
+                kw[key] = parse_size(key, value)
+            elif key in ("timeout_s", "lookup_timeout_s"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ConfigError(
+                        f"kv_connector_extra_config.{key}={value!r}: expected a positive number of seconds"
+                    )
+                kw[key] = float(value)
+            elif key in ("embedded_lease_ttl_ms", "max_batch_blocks"):
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: expected a positive integer")
+                kw[key] = value
+            elif key == "save_decode":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"kv_connector_extra_config.save_decode={value!r}: expected true or false")
+                kw[key] = value
+            elif key == "protocol":
+                if value not in ("tcp", "rdma"):
+                    raise ConfigError(
+                        f"kv_connector_extra_config.protocol={value!r}: expected \"tcp\" or \"rdma\""
+                    )
+                kw[key] = value
+            elif key == "master_address":
+                if value is not None and not _is_host_port(value):
+                    raise ConfigError(
+                        f"kv_connector_extra_config.master_address={value!r}: expected \"host:port\" of a "
+                        "running mooncake_master, or leave it out to start an embedded master"
+                    )
+                kw[key] = value
+            else:  # plain strings
+                if not isinstance(value, str):
+                    raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: expected a string")
+                kw[key] = value
+        cfg = cls(**kw)
+        if cfg.global_segment_size == 0 and cfg.master_address is None:
+            raise ConfigError(
+                "kv_connector_extra_config.global_segment_size=0 with an embedded master leaves the "
+                "store with no memory; give a size (e.g. \"1GiB\") or a master_address of a cluster "
+                "whose other nodes contribute memory"
+            )
+        return cfg
+
+
+def _is_host_port(value: Any) -> bool:
+    if not isinstance(value, str) or ":" not in value:
+        return False
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

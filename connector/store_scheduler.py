@@ -1,0 +1,315 @@
+"""Scheduler side of HybridStoreConnector: lookups, load plans, save plans, pins.
+
+Lookups ask the store mirror (vLLM's own coordinator over the store's keys) with
+ONE batched existence query beyond the local prefix hit, so the store offers
+exactly what the scheduler can accept. Saves follow the mirror's save mask
+(every dense block, window tails, aligned Mamba checkpoints) and pin the source
+blocks until every worker has written them, because a finished or preempted
+request frees its blocks at once and vLLM would hand them to another request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.kv_cache_utils import get_block_hash
+
+from hybridkv.connector.dense_reference import install_reconciled_lookup
+from hybridkv.connector.log_once import warn_once
+from hybridkv.connector.store_config import StoreConnectorConfig
+from hybridkv.connector.store_metadata import (
+    BlockBatch,
+    LoadJob,
+    SaveJob,
+    StoreConnectorMetadata,
+    StoreWorkerMetadata,
+)
+from hybridkv.connector.store_stats import HybridStoreStats
+from hybridkv.store.geometry import GroupGeometry
+from hybridkv.store.keys import KeySchema
+from hybridkv.store.mirror import BlockKey, StoreHit, StoreMirror
+from hybridkv.store.mooncake_backend import MooncakeBackend, StoreError, code_name
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Keys written by this engine recently: re-offering them costs a put round trip.
+_RECENT_SAVES = 1 << 17
+
+
+@dataclass
+class _LoadPlan:
+    """A lookup's answer, kept until the scheduler allocates (or drops) the request."""
+
+    hit: StoreHit
+    local_tokens: int
+    found: frozenset[BlockKey]
+    num_tokens: int
+    at: float
+
+
+class StoreScheduler:
+    """One per engine (in the engine core process)."""
+
+    def __init__(
+        self,
+        cfg: StoreConnectorConfig,
+        schema: KeySchema,
+        client: MooncakeBackend | None,
+        world_size: int,
+    ) -> None:
+        self._cfg = cfg
+        self._schema = schema
+        self._client = client
+        self._world_size = world_size
+        self._manager: KVCacheManager | None = None
+        self._geometry: GroupGeometry | None = None
+        self._mirror: StoreMirror | None = None
+        self._requests: dict[str, Request] = {}
+        self._plans: dict[str, _LoadPlan] = {}
+        self._loads: list[LoadJob] = []
+        self._saved_upto: dict[str, list[int]] = {}  # req -> per group: blocks considered for saving
+        self._recent: OrderedDict[BlockKey, None] = OrderedDict()
+        self._job_ids = itertools.count(1)
+        self._pins: dict[int, list[Any]] = {}
+        self._acks: Counter[int] = Counter()
+        self._stats = HybridStoreStats()
+
+    # ----------------------------------------------------------------- binding
+    def bind(self, manager: "KVCacheManager") -> None:
+        """Read the geometry off the live manager and install the dense reference."""
+        self._manager = manager
+        self._geometry = install_reconciled_lookup(manager)
+        self._mirror = StoreMirror(self._geometry)
+        logger.info("hybridkv store: KV cache groups %s", self._geometry.describe())
+
+    @property
+    def geometry(self) -> GroupGeometry | None:
+        return self._geometry
+
+    # ------------------------------------------------------------------ lookup
+    def on_new_request(self, request: "Request") -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """External tokens beyond the block-aligned local hit; side-effect free on the store."""
+        self._plans.pop(request.request_id, None)
+        mirror = self._mirror
+        if mirror is None or self._client is None or not request.block_hashes:
+            return 0, False
+        max_tokens = request.num_tokens - 1
+        unit = mirror.geometry.hash_block_size
+        if min(len(request.block_hashes) * unit, max_tokens) <= num_computed_tokens:
+            return 0, False
+        self._stats.add("lookups")
+        self._stats.add("query_tokens", request.num_tokens)
+        found: set[BlockKey] = set()
+
+        def exists(keys: list[BlockKey]) -> list[bool]:
+            answers = self._client.exists(
+                [self._schema.key(g, h) for g, h in keys], timeout_s=self._cfg.lookup_timeout_s
+            )
+            found.update(k for k, ok in zip(keys, answers) if ok)
+            return answers
+
+        try:
+            hit = mirror.longest_hit(request.block_hashes, max_tokens, exists, num_computed_tokens)
+        except StoreError as e:
+            self._stats.add("lookup_errors")
+            self._stats.add(f"fail.lookup_{code_name(e.code).lower()}")
+            warn_once(logger, f"lookup:{e.code}", "store lookup failed, treating as a miss: %s", e)
+            return 0, False
+        ext = hit.tokens - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        self._plans[request.request_id] = _LoadPlan(
+            hit, num_computed_tokens, frozenset(found), request.num_tokens, time.monotonic()
+        )
+        self._stats.add("lookup_hits")
+        self._stats.add("hit_tokens", ext)
+        return ext, True
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        """Turn the lookup's plan into a load job for the blocks just allocated."""
+        req_id = request.request_id
+        self._saved_upto.pop(req_id, None)  # (re)admitted: saving restarts from its new hit
+        plan = self._plans.pop(req_id, None)
+        if num_external_tokens == 0 or plan is None:
+            return
+        assert self._mirror is not None
+        hit = plan.hit
+        target = plan.local_tokens + num_external_tokens
+        if target != hit.tokens:
+            # Granted fewer tokens than offered: the sparse state must sit at the
+            # granted boundary, so re-decide over the same contents (no new RPC).
+            hit = self._mirror.longest_hit(
+                request.block_hashes, target, plan.found, plan.local_tokens
+            )
+        job = LoadJob(req_id, BlockBatch())
+        if hit.tokens != target:
+            job.refused = f"granted {num_external_tokens} tokens but the store has no state at {target}"
+            self._loads.append(job)
+            return
+        block_ids = blocks.get_block_ids()
+        for group, entries in zip(self._mirror.geometry.groups, hit.blocks):
+            local_blocks = plan.local_tokens // group.block_size
+            table = block_ids[group.group_id]
+            for idx, (gid, block_hash) in entries:
+                block_id = table[idx] if idx < len(table) else 0
+                if idx < local_blocks and block_id:
+                    continue  # held by the local prefix cache
+                if not block_id:
+                    job.refused = f"no block allocated for group {gid} position {idx}"
+                    break
+                job.blocks.add(gid, block_hash, block_id)
+            if job.refused:
+                break
+        for gid, n in Counter(job.blocks.group_ids).items():
+            self._stats.add(f"hit_tokens.g{gid}", n * self._mirror.geometry.groups[gid].block_size)
+        self._loads.append(job)
+
+    # -------------------------------------------------------------------- saves
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StoreConnectorMetadata:
+        meta = StoreConnectorMetadata(loads=self._loads)
+        self._loads = []
+        state = scheduler_output.kv_connector_block_state
+        if self._mirror is None or self._client is None or state is None:
+            return meta
+        batch, states = BlockBatch(), BlockBatch()
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            block_ids = state.get_block_ids(req_id)
+            if request is None or block_ids is None:
+                continue
+            end = request.num_computed_tokens + n - len(spec_tokens.get(req_id, ()))
+            if not self._cfg.save_decode:
+                end = min(end, request.num_prompt_tokens)
+            self._plan_block_saves(request, block_ids, end, batch)
+            self._plan_state_saves(request, states)
+        for req_id, offers in state.boundary_state_offloads.items():
+            request = self._requests.get(req_id)
+            if request is not None:
+                self._plan_offered_state_saves(request, offers, states)
+        for blocks, sync in ((batch, False), (states, True)):
+            if blocks:
+                meta.saves.append(self._pinned_job(blocks, sync))
+        return meta
+
+    def _pinned_job(self, blocks: BlockBatch, sync: bool) -> SaveJob:
+        job = SaveJob(next(self._job_ids), blocks, sync=sync)
+        pool = self._manager.block_pool
+        pinned = [pool.blocks[b] for b in blocks.block_ids]
+        pool.touch(pinned)
+        self._pins[job.job_id] = pinned
+        return job
+
+    def _plan_block_saves(
+        self, request: "Request", block_ids: tuple[list[int], ...], end: int, batch: BlockBatch
+    ) -> None:
+        """Attention groups: blocks that are complete after this step, masked."""
+        mirror = self._mirror
+        groups = mirror.geometry.groups
+        hashed_tokens = len(request.block_hashes) * mirror.geometry.hash_block_size
+        end = min(end, hashed_tokens)
+        upto = self._saved_upto.get(request.request_id)
+        if upto is None:
+            start_tokens = request.num_computed_tokens  # KV below it came from a hit
+            upto = [start_tokens // g.block_size for g in groups]
+            self._saved_upto[request.request_id] = upto
+        for g in groups:
+            if g.is_mamba or not g.prefix_cacheable:
+                continue  # Mamba states come as exact hand-offs (boundary offloads)
+            stop = end // g.block_size
+            start = upto[g.group_id]
+            if stop <= start:
+                continue
+            mask = mirror.save_mask(g.group_id, start, stop, request.num_prompt_tokens)
+            table = block_ids[g.group_id]
+            for i, keep in zip(range(start, stop), mask):
+                if keep and i < len(table) and table[i]:
+                    self._offer(batch, mirror.block_key(g.group_id, request.block_hashes, (i + 1) * g.block_size), table[i])
+            upto[g.group_id] = stop
+
+    def _plan_state_saves(self, request: "Request", batch: BlockBatch) -> None:
+        """Mamba 'align' groups: every state block vLLM has keyed for this prompt.
+
+        Read off the group's block table because vLLM's boundary hand-offs do not
+        include the prompt checkpoint a backend exports internally (the state
+        most worth saving). Only prompt boundaries are saved: during decode the
+        running state block is mutated in place.
+        """
+        coordinator = self._manager.coordinator
+        for g in self._mirror.geometry.groups:
+            if not (g.is_mamba and g.prefix_cacheable):
+                continue
+            table = coordinator.single_type_managers[g.group_id].req_to_blocks.get(request.request_id, ())
+            for block in table:
+                if block.is_null or block.block_hash is None:
+                    continue
+                tokens = block.block_hash_num_tokens
+                if tokens is None or tokens > request.num_prompt_tokens:
+                    continue
+                self._offer(batch, (g.group_id, bytes(get_block_hash(block.block_hash))), block.block_id)
+
+    def _plan_offered_state_saves(
+        self, request: "Request", offers: list[tuple[int, int, int]], batch: BlockBatch
+    ) -> None:
+        """vLLM's exact boundary hand-offs (same filter as the table scan)."""
+        mirror = self._mirror
+        unit = mirror.geometry.hash_block_size
+        hashed_tokens = len(request.block_hashes) * unit
+        for gid, block_id, tokens in offers:
+            if tokens % unit or tokens > min(hashed_tokens, request.num_prompt_tokens) or not block_id:
+                continue
+            self._offer(batch, mirror.block_key(gid, request.block_hashes, tokens), block_id)
+
+    def _offer(self, batch: BlockBatch, key: BlockKey, block_id: int) -> None:
+        if key in self._recent:
+            self._recent.move_to_end(key)
+            return
+        self._recent[key] = None
+        if len(self._recent) > _RECENT_SAVES:
+            self._recent.popitem(last=False)
+        batch.add(key[0], key[1], block_id)
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """Release pins of save jobs every worker has finished."""
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, StoreWorkerMetadata):
+            return
+        for job_id, n in meta.finished_saves.items():
+            self._acks[job_id] += n
+            if self._acks[job_id] >= self._world_size:
+                del self._acks[job_id]
+                pinned = self._pins.pop(job_id, None)
+                if pinned is not None and self._manager is not None:
+                    self._manager.block_pool.free_blocks(pinned)
+
+    def has_pending_saves(self) -> bool:
+        return bool(self._pins)
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._plans.pop(req_id, None)
+        self._saved_upto.pop(req_id, None)
+        return False, None
+
+    def take_stats(self) -> HybridStoreStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, HybridStoreStats()
+        return stats

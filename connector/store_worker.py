@@ -1,0 +1,248 @@
+"""Worker side of HybridStoreConnector: batched, asynchronous block moves.
+
+On the CPU engine the KV cache is host memory, so its one allocation is
+registered with the store client and every block moves zero-copy: one batched
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` call per
+job, each object gathered from its layers' regions in C++. Moves run on two
+background threads (loads, saves) so the forward pass never waits for the
+store; results are reported through vLLM's per-request channels:
+``finished_recving``/``failed_recving`` (failed loads recompute) and worker
+metadata (finished saves release the scheduler's pins).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from hybridkv.connector.block_layout import KVLayout
+from hybridkv.connector.log_once import warn_once
+from hybridkv.connector.store_config import StoreConnectorConfig
+from hybridkv.connector.store_metadata import BlockBatch, LoadJob, SaveJob, StoreConnectorMetadata, StoreWorkerMetadata
+from hybridkv.connector.store_stats import HybridStoreStats
+from hybridkv.store.keys import KeySchema
+from hybridkv.store.mooncake_backend import OBJECT_NOT_FOUND, MooncakeBackend, StoreError, code_name
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _LoadResult:
+    req_id: str
+    ok: bool
+
+
+class _JobThread:
+    """One daemon thread draining a queue of callables (ordered, never blocks the caller)."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._q.put(fn)
+
+    def _run(self) -> None:
+        while (fn := self._q.get()) is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a job failure is reported by the job itself
+                logger.exception("hybridkv store job crashed")
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if not self._pending:
+                        self._idle.set()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        return self._idle.wait(timeout_s)
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+
+class StoreWorker:
+    """One per worker process (rank)."""
+
+    def __init__(
+        self, cfg: StoreConnectorConfig, kv_cache_config: KVCacheConfig, schema: KeySchema, client: MooncakeBackend
+    ) -> None:
+        self._cfg = cfg
+        self._kv_cache_config = kv_cache_config
+        self._schema = schema
+        self._client = client
+        self._layout: KVLayout | None = None
+        self._loads = _JobThread("hybridkv-store-load")
+        self._saves = _JobThread("hybridkv-store-save")
+        self._lock = threading.Lock()
+        self._done_loads: list[_LoadResult] = []
+        self._done_saves: Counter[int] = Counter()
+        self._stats = HybridStoreStats()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layout = KVLayout.from_kv_caches(self._kv_cache_config, kv_caches)
+        for base, nbytes in self._layout.allocations:
+            self._client.register(base, nbytes)
+        logger.info(
+            "hybridkv store worker: %d group(s), object bytes %s, registered %d allocation(s)",
+            len(self._layout.groups),
+            [g.object_bytes if g else 0 for g in self._layout.groups],
+            len(self._layout.allocations),
+        )
+
+    # ------------------------------------------------------------------- loads
+    def start_load_kv(self, meta: StoreConnectorMetadata) -> None:
+        for job in meta.loads:
+            self._loads.submit(lambda job=job: self._run_load(job))
+
+    def _run_load(self, job: LoadJob) -> None:
+        ok = False
+        try:
+            if job.refused:
+                self._fail("load_refused", f"request {job.req_id}: {job.refused}")
+            elif self._layout is None:
+                self._fail("not_registered", "load before register_kv_caches")
+            else:
+                ok = self._move(job.blocks, load=True)
+        finally:
+            if not ok:
+                self._stat("failed_loads")
+            with self._lock:
+                self._done_loads.append(_LoadResult(job.req_id, ok))
+
+    # ------------------------------------------------------------------- saves
+    def wait_for_save(self, meta: StoreConnectorMetadata) -> None:
+        """Queue this step's saves; the forward that wrote the blocks has finished."""
+        for job in meta.saves:
+            if job.sync:
+                self._run_save(job)
+            else:
+                self._saves.submit(lambda job=job: self._run_save(job))
+
+    def _run_save(self, job: SaveJob) -> None:
+        try:
+            if self._layout is not None and self._move(job.blocks, load=False) is not None:
+                self._log_keys(job.blocks)
+        finally:
+            with self._lock:
+                self._done_saves[job.job_id] += 1
+
+    # ---------------------------------------------------------------- transfer
+    def _move(self, blocks: BlockBatch, load: bool) -> bool:
+        """Move every object of ``blocks`` in batches; True iff all of them moved."""
+        assert self._layout is not None
+        keys, addrs, sizes, expect = [], [], [], []
+        by_group: dict[int, list[int]] = {}
+        for i, gid in enumerate(blocks.group_ids):
+            by_group.setdefault(gid, []).append(i)
+        for gid, idxs in by_group.items():
+            layout = self._layout.groups[gid]
+            if layout is None:
+                continue  # this rank holds no layer of the group
+            a, s = layout.regions([blocks.block_ids[i] for i in idxs])
+            keys.extend(self._schema.key(gid, blocks.hashes[i]) for i in idxs)
+            addrs.extend(a)
+            sizes.extend(s)
+            expect.extend([layout.object_bytes] * len(idxs))
+        all_ok = True
+        step = self._cfg.max_batch_blocks
+        for lo in range(0, len(keys), step):
+            hi = lo + step
+            t0 = time.perf_counter()
+            try:
+                if load:
+                    codes = self._client.get_into_parts(keys[lo:hi], addrs[lo:hi], sizes[lo:hi])
+                else:
+                    codes = self._client.put_from_parts(keys[lo:hi], addrs[lo:hi], sizes[lo:hi])
+            except StoreError as e:
+                cause = f"{'load' if load else 'save'}_{code_name(e.code).lower()}"
+                self._fail(cause, str(e), n=hi - lo, load=load)
+                return False
+            dt = time.perf_counter() - t0
+            moved = moved_bytes = 0
+            for code, want in zip(codes, expect[lo:hi]):
+                if (load and code == want) or (not load and code == 0):
+                    moved += 1
+                    moved_bytes += want
+                    continue
+                all_ok = False
+                if code == OBJECT_NOT_FOUND:
+                    cause = "load_evicted"
+                elif code >= 0:
+                    cause = "load_short_object"
+                else:
+                    cause = f"{'load' if load else 'save'}_{code_name(code).lower()}"
+                self._fail(cause, f"code {code}, expected {want if load else 0}", load=load)
+            kind = "loaded" if load else "saved"
+            self._stat(f"{kind}_blocks", moved)
+            self._stat(f"{kind}_bytes", moved_bytes)
+            self._stat("load_seconds" if load else "save_seconds", dt)
+            if load and not all_ok:
+                return False  # the request recomputes; the rest of its blocks are useless
+        return all_ok
+
+    def _log_keys(self, blocks: BlockBatch) -> None:
+        if not self._cfg.key_log_path:
+            return
+        with open(self._cfg.key_log_path, "a") as f:
+            for gid, h, b in zip(blocks.group_ids, blocks.hashes, blocks.block_ids):
+                layout = self._layout.groups[gid] if self._layout else None
+                if layout is not None:
+                    f.write(f"{self._schema.key(gid, h)} {gid} {layout.object_bytes}\n")
+
+    def _fail(self, cause: str, detail: str, n: int = 1, load: bool = True) -> None:
+        self._stat(f"fail.{cause}", n)
+        if not load:
+            self._stat("failed_saves", n)
+        warn_once(logger, cause, "%s", detail)
+
+    # ----------------------------------------------------------------- results
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        with self._lock:
+            done, self._done_loads = self._done_loads, []
+        finished = {r.req_id for r in done}
+        failed = {r.req_id for r in done if not r.ok}
+        return KVConnectorTransferResults(
+            finished_sending=set(), finished_recving=finished, failed_recving=failed
+        )
+
+    def build_worker_meta(self) -> StoreWorkerMetadata | None:
+        with self._lock:
+            if not self._done_saves:
+                return None
+            done, self._done_saves = self._done_saves, Counter()
+        return StoreWorkerMetadata(done)
+
+    def _stat(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self._stats.add(name, value)
+
+    def take_stats(self) -> HybridStoreStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, HybridStoreStats()
+        return stats
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Let queued saves finish (bounded), then stop the threads."""
+        self._saves.wait_idle(timeout_s)
+        self._loads.stop()
+        self._saves.stop()

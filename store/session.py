@@ -1,0 +1,123 @@
+"""Which master an engine talks to, and one store client per process.
+
+Why: vLLM builds the connector twice per engine (a scheduler-side instance in the
+engine core, a worker-side one in every worker process), and the worker side is
+built FIRST. With no ``master_address`` configured, all of them must agree on one
+embedded ``mooncake_master`` without any channel between them. They share the
+engine id, so the first instance to take a file lock keyed by it starts the
+master and publishes its address; the others read it. The owner stops it at
+shutdown (and at interpreter exit). Instances in one process share one client,
+because a Mooncake client contributes memory and costs a second to close.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridkv.store.embedded_master import EmbeddedMaster, _port_open
+from hybridkv.store.mooncake_backend import MooncakeBackend
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_CLIENTS: dict[str, MooncakeBackend] = {}
+_OWNED_MASTERS: dict[str, EmbeddedMaster] = {}
+
+
+def _rendezvous_dir() -> Path:
+    d = Path(tempfile.gettempdir()) / f"hybridkv-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def embedded_master_address(engine_id: str, lease_ttl_ms: int) -> tuple[str, bool]:
+    """Address of the embedded master for ``engine_id``; starts it if nobody has.
+
+    Returns ``(address, owned)``: ``owned`` is True in the process that started it.
+    """
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:128]
+    record = _rendezvous_dir() / f"{safe}.master.json"
+    with open(record.with_suffix(".lock"), "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            if record.exists():
+                info = json.loads(record.read_text())
+                port = int(info["address"].rpartition(":")[2])
+                if _pid_alive(int(info["pid"])) and _port_open(port):
+                    return info["address"], False
+            master = EmbeddedMaster(default_kv_lease_ttl_ms=lease_ttl_ms)
+            record.write_text(json.dumps({"address": master.address, "pid": master.pid}))
+            with _LOCK:
+                _OWNED_MASTERS[master.address] = master
+            logger.info("hybridkv: started embedded mooncake_master at %s (log %s)", master.address, master.log_path)
+            return master.address, True
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Per-process client parameters (the first caller in a process decides them)."""
+
+    local_hostname: str
+    global_segment_size: int
+    local_buffer_size: int
+    protocol: str
+    rdma_devices: str
+    timeout_s: float
+
+
+def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBackend:
+    """The process's client for ``master_address`` (created on first use)."""
+    with _LOCK:
+        client = _CLIENTS.get(master_address)
+        if client is None:
+            client = MooncakeBackend(
+                master_address,
+                local_hostname=settings.local_hostname,
+                global_segment_size=settings.global_segment_size,
+                local_buffer_size=settings.local_buffer_size,
+                protocol=settings.protocol,
+                rdma_devices=settings.rdma_devices,
+                timeout_s=settings.timeout_s,
+            )
+            _CLIENTS[master_address] = client
+        return client
+
+
+def release_all() -> None:
+    """Close this process's clients, then stop the masters it owns (in that order)."""
+    with _LOCK:
+        clients = list(_CLIENTS.values())
+        masters = list(_OWNED_MASTERS.values())
+        _CLIENTS.clear()
+        _OWNED_MASTERS.clear()
+    for client in clients:
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - shutdown must go on
+            logger.debug("hybridkv: closing store client failed", exc_info=True)
+    for master in masters:
+        master.stop()
+
+
+atexit.register(release_all)
