@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
 
 def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
@@ -58,6 +58,14 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
                     f"KV cache group {gid} holds Mamba/linear-attention state with "
                     f"mamba_cache_mode={s.mamba_cache_mode!r}; the store can only serve states "
                     "checkpointed at block boundaries: start vLLM with --mamba-cache-mode align"
+                )
+            if isinstance(s, MambaSpec) and s.block_size != vllm_config.cache_config.block_size:
+                logger.warning(
+                    "hybridkv: KV cache group %d keeps Mamba states every %d tokens but --block-size is "
+                    "%s; vLLM 0.32 aligns prefill chunks to --block-size, so states at %d-token "
+                    "boundaries are often never written and neither the local prefix cache nor the "
+                    "store can hit them. Start vLLM with --block-size %d.",
+                    gid, s.block_size, vllm_config.cache_config.block_size, s.block_size, s.block_size,
                 )
 
 

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
 # Keys written by this engine recently: re-offering them costs a put round trip.
 _RECENT_SAVES = 1 << 17
@@ -79,6 +79,8 @@ class StoreScheduler:
         self._plans: dict[str, _LoadPlan] = {}
         self._loads: list[LoadJob] = []
         self._saved_upto: dict[str, list[int]] = {}  # req -> per group: blocks considered for saving
+        self._tails_done: set[str] = set()
+        self._load_failed: set[str] = set()
         self._recent: OrderedDict[BlockKey, None] = OrderedDict()
         self._job_ids = itertools.count(1)
         self._pins: dict[int, list[Any]] = {}
@@ -107,6 +109,8 @@ class StoreScheduler:
         mirror = self._mirror
         if mirror is None or self._client is None or not request.block_hashes:
             return 0, False
+        if request.request_id in self._load_failed:
+            return 0, False  # a failed load recomputes; offering the same hit again could loop
         max_tokens = request.num_tokens - 1
         unit = mirror.geometry.hash_block_size
         if min(len(request.block_hashes) * unit, max_tokens) <= num_computed_tokens:
@@ -145,6 +149,7 @@ class StoreScheduler:
         """Turn the lookup's plan into a load job for the blocks just allocated."""
         req_id = request.request_id
         self._saved_upto.pop(req_id, None)  # (re)admitted: saving restarts from its new hit
+        self._tails_done.discard(req_id)
         plan = self._plans.pop(req_id, None)
         if num_external_tokens == 0 or plan is None:
             return
@@ -199,6 +204,8 @@ class StoreScheduler:
                 end = min(end, request.num_prompt_tokens)
             self._plan_block_saves(request, block_ids, end, batch)
             self._plan_state_saves(request, states)
+            if end >= request.num_prompt_tokens:
+                self._plan_partial_tail_saves(request, batch)
         for req_id, offers in state.boundary_state_offloads.items():
             request = self._requests.get(req_id)
             if request is not None:
@@ -264,6 +271,29 @@ class StoreScheduler:
                     continue
                 self._offer(batch, (g.group_id, bytes(get_block_hash(block.block_hash))), block.block_id)
 
+    def _plan_partial_tail_saves(self, request: "Request", batch: BlockBatch) -> None:
+        """Fine-grained hits: attention blocks vLLM keyed at a sub-block prompt checkpoint.
+
+        With ``--prefix-match-unit`` vLLM keys the block holding the prompt's last
+        reachable hash unit by that unit; storing it lets the next turn resume
+        there instead of a whole block earlier. Positions up to the key's
+        boundary never change, so saving the block later is safe. Once per request.
+        """
+        if not self._mirror.geometry.fine_grained or request.request_id in self._tails_done:
+            return
+        self._tails_done.add(request.request_id)
+        coordinator = self._manager.coordinator
+        for g in self._mirror.geometry.groups:
+            if g.is_mamba or not g.prefix_cacheable:
+                continue
+            table = coordinator.single_type_managers[g.group_id].req_to_blocks.get(request.request_id, ())
+            last = (request.num_prompt_tokens - 1) // g.block_size
+            for block in table[max(0, last - 1) : last + 1]:
+                tokens = block.block_hash_num_tokens
+                if block.is_null or block.block_hash is None or tokens is None or tokens % g.block_size == 0:
+                    continue
+                self._offer(batch, (g.group_id, bytes(get_block_hash(block.block_hash))), block.block_id)
+
     def _plan_offered_state_saves(
         self, request: "Request", offers: list[tuple[int, int, int]], batch: BlockBatch
     ) -> None:
@@ -286,7 +316,8 @@ class StoreScheduler:
         batch.add(key[0], key[1], block_id)
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
-        """Release pins of save jobs every worker has finished."""
+        """Release pins of save jobs every worker has finished; remember failed loads."""
+        self._load_failed.update(r for r in (output.failed_recving or ()) if r in self._requests)
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, StoreWorkerMetadata):
             return
@@ -306,6 +337,8 @@ class StoreScheduler:
         self._requests.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._saved_upto.pop(req_id, None)
+        self._tails_done.discard(req_id)
+        self._load_failed.discard(req_id)
         return False, None
 
     def take_stats(self) -> HybridStoreStats | None:

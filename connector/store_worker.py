@@ -32,7 +32,7 @@ from hybridkv.connector.store_stats import HybridStoreStats
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import OBJECT_NOT_FOUND, MooncakeBackend, StoreError, code_name
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
 
 @dataclass

@@ -494,6 +494,12 @@ class MooncakeBackend:
         self._note_codes([rc])
         return rc
 
+    def replace_bytes(self, key: str, data: bytes) -> int:
+        """Overwrite an object (``upsert``): 0 or a negative code. For repair and fault tests."""
+        rc = self._call("replace_bytes", self._store.upsert, key, data)
+        self._note_codes([rc])
+        return rc
+
     def get_bytes(self, key: str) -> bytes | None:
         """The object, or None when it is missing; raises when the store cannot say.
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from hybridkv.store.embedded_master import EmbeddedMaster, _port_open
 from hybridkv.store.mooncake_backend import MooncakeBackend
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
 _LOCK = threading.Lock()
 _CLIENTS: dict[str, MooncakeBackend] = {}

@@ -140,8 +140,11 @@ class Session:
 
 def run_turns(llm, turns: int, expected_fn, reset: bool = True, max_tokens: int = 8, seed: int = 0,
               first_tokens: int = 1000, growth_tokens: int = 500,
-              between_turns=None) -> list[TurnRow]:
-    """Run the session; ``expected_fn(prev_prompt_len, prompt_len)`` gives the minimum hit."""
+              between_turns=None) -> tuple[list[TurnRow], Session]:
+    """Run the session; ``expected_fn(prev_prompt_len, prompt_len)`` gives the minimum hit.
+
+    Returns the rows and the session, whose ``prompt`` is the next turn's prompt.
+    """
     session = Session(seed=seed, first_tokens=first_tokens, growth_tokens=growth_tokens)
     prev_len = 0
     rows = []
@@ -157,7 +160,7 @@ def run_turns(llm, turns: int, expected_fn, reset: bool = True, max_tokens: int 
                             matches(got, ref), ref.num_cached_tokens))
         prev_len = len(session.prompt)
         session.extend(got.token_ids)
-    return rows
+    return rows, session
 
 
 def format_table(title: str, rows: list[TurnRow]) -> str:

@@ -1,0 +1,110 @@
+"""HybridStoreConnector end to end: real vLLM CPU engine, real mooncake_master.
+
+Each case runs an agentic session of 3 turns (each prompt = previous prompt +
+answer + a new chunk) with the engine's local prefix cache emptied before every
+turn, so every hit must come back from the store. Per turn: cached tokens must
+reach the previous prompt's last reachable checkpoint, and greedy tokens and
+logprobs must equal a recompute under a fresh ``cache_salt``. A 4th turn plants
+a fault (one stored dense block overwritten with noise) and the same check must
+FAIL, which shows it can see one wrong block.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
+
+from hybridkv.store.embedded_master import EmbeddedMaster
+from hybridkv.store.mooncake_backend import MooncakeBackend
+from tests.e2e.engine_harness import (
+    TurnRow,
+    format_table,
+    generate,
+    make_llm,
+    matches,
+    reset_local_cache,
+    run_turns,
+    store_transfer_config,
+    tiny_model,
+)
+
+TABLES = Path(os.environ.get("HYBRIDKV_E2E_TABLES", "/tmp/hybridkv-e2e-tables.txt"))
+
+# (model kind, prefix_match_unit, hit alignment in tokens, extra engine args)
+CASES = {
+    "gemma3-block": ("gemma3", None, 128, {}),
+    "qwen3next-block": ("qwen3next", None, 256, {"block_size": 256}),
+    "qwen3next-partial": ("qwen3next", 64, 64, {"block_size": 256}),
+    "gemma4-two-dense-block": ("gemma4", None, 256, {}),
+}
+
+
+def checkpoint(prev_len: int, align: int) -> int:
+    """The previous prompt's last reachable checkpoint (vLLM's own definition)."""
+    return get_mamba_prefill_checkpoint_position(prev_len, align, False)
+
+
+@pytest.fixture(scope="module")
+def master():
+    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as m:
+        yield m
+
+
+def _record(title: str, rows: list[TurnRow]) -> None:
+    table = format_table(title, rows)
+    print("\n" + table)
+    with TABLES.open("a") as f:
+        f.write(table + "\n")
+
+
+def _plant_fault(key_log: Path, master_address: str) -> str:
+    """Overwrite the 2nd stored object of the group with the most objects (a dense group)."""
+    entries = [line.split() for line in key_log.read_text().splitlines()]
+    by_group: dict[str, list[tuple[str, int]]] = {}
+    for key, gid, nbytes in entries:
+        by_group.setdefault(gid, []).append((key, int(nbytes)))
+    dense = max(by_group.values(), key=len)
+    key, nbytes = dense[1]
+    with MooncakeBackend(master_address, global_segment_size=0) as client:
+        noise = random.Random(7).randbytes(nbytes)
+        assert client.replace_bytes(key, noise) == 0
+        assert client.get_bytes(key) == noise
+    return key
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_three_turns_hit_the_store_and_match_recompute(case, master, tmp_path):
+    kind, unit, align, engine_kw = CASES[case]
+    key_log = tmp_path / "keys.log"
+    llm = make_llm(
+        tiny_model(kind),
+        store_transfer_config({"master_address": master.address, "key_log_path": str(key_log),
+                               "namespace": case}),
+        prefix_match_unit=unit,
+        **engine_kw,
+    )
+    try:
+        rows, session = run_turns(llm, 3, lambda prev, cur: checkpoint(prev, align))
+        _record(f"{case} (local cache reset before every turn)", rows)
+        for r in rows:
+            assert r.cached >= r.expected, f"turn {r.turn}: cached {r.cached} < checkpoint {r.expected}"
+            assert r.cached <= r.prompt - 1
+            assert r.matches_recompute, f"turn {r.turn} differs from recompute"
+            assert r.recompute_cached == 0, "the recompute under a fresh cache_salt must not hit"
+        assert rows[1].cached > 0 and rows[2].cached > rows[1].cached
+
+        # Negative control: one corrupted dense block must make the check fail.
+        prompt = session.prompt
+        _plant_fault(key_log, master.address)
+        reset_local_cache(llm)
+        got = generate(llm, prompt)
+        ref = generate(llm, prompt, cache_salt="planted-fault-recompute")
+        assert got.num_cached_tokens > 0
+        assert not matches(got, ref), "a corrupted block went unnoticed: the check has no power"
+    finally:
+        del llm
+
