@@ -374,14 +374,15 @@ def compare(a: Completion, b: Completion, tol: float) -> Comparison:
     if len(a.token_ids) == len(b.token_ids) == n:
         return Comparison(True, worst)
     if n == len(a.token_ids) or n == len(b.token_ids):
-        return Comparison(False, math.inf, why=f"outputs have different lengths")
+        return Comparison(False, math.inf, why="outputs have different lengths")
     x, y = a.token_ids[n], b.token_ids[n]
     gap_a = a.token_logprobs[n] - a.top_logprobs[n].get(y, -math.inf)
     gap_b = b.token_logprobs[n] - b.top_logprobs[n].get(x, -math.inf)
     if max(gap_a, gap_b) <= tol:
         return Comparison(
             True, worst, tie_at=n,
-            why=f"near-tie at output position {n} (gaps {gap_a:.4f}/{gap_b:.4f}), rest not compared",
+            why=f"near-tie at output position {n} (gaps {gap_a:.4f}/{gap_b:.4f}); "
+            "later tokens not compared",
         )  # fmt: skip
     return Comparison(
         False, math.inf,
@@ -427,7 +428,7 @@ def run_turn(
     ref_cached = ref.cached_tokens or 0
     notes = [cmp.why] if cmp.why else []
     if main.cached_tokens is None:
-        notes.append("no prompt_tokens_details (start the server with --enable-prompt-tokens-details)")
+        notes.append("no prompt_tokens_details: start the server with --enable-prompt-tokens-details")
     if ref_cached:
         notes.append(f"recompute was not a miss ({ref_cached} cached tokens)")
     row = TurnResult(
@@ -613,7 +614,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="model folder/name to serve instead of the tiny model")
     # Not choices=KINDS: that would import torch (via tiny_models) for every `hybridkv` call;
     # write_tiny_model rejects an unknown kind with the list.
-    src.add_argument("--kind", default="gemma3", help="tiny model: gemma3 (default), qwen3next, gemma4")
+    src.add_argument(
+        "--kind", default="gemma3", help="tiny model: gemma3 (default), qwen3next, gemma4"
+    )
     src.add_argument("--model-seed", type=int, default=0, help="tiny model weights seed")
     src.add_argument(
         "--kv-transfer-config",
@@ -704,8 +707,19 @@ def run_from_args(args: argparse.Namespace) -> int:
                            METRIC_STORE_HITS]
         doc = {"config": info, "turns": [asdict(r) for r in rows], "summary": summary}
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        args.json_out.write_text(json.dumps(_strict_json(doc), indent=2, default=str) + "\n")
     return 1 if summary["mismatches"] else 0
+
+
+def _strict_json(obj):
+    """inf/nan (a diverged comparison, a missing TTFT) -> null: plain JSON for any reader."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strict_json(v) for v in obj]
+    return obj
 
 
 def _tiny_model(kind: str, seed: int, cache: pathlib.Path) -> pathlib.Path:

@@ -70,7 +70,9 @@ def parse_kv_transfer_config(value: str | None) -> dict | None:
             f"--kv-transfer-config: not 'none', 'default', @FILE or JSON: {value!r} ({e})"
         ) from None
     if not isinstance(cfg, dict) or "kv_connector" not in cfg:
-        raise ValueError(f"--kv-transfer-config: expected a JSON object with kv_connector: {value!r}")
+        raise ValueError(
+            f"--kv-transfer-config: expected a JSON object with kv_connector: {value!r}"
+        )
     return cfg
 
 

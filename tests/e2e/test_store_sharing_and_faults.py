@@ -1,0 +1,131 @@
+"""Cross-instance reuse, the registered connector name, metrics, and store faults.
+
+Faults are real: a SIGKILLed ``mooncake_master``, and a store node (the process
+holding the segment the objects live in) SIGKILLed between a lookup and the
+load, so the master still answers "present" while the bytes are gone. In every
+case the request must complete with output equal to a recompute, in bounded time.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
+
+from hybridkv.store.embedded_master import EmbeddedMaster
+from tests.e2e.engine_harness import (
+    Session,
+    generate,
+    make_llm,
+    matches,
+    reset_local_cache,
+    store_transfer_config,
+    tiny_model,
+)
+
+ALIGN = 128  # gemma3 tiny model: scheduler block
+
+
+def _metric(llm, name: str) -> float:
+    """Sum of a counter over its label sets in the engine's Prometheus registry."""
+    total = 0.0
+    for m in llm.get_metrics():
+        if m.name == name:
+            total += getattr(m, "value", 0) or 0
+    return total
+
+
+def test_second_instance_hits_what_the_first_saved_and_name_resolves_without_module_path():
+    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
+        model = tiny_model("gemma3")
+        extra = {"master_address": master.address, "namespace": "sharing"}
+        a = make_llm(model, store_transfer_config(extra))
+        # B uses the name registered by hybridkv's vLLM plugin entry point, no module path.
+        b = make_llm(model, store_transfer_config(extra, module_path=False), disable_log_stats=False)
+        session = Session(seed=11)
+        first = generate(a, session.prompt)
+        prev_len = len(session.prompt)
+        session.extend(first.token_ids)
+        reset_local_cache(a)  # waits until A's saves are acknowledged
+        got = generate(b, session.prompt)
+        ref = generate(b, session.prompt, cache_salt="sharing-recompute")
+        expected = get_mamba_prefill_checkpoint_position(prev_len, ALIGN, False)
+        print(f"\ninstance B: prompt {len(session.prompt)} cached {got.num_cached_tokens} expected >= {expected}")
+        assert got.num_cached_tokens >= expected
+        assert matches(got, ref)
+        assert ref.num_cached_tokens == 0
+        assert _metric(b, "vllm:hybridkv_store_loaded_bytes") > 0
+        assert _metric(b, "vllm:hybridkv_store_hit_tokens") >= expected
+        del a, b
+
+
+def test_master_killed_mid_session_degrades_to_recompute_without_hanging():
+    master = EmbeddedMaster(default_kv_lease_ttl_ms=2_000)
+    llm = make_llm(tiny_model("gemma3"), store_transfer_config(
+        {"master_address": master.address, "namespace": "killed-master", "timeout_s": 2.0}))
+    session = Session(seed=12)
+    first = generate(llm, session.prompt)
+    session.extend(first.token_ids)
+    reset_local_cache(llm)
+    master.kill()
+    for turn in range(2):
+        t0 = time.monotonic()
+        got = generate(llm, session.prompt)
+        elapsed = time.monotonic() - t0
+        ref = generate(llm, session.prompt, cache_salt=f"killed-master-{turn}")
+        print(f"\nmaster dead, turn {turn + 2}: cached {got.num_cached_tokens}, {elapsed:.1f}s")
+        assert matches(got, ref)
+        assert got.num_cached_tokens == 0
+        assert elapsed < 30, "a dead store must cost at most the configured timeouts"
+        session.extend(got.token_ids)
+        reset_local_cache(llm)
+    del llm
+
+
+_HOLDER = """
+import sys, time
+from hybridkv.store.mooncake_backend import MooncakeBackend
+b = MooncakeBackend(sys.argv[1], global_segment_size=512 << 20)
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_objects_lost_between_lookup_and_load_recompute(tmp_path):
+    """The node holding the objects dies; the master still lists them (about 10 s)."""
+    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout.readline().strip() == b"ready"
+            # global_segment_size 0: this engine stores nothing itself, every object lands in the holder.
+            llm = make_llm(tiny_model("gemma3"), store_transfer_config(
+                {"master_address": master.address, "namespace": "lost", "global_segment_size": 0}),
+                disable_log_stats=False)
+            session = Session(seed=13)
+            session.extend(generate(llm, session.prompt).token_ids)
+            reset_local_cache(llm)
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+            got = generate(llm, session.prompt)
+            ref = generate(llm, session.prompt, cache_salt="lost-recompute")
+            print(f"\nobjects lost: cached {got.num_cached_tokens}, "
+                  f"failed loads {_metric(llm, 'vllm:hybridkv_store_failed_loads')}")
+            assert matches(got, ref)
+            assert _metric(llm, "vllm:hybridkv_store_lookup_hits") >= 1
+            assert _metric(llm, "vllm:hybridkv_store_failed_loads") >= 1
+            del llm
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+
+
+def test_bad_config_fails_at_startup_naming_the_key(capfd):
+    """A typo in the config line stops the engine at startup (unit tests cover every key)."""
+    with pytest.raises(Exception):
+        make_llm(tiny_model("gemma3"), store_transfer_config({"master_adress": "127.0.0.1:1"}))
+    out, err = capfd.readouterr()
+    assert "unknown key(s) ['master_adress']" in out + err
