@@ -127,6 +127,13 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ----------------------------------------------------------------- scheduler
     @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        # Lookups take the dense reference's local hit and supply the lagging sparse
+        # state from the store (window tail, Mamba checkpoint); when the store cannot,
+        # they answer 0 and vLLM falls back to the convergent local hit.
+        return True
+
+    @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: preemption may drop in-flight saves
 

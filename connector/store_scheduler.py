@@ -167,18 +167,21 @@ class StoreScheduler:
             job.refused = f"granted {num_external_tokens} tokens but the store has no state at {target}"
             self._loads.append(job)
             return
-        block_ids = blocks.get_block_ids()
         for group, entries in zip(self._mirror.geometry.groups, hit.blocks):
-            local_blocks = plan.local_tokens // group.block_size
-            table = block_ids[group.group_id]
+            table = blocks.blocks[group.group_id]
             for idx, (gid, block_hash) in entries:
-                block_id = table[idx] if idx < len(table) else 0
-                if idx < local_blocks and block_id:
-                    continue  # held by the local prefix cache
-                if not block_id:
+                block = table[idx] if idx < len(table) else None
+                if block is None or block.is_null:
                     job.refused = f"no block allocated for group {gid} position {idx}"
                     break
-                job.blocks.add(gid, block_hash, block_id)
+                if block.block_hash is not None:
+                    cached = self._manager.block_pool.get_cached_block(block_hash, [gid])
+                    if cached is not None and cached[0].block_id == block.block_id:
+                        continue  # the local prefix cache already holds exactly this content
+                    # A cached block of another prefix: writing it would corrupt that prefix.
+                    job.refused = f"group {gid} position {idx} is a shared cached block"
+                    break
+                job.blocks.add(gid, block_hash, block.block_id)
             if job.refused:
                 break
         for gid, n in Counter(job.blocks.group_ids).items():
