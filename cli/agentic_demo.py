@@ -684,9 +684,14 @@ def run_from_args(args: argparse.Namespace) -> int:
             cache = args.cache_dir or _default_cache_dir()
             model = args.model or str(_tiny_model(args.kind, args.model_seed, cache))
             log = args.server_log or cache / "logs" / f"vllm-{os.getpid()}.log"
+            extra = shlex.split(args.server_args)
+            if not args.model and args.kind == "qwen3next" and "--block-size" not in extra:
+                # vLLM 0.32 aligns prefill chunks to --block-size; the tiny model's Mamba
+                # states live every 256 tokens (see HybridStoreConnector's startup warning).
+                extra += ["--block-size", "256"]
             server = VllmServer(
                 model, port=args.port or None, max_model_len=args.max_model_len,
-                kv_transfer_config=kv, extra_args=shlex.split(args.server_args),
+                kv_transfer_config=kv, extra_args=extra,
                 log_path=log, startup_timeout_s=args.startup_timeout,
             )  # fmt: skip
             info.update(model=model, kv_transfer_config=kv, server_command=server.command(),

@@ -11,25 +11,25 @@ from hybridkv.cli import agentic_demo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="store mirror + dense reference on a real mooncake_master")
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--seed", type=int, default=0)
+    mirror = sub.add_parser("mirror-demo", help="store mirror + dense reference on a real mooncake_master")
+    mirror.add_argument("--turns", type=int, default=4)
+    mirror.add_argument("--seed", type=int, default=0)
     tiny = sub.add_parser("tiny-model", help="write a tiny hybrid model (seeded random weights)")
     tiny.add_argument("kind")
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
     agent = sub.add_parser(
-        "agent-demo",
+        "demo",
         help="replay a multi-turn agentic session on a vLLM server; check hits vs recompute",
         description=agentic_demo.__doc__.split("\n\n")[0],
     )
     agentic_demo.add_arguments(agent)
     args = parser.parse_args(argv)
-    if args.cmd == "demo":
+    if args.cmd == "mirror-demo":
         from hybridkv.cli.foundation_demo import run_demo
 
         return run_demo(turns=args.turns, seed=args.seed)
-    if args.cmd == "agent-demo":
+    if args.cmd == "demo":
         return agentic_demo.run_from_args(args)
     from hybridkv.cli.tiny_models import write_tiny_model
 

@@ -52,7 +52,7 @@ from hybridkv.cli.tiny_tokenizer import write_tiny_tokenizer
 __all__ = ["KINDS", "write_tiny_model", "main"]
 
 # Bump when the config or the initialisation changes, so stale folders are rewritten.
-_FORMAT_VERSION = 2  # 2: a tokenizer is written too
+_FORMAT_VERSION = 3  # 2: a tokenizer is written too; 3: qwen3next uses all experts
 _STAMP = ".hybridkv_tiny_model.json"
 
 _VOCAB = 2048
@@ -211,7 +211,10 @@ def _qwen3next_config() -> dict:
         "decoder_sparse_step": 2,
         "mlp_only_layers": [],
         "num_experts": 4,
-        "num_experts_per_tok": 2,
+        # Every token uses every expert: with top-2 of 4, near-tied router logits flip
+        # the expert choice between a cached run and a recompute (a 0.37 logprob jump
+        # seen in the demo), which is noise for an exact-match KV check.
+        "num_experts_per_tok": 4,
         "norm_topk_prob": True,
         "moe_intermediate_size": 256,
         "shared_expert_intermediate_size": 256,

@@ -53,4 +53,4 @@ def test_key_schema_separates_models_layouts_ranks_and_groups():
 def test_readme_demo_runs_against_real_master():
     from hybridkv.cli.main import main
 
-    assert main(["demo", "--turns", "2"]) == 0
+    assert main(["mirror-demo", "--turns", "2"]) == 0

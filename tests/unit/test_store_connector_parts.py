@@ -15,7 +15,7 @@ from tests.unit.harness import fa, mamba
 
 def test_defaults_and_sizes():
     cfg = StoreConnectorConfig.from_extra_config({})
-    assert cfg.master_address is None and cfg.global_segment_size == 1 << 30
+    assert cfg.master_address is None and cfg.global_segment_size == 512 << 20
     assert parse_size("x", "512MiB") == 512 << 20
     assert parse_size("x", "2GB") == 2 << 30
     assert parse_size("x", 4096) == 4096

@@ -1,0 +1,566 @@
+"""P/D side channel: the decode worker asks the prefill worker for its NIXL agent and KV layout.
+
+Why a hybridkv-owned channel: NIXL's own metadata listener binds 0.0.0.0 and
+its fetch never completed on loopback here, and decode must learn more than
+the agent blob anyway — where every group's blocks live on the prefill side
+(base address and block stride per layer) and whether the two KV caches can
+be copied block for block at all. Two engines that disagree on a group's block
+size, dtype or head layout would "work" at the NIXL level and silently move
+the wrong bytes, so compatibility is checked here, once per peer, and a
+mismatch is refused with the field, both values and the fix named.
+
+One gRPC service, one unary method, JSON bodies (no protoc step):
+``/hybridkv.pd.Handshake/GetAgentInfo``. The prefill worker of each TP rank
+runs a :class:`HandshakeServer`; the decode worker of the same rank calls
+:func:`fetch_agent_info`. Refusal happens on the decode side
+(:func:`fetch_agent_info` validates every answer); the server also checks the
+layout decode says it expects and answers FAILED_PRECONDITION with the same
+message, so the prefill log shows why a peer was turned away.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+import numpy as np
+
+from hybridkv.connector.block_layout import GroupLayout, KVLayout
+
+# Bump on any change of the JSON schema or of what a field means.
+HANDSHAKE_VERSION = 1
+
+SERVICE = "hybridkv.pd.Handshake"
+METHOD = "GetAgentInfo"
+_FULL_METHOD = f"/{SERVICE}/{METHOD}"
+# No HTTP proxy on the side channel: peers are addressed directly.
+_CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+
+class HandshakeError(RuntimeError):
+    """The peer could not be reached, answered garbage, or runs an incompatible KV cache."""
+
+
+# --------------------------------------------------------------------------- layout description
+
+
+@dataclass(frozen=True)
+class GroupDescriptor:
+    """What one side knows about one KV-cache group's block bytes.
+
+    The compatibility fields (spec .. block_bytes) must agree between prefill
+    and decode; ``bases``/``strides`` are the prefill side's addresses that
+    decode builds its remote READ descriptors from (empty in the layout decode
+    sends as "expected": addresses are private to each process).
+    """
+
+    group_id: int
+    spec: str
+    block_size: int
+    dtype: str
+    sliding_window: int | None
+    block_bytes: tuple[int, ...]
+    bases: tuple[int, ...] = ()
+    strides: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.block_bytes)
+
+    def to_group_layout(self) -> GroupLayout:
+        """The peer's group as a :class:`GroupLayout`, so remote addresses come from the
+        same ``regions()`` formula as local ones."""
+        if len(self.bases) != self.num_layers or len(self.strides) != self.num_layers:
+            raise HandshakeError(
+                f"group {self.group_id}: descriptor carries {len(self.bases)} bases and "
+                f"{len(self.strides)} strides for {self.num_layers} layers"
+            )
+        return GroupLayout(
+            group_id=self.group_id,
+            layer_names=(),  # names stay on the peer; only bytes travel
+            bases=np.asarray(self.bases, dtype=np.int64),
+            strides=np.asarray(self.strides, dtype=np.int64),
+            block_bytes=np.asarray(self.block_bytes, dtype=np.int64),
+        )
+
+
+@dataclass(frozen=True)
+class LayoutDescriptor:
+    """One worker's KV cache as the other side needs to see it."""
+
+    tp_size: int
+    groups: tuple[GroupDescriptor | None, ...]  # None: the group has no layer on this worker
+
+    @classmethod
+    def from_kv(cls, layout: KVLayout, rows: Sequence[dict], tp_size: int) -> "LayoutDescriptor":
+        """Combine the worker's addresses (``KVLayout``) with the spec facts of
+        ``block_layout.layout_rows(kv_cache_config)``."""
+        if len(rows) != len(layout.groups):
+            raise ValueError(f"{len(rows)} layout rows for {len(layout.groups)} groups")
+        groups: list[GroupDescriptor | None] = []
+        for row, g in zip(rows, layout.groups, strict=True):
+            if g is None:
+                groups.append(None)
+                continue
+            groups.append(
+                GroupDescriptor(
+                    group_id=g.group_id,
+                    spec=str(row["spec"]),
+                    block_size=int(row["block_size"]),
+                    dtype=str(row["dtype"]),
+                    sliding_window=row.get("window"),
+                    block_bytes=tuple(int(x) for x in g.block_bytes),
+                    bases=tuple(int(x) for x in g.bases),
+                    strides=tuple(int(x) for x in g.strides),
+                )
+            )
+        return cls(tp_size=tp_size, groups=tuple(groups))
+
+    def without_addresses(self) -> "LayoutDescriptor":
+        return replace(
+            self,
+            groups=tuple(None if g is None else replace(g, bases=(), strides=()) for g in self.groups),
+        )
+
+    def group_layouts(self) -> tuple[GroupLayout | None, ...]:
+        return tuple(None if g is None else g.to_group_layout() for g in self.groups)
+
+    # JSON ------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tp_size": self.tp_size,
+            "groups": [
+                None
+                if g is None
+                else {
+                    "group_id": g.group_id,
+                    "spec": g.spec,
+                    "block_size": g.block_size,
+                    "dtype": g.dtype,
+                    "sliding_window": g.sliding_window,
+                    "num_layers": g.num_layers,
+                    "block_bytes": list(g.block_bytes),
+                    "bases": list(g.bases),
+                    "strides": list(g.strides),
+                }
+                for g in self.groups
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "LayoutDescriptor":
+        groups: list[GroupDescriptor | None] = []
+        for g in obj["groups"]:
+            if g is None:
+                groups.append(None)
+                continue
+            d = GroupDescriptor(
+                group_id=int(g["group_id"]),
+                spec=str(g["spec"]),
+                block_size=int(g["block_size"]),
+                dtype=str(g["dtype"]),
+                sliding_window=None if g.get("sliding_window") is None else int(g["sliding_window"]),
+                block_bytes=tuple(int(x) for x in g["block_bytes"]),
+                bases=tuple(int(x) for x in g.get("bases", ())),
+                strides=tuple(int(x) for x in g.get("strides", ())),
+            )
+            if int(g.get("num_layers", d.num_layers)) != d.num_layers:
+                raise ValueError(
+                    f"group {d.group_id}: num_layers={g['num_layers']} but {d.num_layers} block_bytes"
+                )
+            groups.append(d)
+        return cls(tp_size=int(obj["tp_size"]), groups=tuple(groups))
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """The prefill worker's answer: who to READ from and where its blocks are."""
+
+    engine_id: str
+    tp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: LayoutDescriptor
+    version: int = HANDSHAKE_VERSION
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "engine_id": self.engine_id,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.layout.tp_size,
+            "nixl_agent_name": self.agent_name,
+            "nixl_agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
+            "layout": self.layout.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "AgentInfo":
+        layout = LayoutDescriptor.from_json(obj["layout"])
+        if int(obj["tp_size"]) != layout.tp_size:
+            raise ValueError(f"tp_size={obj['tp_size']} but layout says {layout.tp_size}")
+        return cls(
+            version=int(obj["version"]),
+            engine_id=str(obj["engine_id"]),
+            tp_rank=int(obj["tp_rank"]),
+            agent_name=str(obj["nixl_agent_name"]),
+            agent_metadata=base64.b64decode(obj["nixl_agent_metadata"]),
+            layout=layout,
+        )
+
+
+@dataclass(frozen=True)
+class AgentInfoRequest:
+    """Decode's question; ``expected`` (decode's own layout, no addresses) lets the
+    server refuse too."""
+
+    engine_id: str
+    tp_rank: int
+    expected: LayoutDescriptor | None
+    version: int = HANDSHAKE_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "engine_id": self.engine_id,
+            "tp_rank": self.tp_rank,
+            "expected_layout": None if self.expected is None else self.expected.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "AgentInfoRequest":
+        exp = obj.get("expected_layout")
+        return cls(
+            version=int(obj["version"]),
+            engine_id=str(obj["engine_id"]),
+            tp_rank=int(obj["tp_rank"]),
+            expected=None if exp is None else LayoutDescriptor.from_json(exp),
+        )
+
+
+# --------------------------------------------------------------------------- compatibility
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One field on which prefill and decode disagree, phrased for the operator."""
+
+    where: str  # "" or e.g. "group 1", "group 0 layer 2"
+    name: str  # e.g. "block_size"
+    prefill: Any
+    decode: Any
+    fix: str
+
+    @property
+    def field(self) -> str:
+        return f"{self.where} {self.name}".strip()
+
+    def __str__(self) -> str:
+        return f"prefill {self.field}={self.prefill} but decode has {self.decode}: {self.fix}"
+
+
+_SAME_MODEL = "serve the same model (and speculative/drafter config) on both instances"
+
+
+def version_mismatch(prefill: int, decode: int) -> Mismatch | None:
+    if prefill == decode:
+        return None
+    return Mismatch(
+        "handshake", "version", prefill, decode, "install the same hybridkv version on both instances"
+    )
+
+
+def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list[Mismatch]:
+    """Every reason decode cannot copy prefill's blocks byte for byte (empty: compatible).
+
+    The single compatibility rule of P/D; both the client and the server call it.
+    """
+    out: list[Mismatch] = []
+    if prefill.tp_size != decode.tp_size:
+        out.append(
+            Mismatch(
+                "",
+                "tp_size",
+                prefill.tp_size,
+                decode.tp_size,
+                "start both instances with the same --tensor-parallel-size "
+                "(hybridkv P/D reads rank r from rank r)",
+            )
+        )
+    if len(prefill.groups) != len(decode.groups):
+        out.append(Mismatch("", "num_groups", len(prefill.groups), len(decode.groups), _SAME_MODEL))
+        return out
+    for gid, (p, d) in enumerate(zip(prefill.groups, decode.groups, strict=True)):
+        if p is None or d is None:
+            if p is not d:
+                out.append(
+                    Mismatch(
+                        f"group {gid}",
+                        "has_layers",
+                        p is not None,
+                        d is not None,
+                        "use the same --pipeline-parallel-size and model on both instances",
+                    )
+                )
+            continue
+        g = f"group {gid}"
+        if p.spec != d.spec:
+            out.append(Mismatch(g, "spec", p.spec, d.spec, _SAME_MODEL))
+            continue  # the rest compares different kinds of bytes
+        if p.block_size != d.block_size:
+            flag = "--block-size (and --mamba-block-size)" if "Mamba" in p.spec else "--block-size"
+            out.append(
+                Mismatch(
+                    g,
+                    "block_size",
+                    p.block_size,
+                    d.block_size,
+                    f"start both instances with the same {flag}",
+                )
+            )
+        if p.sliding_window != d.sliding_window:
+            out.append(Mismatch(g, "sliding_window", p.sliding_window, d.sliding_window, _SAME_MODEL))
+        if p.num_layers != d.num_layers:
+            out.append(
+                Mismatch(
+                    g,
+                    "num_layers",
+                    p.num_layers,
+                    d.num_layers,
+                    f"{_SAME_MODEL}, with the same --pipeline-parallel-size",
+                )
+            )
+            continue
+        if p.dtype != d.dtype:
+            out.append(
+                Mismatch(
+                    g,
+                    "dtype",
+                    p.dtype,
+                    d.dtype,
+                    "start both instances with the same --dtype / --kv-cache-dtype",
+                )
+            )
+        if p.block_bytes != d.block_bytes:
+            layer = next(i for i, (a, b) in enumerate(zip(p.block_bytes, d.block_bytes)) if a != b)
+            out.append(
+                Mismatch(
+                    f"{g} layer {layer}",
+                    "block_bytes",
+                    p.block_bytes[layer],
+                    d.block_bytes[layer],
+                    "the per-layer block bytes (kv heads x head size x dtype x block size) must "
+                    "match: same model, --kv-cache-dtype, --block-size and --tensor-parallel-size",
+                )
+            )
+    return out
+
+
+def _refusal(peer: str, problems: Sequence[Mismatch]) -> str:
+    return f"P/D handshake with {peer} refused: " + "; ".join(str(m) for m in problems)
+
+
+# --------------------------------------------------------------------------- server
+
+
+class HandshakeServer:
+    """Serves one prefill worker's :class:`AgentInfo` on ``host:port`` (port 0: pick a free one).
+
+    Runs in the prefill worker (one per TP rank) for the worker's lifetime.
+    """
+
+    def __init__(self, info: AgentInfo, host: str = "127.0.0.1", port: int = 0, max_workers: int = 2):
+        self._info = info
+        self._body = json.dumps(info.to_json()).encode()
+        self._host = host
+        self._requested_port = port
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pd-handshake"))
+        handler = grpc.unary_unary_rpc_method_handler(
+            self._get_agent_info,
+            request_deserializer=lambda b: b,
+            response_serializer=lambda b: b,
+        )
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler}),)
+        )
+        self.port: int | None = None
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("HandshakeServer not started")
+        return f"{self._host}:{self.port}"
+
+    def start(self) -> int:
+        """Bind and serve; returns the bound port."""
+        target = f"{self._host}:{self._requested_port}"
+        try:
+            port = self._server.add_insecure_port(target)
+        except RuntimeError as e:  # grpcio raises when it cannot bind
+            raise HandshakeError(f"P/D handshake server cannot bind {target}: {e}") from e
+        if port == 0:
+            raise HandshakeError(
+                f"P/D handshake server cannot bind {target}: port in use or host not local"
+            )
+        self._server.start()
+        self.port = port
+        return port
+
+    def stop(self, grace_s: float = 0.5) -> None:
+        self._server.stop(grace_s).wait(grace_s + 1.0)
+
+    def __enter__(self) -> "HandshakeServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _get_agent_info(self, body: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            obj = json.loads(body)
+            peer = f"decode engine {obj.get('engine_id')!r} rank {obj.get('tp_rank')}"
+            # Version first: a request of another version may not parse as this one.
+            v = version_mismatch(self._info.version, obj.get("version"))
+            if v is not None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, _refusal(peer, [v]))
+            req = AgentInfoRequest.from_json(obj)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GetAgentInfo request: {e!r}")
+        if req.tp_rank != self._info.tp_rank:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"P/D handshake with {peer} refused: it asked for tp_rank {req.tp_rank} but this is "
+                f"prefill engine {self._info.engine_id!r} rank {self._info.tp_rank}: check the "
+                "handshake address used for that rank",
+            )
+        if req.expected is not None:
+            problems = find_mismatches(self._info.layout, req.expected)
+            if problems:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, _refusal(peer, problems))
+        return self._body
+
+
+# --------------------------------------------------------------------------- client
+
+
+def request_agent_info(address: str, request: AgentInfoRequest, timeout_s: float) -> AgentInfo:
+    """One GetAgentInfo round trip, decoded; only the version is checked (it decides
+    how to parse). :func:`fetch_agent_info` adds the layout checks."""
+    body = json.dumps(request.to_json()).encode()
+    try:
+        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+            call = channel.unary_unary(
+                _FULL_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )
+            raw = call(body, timeout=timeout_s)
+    except grpc.RpcError as e:
+        code, details = e.code(), e.details()
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            raise HandshakeError(f"{details} (answer of the prefill worker at {address})") from None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise HandshakeError(
+                f"P/D handshake with {address}: no answer within {timeout_s:g} s; check that the "
+                "prefill instance is up and that this address is its hybridkv handshake port "
+                "(not the HTTP or NIXL port)"
+            ) from None
+        if code == grpc.StatusCode.UNAVAILABLE:
+            raise HandshakeError(
+                f"P/D handshake with {address}: unreachable ({details}); check that the prefill "
+                "instance is running, that its handshake host/port match, and that the host is "
+                "reachable from this decode worker"
+            ) from None
+        raise HandshakeError(f"P/D handshake with {address} failed: {code.name}: {details}") from None
+    try:
+        obj = json.loads(raw)
+        # Version first: an answer of another version may not parse as this one.
+        v = version_mismatch(obj.get("version"), request.version)
+        if v is not None:
+            peer = f"prefill engine {obj.get('engine_id')!r} rank {obj.get('tp_rank')} at {address}"
+            raise HandshakeError(_refusal(peer, [v]))
+        return AgentInfo.from_json(obj)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise HandshakeError(
+            f"P/D handshake with {address}: malformed answer ({e!r}); is it a hybridkv prefill "
+            "worker of the same version?"
+        ) from None
+
+
+def check_agent_info(
+    info: AgentInfo,
+    local: LayoutDescriptor,
+    *,
+    address: str,
+    tp_rank: int,
+    prefill_engine_id: str | None = None,
+) -> None:
+    """Decode side: refuse an answer this worker cannot READ from (raises :class:`HandshakeError`)."""
+    peer = f"prefill engine {info.engine_id!r} rank {info.tp_rank} at {address}"
+    v = version_mismatch(info.version, HANDSHAKE_VERSION)
+    if v is not None:
+        raise HandshakeError(_refusal(peer, [v]))
+    if prefill_engine_id is not None and info.engine_id != prefill_engine_id:
+        raise HandshakeError(
+            f"P/D handshake with {address}: expected prefill engine {prefill_engine_id!r} but "
+            f"{info.engine_id!r} answered; the handshake address in kv_transfer_params points at "
+            "another instance"
+        )
+    if info.tp_rank != tp_rank:
+        raise HandshakeError(
+            f"P/D handshake with {peer}: decode rank {tp_rank} reached prefill rank "
+            f"{info.tp_rank}; check the handshake address used for that rank"
+        )
+    problems = find_mismatches(info.layout, local)
+    if problems:
+        raise HandshakeError(_refusal(peer, problems))
+
+
+def fetch_agent_info(
+    address: str,
+    local: LayoutDescriptor,
+    *,
+    engine_id: str,
+    tp_rank: int,
+    timeout_s: float = 5.0,
+    prefill_engine_id: str | None = None,
+) -> AgentInfo:
+    """Decode side: ask ``address`` for its agent and layout, and refuse any incompatibility.
+
+    ``local`` is this decode worker's own layout (its addresses are not sent).
+    ``prefill_engine_id``, when known from ``kv_transfer_params``, must match the
+    answering engine. Raises :class:`HandshakeError` naming the field, both
+    values and the fix, or the address and what to check when there is no answer.
+    """
+    info = request_agent_info(
+        address,
+        AgentInfoRequest(engine_id=engine_id, tp_rank=tp_rank, expected=local.without_addresses()),
+        timeout_s,
+    )
+    check_agent_info(info, local, address=address, tp_rank=tp_rank, prefill_engine_id=prefill_engine_id)
+    return info
+
+
+__all__ = [
+    "HANDSHAKE_VERSION",
+    "AgentInfo",
+    "AgentInfoRequest",
+    "GroupDescriptor",
+    "HandshakeError",
+    "HandshakeServer",
+    "LayoutDescriptor",
+    "check_agent_info",
+    "Mismatch",
+    "fetch_agent_info",
+    "find_mismatches",
+    "request_agent_info",
+    "version_mismatch",
+]

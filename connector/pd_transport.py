@@ -1,0 +1,423 @@
+"""P/D data path: decode READs whole blocks of every KV-cache group from prefill over NIXL.
+
+Why a wrapper around ``nixl_agent``: the connector needs four things NIXL
+leaves to the caller — block ids turned into byte descriptors by the one
+addressing rule of ``block_layout`` (never re-derived here), one batched READ
+per request instead of one per block or group, a wait that cannot hang on a
+dead peer, and NIXL's untyped exceptions turned into :class:`TransferError`
+with the peer and the size named. The lease (when prefill may free its blocks)
+stays in the connector; this module only carries the notification that tells
+prefill decode is done (:meth:`PDTransport.get_notifs`).
+
+Facts this relies on (NIXL 1.5.1, UCX backend, checked on this CPU machine):
+
+- DRAM regions are registered as ``(addr, len, 0, "")`` tuples; on the CPU
+  engine every KV tensor is a view of one int8 allocation, so registration is
+  one region (``KVLayout.allocations``).
+- Both agents need NIXL's progress thread (the default): with it off, a READ
+  never completes while the prefill process is not calling into NIXL.
+- With UCX's default transports on one host, ``cma`` moves the bytes and the
+  copy runs inside ``transfer()`` itself: the post returns "DONE" after the
+  copy, so :meth:`read_blocks` can block for the size of the read. Over
+  ``UCX_TLS=tcp`` (and across hosts) the post returns "PROC" and
+  :meth:`wait` polls.
+- A READ's notification is delivered to the *target* (prefill) agent after the
+  data was read; the target does not need the initiator's metadata for that.
+- A peer that died makes ``transfer()`` or ``check_xfer_state()`` raise
+  ``NIXL_ERR_REMOTE_DISCONNECT`` at once; a descriptor outside registered memory
+  makes ``initialize_xfer`` raise ``NIXL_ERR_NOT_FOUND``.
+- ``UCX_NET_DEVICES`` (e.g. ``lo`` for single-host runs) is read when the agent
+  is created; this module does not set it. ``UCX_TLS=`` (empty) makes agent
+  creation fail: leave it unset or name transports.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from hybridkv.connector.block_layout import GroupLayout, KVLayout
+
+_MEM = "DRAM"
+
+
+class TransferError(RuntimeError):
+    """A P/D READ could not be set up or did not complete."""
+
+
+class TransferTimeout(TransferError):
+    """A P/D READ did not complete within the caller's bound (its handle was released)."""
+
+
+def _nixl():
+    """Import NIXL lazily: the scheduler process imports the connector but never transfers."""
+    try:
+        from nixl import _bindings
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:  # pragma: no cover - environment problem, reported as such
+        raise TransferError(
+            f"NIXL is not importable ({e}); install nixl-cu12==1.5.1 and nixl==1.5.1 --no-deps"
+        ) from e
+    errors = tuple(
+        getattr(_bindings, n)
+        for n in dir(_bindings)
+        if n.startswith("nixl") and n.endswith("Error") and isinstance(getattr(_bindings, n), type)
+    )
+    return nixl_agent, nixl_agent_config, errors
+
+
+def read_descriptors(
+    local_groups: Sequence[GroupLayout | None],
+    remote_groups: Sequence[GroupLayout | None],
+    remote_block_ids: Sequence[Sequence[int]],
+    local_block_ids: Sequence[Sequence[int]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Local and remote ``(addr, len, dev)`` rows, uint64 ``[N, 3]``, of one batched READ.
+
+    Row ``i`` of both arrays is the same layer of the same block: block
+    ``remote_block_ids[g][k]`` of group ``g`` on the peer lands in block
+    ``local_block_ids[g][k]`` here. Addresses come from
+    :meth:`GroupLayout.regions` on both sides. Raises ``ValueError`` for a
+    request that would read wrong bytes (length or size mismatch, a group
+    absent on one side, two rows writing the same local bytes).
+    """
+    if not (len(local_groups) == len(remote_groups) == len(remote_block_ids) == len(local_block_ids)):
+        raise ValueError(
+            f"group counts differ: local layout {len(local_groups)}, peer layout "
+            f"{len(remote_groups)}, remote ids {len(remote_block_ids)}, local ids {len(local_block_ids)}"
+        )
+    local_parts: list[np.ndarray] = []
+    remote_parts: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    for gid, (lg, rg, r_ids, l_ids) in enumerate(
+        zip(local_groups, remote_groups, remote_block_ids, local_block_ids, strict=True)
+    ):
+        if len(r_ids) != len(l_ids):
+            raise ValueError(f"group {gid}: {len(r_ids)} remote block ids but {len(l_ids)} local ones")
+        if len(r_ids) == 0:
+            continue
+        if lg is None or rg is None:
+            side = "this worker" if lg is None else "the peer"
+            raise ValueError(f"group {gid} has no layer on {side} but {len(r_ids)} blocks were asked for")
+        if min(r_ids) < 0 or min(l_ids) < 0:
+            raise ValueError(f"group {gid}: negative block id")
+        if not np.array_equal(lg.block_bytes, rg.block_bytes):
+            raise ValueError(
+                f"group {gid}: per-layer block bytes differ (local {lg.block_bytes.tolist()}, peer "
+                f"{rg.block_bytes.tolist()}); the handshake should have refused this peer"
+            )
+        l_addr, l_size = lg.regions(l_ids)
+        r_addr, _ = rg.regions(r_ids)
+        local_parts.append(np.asarray(l_addr, dtype=np.uint64).reshape(-1))
+        remote_parts.append(np.asarray(r_addr, dtype=np.uint64).reshape(-1))
+        sizes.append(np.asarray(l_size, dtype=np.uint64).reshape(-1))
+    if not sizes:
+        empty = np.zeros((0, 3), dtype=np.uint64)
+        return empty, empty.copy()
+    size = np.concatenate(sizes)
+    local = np.concatenate(local_parts)
+    _check_disjoint(local, size)
+    dev = np.zeros_like(size)
+    return (
+        np.stack([local, size, dev], axis=1),
+        np.stack([np.concatenate(remote_parts), size, dev], axis=1),
+    )
+
+
+def _check_disjoint(addr: np.ndarray, size: np.ndarray) -> None:
+    """Two rows writing the same local bytes means a block id was given twice
+    (groups overlay one allocation, so also across groups)."""
+    order = np.argsort(addr, kind="stable")
+    a, s = addr[order], size[order]
+    overlap = np.nonzero(a[:-1] + s[:-1] > a[1:])[0]
+    if overlap.size:
+        i = int(overlap[0])
+        raise ValueError(
+            f"local destinations overlap at 0x{int(a[i + 1]):x}: a local block id is used twice "
+            "(KV-cache groups share one block pool, so block ids must be distinct across groups)"
+        )
+
+
+@dataclass(eq=False)
+class ReadHandle:
+    """One posted READ. Opaque to callers; pass it to poll/wait/release."""
+
+    peer: str
+    num_descs: int
+    nbytes: int
+    _xfer: object | None = field(default=None, repr=False)
+    state: Literal["PROC", "DONE", "ERR", "RELEASED"] = "PROC"
+
+    @property
+    def done(self) -> bool:
+        return self.state == "DONE"
+
+
+class PDTransport:
+    """One worker's NIXL agent for P/D: registers the KV allocations once, READs blocks.
+
+    Both roles use it: prefill registers its KV cache, publishes
+    :meth:`metadata` through the handshake and collects decode's completion
+    notifications with :meth:`get_notifs`; decode adds the peer
+    (:meth:`add_peer`) and reads (:meth:`read_blocks` + :meth:`wait`). Calls
+    are serialised by a lock (the agent runs with NIXL's default no-sync mode).
+    """
+
+    def __init__(self, agent_name: str, layout: KVLayout, *, backends: Sequence[str] = ("UCX",)) -> None:
+        nixl_agent, nixl_agent_config, self._errors = _nixl()
+        self.name = agent_name
+        self.layout = layout
+        self._lock = threading.Lock()
+        try:
+            # Progress thread on: without it a READ stalls until the *target* calls into NIXL.
+            self._agent = nixl_agent(
+                agent_name, nixl_agent_config(enable_prog_thread=True, backends=list(backends))
+            )
+        except self._errors as e:
+            raise TransferError(
+                f"cannot create NIXL agent {agent_name!r} with backends {list(backends)}: {e!r}; "
+                "check UCX_TLS / UCX_NET_DEVICES (an empty UCX_TLS fails)"
+            ) from e
+        if not self._agent.backends:
+            raise TransferError(
+                f"NIXL agent {agent_name!r}: none of the backends {list(backends)} is available "
+                f"(plugins: {self._agent.get_plugin_list()})"
+            )
+        regions = [(int(base), int(n), 0, "") for base, n in layout.allocations]
+        try:
+            self._reg = self._agent.register_memory(regions, _MEM) if regions else None
+        except self._errors as e:
+            raise TransferError(f"NIXL agent {agent_name!r}: registering {len(regions)} KV region(s) failed: {e!r}") from e
+        self._peers: dict[str, tuple[GroupLayout | None, ...]] = {}
+        self._open: set[ReadHandle] = set()
+        self._leaked: list[object] = []  # NIXL handles whose release failed; retried at shutdown
+        self._closed = False
+
+    # ------------------------------------------------------------------ peers
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (connection info + registered regions) for the handshake."""
+        with self._lock:
+            return self._agent.get_agent_metadata()
+
+    def add_peer(self, peer_metadata: bytes, peer_groups: Sequence[GroupLayout | None]) -> str:
+        """Load a peer's NIXL metadata and remember its block addressing; returns the peer name.
+
+        ``peer_groups`` is the peer's layout from the handshake
+        (``AgentInfo.layout.group_layouts()``); it must have this worker's group count.
+        """
+        if len(peer_groups) != len(self.layout.groups):
+            raise TransferError(
+                f"peer layout has {len(peer_groups)} groups but this worker has {len(self.layout.groups)}"
+            )
+        with self._lock:
+            try:
+                name = self._agent.add_remote_agent(peer_metadata)
+            except self._errors as e:
+                raise TransferError(f"NIXL agent {self.name!r}: loading peer metadata failed: {e!r}") from e
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._peers[name] = tuple(peer_groups)
+            return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (disconnects); open reads from it are released first."""
+        with self._lock:
+            for h in [h for h in self._open if h.peer == peer]:
+                self._release_locked(h)
+            if self._peers.pop(peer, None) is not None:
+                try:
+                    self._agent.remove_remote_agent(peer)
+                except self._errors:
+                    pass  # already gone: nothing left to tear down
+
+    # ------------------------------------------------------------------ reads
+    def read_blocks(
+        self,
+        peer: str,
+        remote_block_ids: Sequence[Sequence[int]],
+        local_block_ids: Sequence[Sequence[int]],
+        notif: bytes = b"",
+    ) -> ReadHandle:
+        """Post ONE READ of the given blocks of every group; ``notif`` reaches the peer when done.
+
+        Per group ``g``: peer block ``remote_block_ids[g][k]`` -> local block
+        ``local_block_ids[g][k]`` (all layers of the group). Callers drop null
+        blocks. With nothing to read the notification is sent on its own and
+        the handle is already done. May block for the copy (see module doc).
+        """
+        try:
+            peer_groups = self._peers[peer]
+        except KeyError:
+            raise TransferError(f"unknown peer {peer!r}: call add_peer with its handshake answer first") from None
+        try:
+            local, remote = read_descriptors(self.layout.groups, peer_groups, remote_block_ids, local_block_ids)
+        except ValueError as e:
+            raise TransferError(f"READ from {peer!r} refused: {e}") from e
+        handle = ReadHandle(peer=peer, num_descs=len(local), nbytes=int(local[:, 1].sum()) if len(local) else 0)
+        with self._lock:
+            if len(local) == 0:
+                if notif:
+                    self._notify_locked(peer, notif)
+                handle.state = "DONE"
+                return handle
+            what = f"READ of {handle.nbytes} bytes ({handle.num_descs} regions) from {peer!r}"
+            try:
+                xfer = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(local, _MEM),
+                    self._agent.get_xfer_descs(remote, _MEM),
+                    peer,
+                    notif,
+                )
+            except self._errors as e:
+                raise TransferError(
+                    f"{what} could not be set up: {e!r} (a block outside the registered KV cache on "
+                    "either side, or the peer's metadata is stale)"
+                ) from e
+            handle._xfer = xfer
+            self._open.add(handle)
+            try:
+                state = self._agent.transfer(xfer)
+            except self._errors as e:
+                self._fail_locked(handle)
+                raise TransferError(f"{what} failed at post: {e!r}; is the prefill instance alive?") from e
+            if state == "ERR":
+                self._fail_locked(handle)
+                raise TransferError(f"{what} failed at post; is the prefill instance alive?")
+            if state == "DONE":
+                self._finish_locked(handle)
+            return handle
+
+    def poll(self, handle: ReadHandle) -> Literal["DONE", "PROC"]:
+        """Non-blocking state of a READ; raises :class:`TransferError` if it failed."""
+        with self._lock:
+            if handle.state == "DONE":
+                return "DONE"
+            if handle.state != "PROC":
+                raise TransferError(f"READ from {handle.peer!r} is {handle.state.lower()}")
+            try:
+                state = self._agent.check_xfer_state(handle._xfer)
+            except self._errors as e:
+                self._fail_locked(handle)
+                raise TransferError(
+                    f"READ of {handle.nbytes} bytes from {handle.peer!r} failed: {e!r}; "
+                    "the prefill instance may have died"
+                ) from e
+            if state == "ERR":
+                self._fail_locked(handle)
+                raise TransferError(f"READ of {handle.nbytes} bytes from {handle.peer!r} failed")
+            if state == "DONE":
+                self._finish_locked(handle)
+                return "DONE"
+            return "PROC"
+
+    def wait(self, handle: ReadHandle, timeout_s: float) -> None:
+        """Block until the READ is done; never longer than ``timeout_s`` past the call.
+
+        On timeout the handle is released (NIXL cancels it) and
+        :class:`TransferTimeout` is raised; a failure raises :class:`TransferError`.
+        """
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0
+        while self.poll(handle) != "DONE":
+            if time.monotonic() >= deadline:
+                self.release(handle)
+                raise TransferTimeout(
+                    f"READ of {handle.nbytes} bytes from {handle.peer!r} not done after "
+                    f"{timeout_s:g} s; released. Check that the prefill instance is alive and reachable"
+                )
+            # Short spin first (the progress thread usually finishes quickly), then back off
+            # so a 2-core host is not starved by polling.
+            time.sleep(pause)
+            pause = min(0.001, pause * 2 or 0.00005)
+
+    def release(self, handle: ReadHandle) -> None:
+        """Abandon a READ (cancels it if still running). Idempotent."""
+        with self._lock:
+            self._release_locked(handle)
+
+    # ------------------------------------------------------------------ notifications
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        """A notification not tied to a READ (e.g. "nothing to read, release the blocks")."""
+        with self._lock:
+            self._notify_locked(peer, msg)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications since the last call, by sending agent name (prefill: reads done)."""
+        with self._lock:
+            return {
+                (k.decode() if isinstance(k, bytes) else str(k)): list(v)
+                for k, v in self._agent.get_new_notifs().items()
+            }
+
+    # ------------------------------------------------------------------ teardown
+    def shutdown(self) -> None:
+        """Release open reads, drop peers, deregister the KV cache. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for h in list(self._open):
+                self._release_locked(h)
+            for x in self._leaked:
+                try:
+                    x.release()
+                except self._errors:
+                    pass
+            self._leaked.clear()
+            for peer in list(self._peers):
+                try:
+                    self._agent.remove_remote_agent(peer)
+                except self._errors:
+                    pass
+            self._peers.clear()
+            if self._reg is not None:
+                reg, self._reg = self._reg, None
+                try:
+                    self._agent.deregister_memory(reg)
+                except self._errors as e:
+                    raise TransferError(f"NIXL agent {self.name!r}: deregistering the KV cache failed: {e!r}") from e
+
+    def __enter__(self) -> "PDTransport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ internals (lock held)
+    def _notify_locked(self, peer: str, msg: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, msg)
+        except self._errors as e:
+            raise TransferError(f"notification to {peer!r} failed: {e!r}; is the prefill instance alive?") from e
+
+    def _finish_locked(self, handle: ReadHandle) -> None:
+        self._drop_locked(handle)
+        handle.state = "DONE"
+
+    def _fail_locked(self, handle: ReadHandle) -> None:
+        self._drop_locked(handle)
+        handle.state = "ERR"
+
+    def _release_locked(self, handle: ReadHandle) -> None:
+        if handle.state == "PROC":
+            self._drop_locked(handle)
+            handle.state = "RELEASED"
+
+    def _drop_locked(self, handle: ReadHandle) -> None:
+        self._open.discard(handle)
+        xfer, handle._xfer = handle._xfer, None
+        if xfer is None:
+            return
+        try:
+            xfer.release()
+        except self._errors:
+            # NIXL could not cancel it yet; keep it so shutdown retries instead of the GC.
+            self._leaked.append(xfer)
+
+
+__all__ = ["PDTransport", "ReadHandle", "TransferError", "TransferTimeout", "read_descriptors"]
