@@ -1,0 +1,500 @@
+"""P/D transport over real NIXL (UCX, loopback) and the real gRPC handshake, two processes.
+
+The prefill process builds a KV cache the way vLLM's worker does
+(``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``: one int8
+allocation, sliding-window, full-attention, Mamba and a second full-attention
+group at another block size overlaying it), fills it with seeded random bytes
+and serves the handshake. This process (decode) builds the same geometry,
+poisons it, handshakes, READs scattered blocks of every group into other
+block ids, and checks the moved bytes against a local copy of prefill's memory
+regenerated from the seed — and that every other byte is still poison. Planted
+faults prove the check can fail. Children come from a forkserver that has
+vLLM/torch preloaded, so each costs a fork, not a vLLM import.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from hybridkv.connector.block_layout import KVLayout, layout_rows
+from hybridkv.connector.pd_handshake import (
+    HANDSHAKE_VERSION,
+    AgentInfo,
+    AgentInfoRequest,
+    HandshakeError,
+    HandshakeServer,
+    LayoutDescriptor,
+    check_agent_info,
+    fetch_agent_info,
+    request_agent_info,
+)
+from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # read at agent creation; keeps UCX on loopback
+
+POISON = 0xA5
+SEED = 1234
+SMALL = 8 << 20  # bytes of KV memory per side for the correctness tests
+BIG = 192 << 20  # for the kill/stop tests: reads large enough to be in flight
+WAIT_S = 10.0  # bound passed to PDTransport.wait (a bound, never asserted as a duration)
+JOIN_S = 90.0  # a child still alive after this is reported as a hang
+
+
+# ----------------------------------------------------------------------------- KV geometry
+
+
+def _groups(variant: str) -> list[KVCacheGroupSpec]:
+    """vLLM-style hybrid groups with equal page sizes (as vLLM enforces); ``variant``
+    changes one thing the handshake must refuse."""
+    heads = 4 if variant == "kv_heads" else 2
+    dtype = torch.float16 if variant == "dtype" else torch.bfloat16
+    page = 32 * heads * (64 + 64) * 2
+    sw = SlidingWindowSpec(block_size=32, num_kv_heads=heads, head_size=64, dtype=dtype, sliding_window=64)
+    fa = FullAttentionSpec(block_size=32, num_kv_heads=heads, head_size=64, dtype=dtype)
+    mamba = MambaSpec(
+        block_size=64,
+        shapes=((3, 256), (2, 32, 32)),  # conv + ssm state, padded up to the attention page
+        dtypes=(dtype, torch.float32),
+        mamba_cache_mode="align",
+        page_size_padded=page,
+    )
+    if variant == "block_size":
+        dense = FullAttentionSpec(block_size=32, num_kv_heads=heads, head_size=64, dtype=dtype)
+    else:  # half the per-token bytes of a head-128 layer -> double... here: head 128 at block 16
+        dense = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=128, dtype=dtype)
+    return [
+        KVCacheGroupSpec(["sw.0", "sw.1"], sw),
+        KVCacheGroupSpec(["fa.0", "fa.1"], fa),
+        KVCacheGroupSpec(["mamba.0", "mamba.1"], mamba),
+        KVCacheGroupSpec(["dense.0"], dense),
+    ]
+
+
+class KV:
+    """One worker's KV cache built by vLLM's own allocation code, plus hybridkv's view of it."""
+
+    def __init__(self, variant: str = "base", nbytes: int = SMALL, seed: int | None = SEED, tp_size: int = 1):
+        cfg = VllmConfig()
+        cfg.cache_config.kv_cache_layout = "LBHNC"  # what the CPU attention backend resolves to
+        self.config = get_kv_cache_config_from_groups(cfg, _groups(variant), nbytes)
+        self.caches = allocate_kv_cache(self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
+        self.layout = KVLayout.from_kv_caches(self.config, self.caches)
+        assert len(self.layout.allocations) == 1, "vLLM's CPU KV cache is one allocation"
+        base, size = self.layout.allocations[0]
+        first = next(iter(self.caches.values()))
+        self.raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
+        assert self.raw.data_ptr() == base and self.raw.numel() == size
+        if seed is None:
+            self.raw.fill_(POISON)
+        else:
+            gen = torch.Generator().manual_seed(seed)
+            self.raw.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+        self.tp_size = tp_size
+
+    @property
+    def mem(self) -> np.ndarray:
+        return self.raw.numpy()
+
+    @property
+    def base(self) -> int:
+        return self.layout.allocations[0][0]
+
+    def descriptor(self) -> LayoutDescriptor:
+        return LayoutDescriptor.from_kv(self.layout, layout_rows(self.config), tp_size=self.tp_size)
+
+
+def assert_moved(src: KV, dst: KV, remote_ids: list[list[int]], local_ids: list[list[int]]) -> None:
+    """Every layer of every asked block arrived byte-exact; every other byte is still poison."""
+    written = np.zeros(dst.mem.size, dtype=bool)
+    for g, (r_ids, l_ids) in enumerate(zip(remote_ids, local_ids, strict=True)):
+        if not r_ids:
+            continue
+        r_addr, r_size = src.layout.groups[g].regions(r_ids)
+        l_addr, _ = dst.layout.groups[g].regions(l_ids)
+        for k in range(len(r_ids)):
+            for j in range(len(r_addr[k])):
+                n = r_size[k][j]
+                so, do = r_addr[k][j] - src.base, l_addr[k][j] - dst.base
+                got, want = dst.mem[do : do + n], src.mem[so : so + n]
+                assert np.array_equal(got, want), (
+                    f"group {g} block {r_ids[k]}->{l_ids[k]} layer {j}: "
+                    f"{int((got != want).sum())} of {n} bytes differ"
+                )
+                written[do : do + n] = True
+    stray = np.nonzero(dst.mem[~written] != POISON)[0]
+    assert stray.size == 0, f"{stray.size} bytes outside the asked blocks were overwritten"
+
+
+# ----------------------------------------------------------------------------- child processes
+
+
+def _ctx() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+def _prefill_main(conn, variant: str, nbytes: int, engine_id: str, tcp: bool) -> None:
+    """Prefill worker: seeded KV, NIXL agent, handshake server; then obey the test's commands."""
+    if tcp:
+        os.environ["UCX_TLS"] = "tcp"
+    kv = KV(variant, nbytes=nbytes, seed=SEED)
+    transport = PDTransport(f"{engine_id}-rank0", kv.layout)
+    info = AgentInfo(
+        engine_id=engine_id,
+        tp_rank=0,
+        agent_name=transport.name,
+        agent_metadata=transport.metadata(),
+        layout=kv.descriptor(),
+    )
+    server = HandshakeServer(info, host="127.0.0.1", port=0)
+    conn.send(("ready", server.start(), os.getpid()))
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "flip":  # planted fault: one byte of one layer of one block
+            g, block, layer = args
+            addr, _ = kv.layout.groups[g].regions([block])
+            kv.mem[addr[0][layer] - kv.base + 7] ^= 0xFF
+            conn.send("ok")
+        elif cmd == "notifs":
+            conn.send(transport.get_notifs())
+        elif cmd == "stop":
+            server.stop()
+            transport.shutdown()
+            conn.send("bye")
+            return
+
+
+class Prefill:
+    def __init__(self, variant: str = "base", nbytes: int = SMALL, engine_id: str = "prefill", tcp: bool = False):
+        self.conn, child = mp.Pipe()
+        self.proc = _ctx().Process(target=_prefill_main, args=(child, variant, nbytes, engine_id, tcp), daemon=True)
+        self.proc.start()
+        self.engine_id = engine_id
+        if not self.conn.poll(JOIN_S):
+            self.proc.kill()
+            raise AssertionError("prefill child did not start")
+        _, port, self.pid = self.conn.recv()
+        self.address = f"127.0.0.1:{port}"
+
+    def call(self, *cmd):
+        self.conn.send(cmd)
+        assert self.conn.poll(JOIN_S), f"prefill child did not answer {cmd[0]!r}"
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop")
+            except (OSError, EOFError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def _handshake(kv: KV, prefill: Prefill, name: str) -> tuple[PDTransport, str]:
+    transport = PDTransport(name, kv.layout)
+    info = fetch_agent_info(
+        prefill.address, kv.descriptor(), engine_id="decode", tp_rank=0, timeout_s=10.0,
+        prefill_engine_id=prefill.engine_id,
+    )
+    return transport, transport.add_peer(info.agent_metadata, info.layout.group_layouts())
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    p = Prefill()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def expected() -> KV:
+    """Prefill's memory as it was built (same geometry and seed)."""
+    return KV(seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def decode(prefill):
+    kv = KV(seed=None)
+    transport, peer = _handshake(kv, prefill, "decode-rank0")
+    yield kv, transport, peer
+    transport.shutdown()
+
+
+# Scattered, disjoint across groups (groups overlay one block pool), on both sides.
+REMOTE = [[3, 97, 41, 200], [5, 6, 150, 61, 62, 17], [88], [120, 9, 230]]
+LOCAL = [[210, 11, 77, 140], [12, 190, 13, 100, 30, 201], [66], [1, 250, 44]]
+
+
+# ----------------------------------------------------------------------------- data path
+
+
+def test_read_moves_exactly_the_asked_blocks_and_notifies_prefill(prefill, decode, expected):
+    kv, transport, peer = decode
+    kv.raw.fill_(POISON)
+    handle = transport.read_blocks(peer, REMOTE, LOCAL, notif=b"req-1:done")
+    transport.wait(handle, WAIT_S)
+    assert handle.done and handle.nbytes == sum(
+        len(r) * int(kv.layout.groups[g].block_bytes.sum()) for g, r in enumerate(REMOTE)
+    )
+    assert_moved(expected, kv, REMOTE, LOCAL)
+    notifs: dict[str, list[bytes]] = {}
+    for _ in range(200):  # notification travels separately from the data
+        for k, v in prefill.call("notifs").items():
+            notifs.setdefault(k, []).extend(v)
+        if notifs:
+            break
+        threading.Event().wait(0.01)
+    assert notifs == {"decode-rank0": [b"req-1:done"]}
+
+
+def test_check_has_power_wrong_blocks_and_stray_writes(decode, expected):
+    kv, transport, peer = decode
+    kv.raw.fill_(POISON)
+    transport.wait(transport.read_blocks(peer, REMOTE, LOCAL), WAIT_S)
+    shifted = [[b + 1 for b in r] for r in REMOTE]
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_moved(expected, kv, shifted, LOCAL)
+    fewer_r = [r[:-1] for r in REMOTE]
+    fewer_l = [r[:-1] for r in LOCAL]
+    with pytest.raises(AssertionError, match="outside the asked blocks"):
+        assert_moved(expected, kv, fewer_r, fewer_l)
+
+
+def test_check_has_power_flipped_byte_on_prefill(prefill, decode, expected):
+    kv, transport, peer = decode
+    prefill.call("flip", 2, REMOTE[2][0], 1)  # Mamba group, layer 1
+    try:
+        kv.raw.fill_(POISON)
+        transport.wait(transport.read_blocks(peer, REMOTE, LOCAL), WAIT_S)
+        with pytest.raises(AssertionError, match=r"group 2 block 88->66 layer 1: 1 of \d+ bytes differ"):
+            assert_moved(expected, kv, REMOTE, LOCAL)
+    finally:
+        prefill.call("flip", 2, REMOTE[2][0], 1)
+    kv.raw.fill_(POISON)
+    transport.wait(transport.read_blocks(peer, REMOTE, LOCAL), WAIT_S)
+    assert_moved(expected, kv, REMOTE, LOCAL)
+
+
+def test_nothing_to_read_still_notifies(prefill, decode):
+    kv, transport, peer = decode
+    prefill.call("notifs")  # drain
+    handle = transport.read_blocks(peer, [[], [], [], []], [[], [], [], []], notif=b"req-2:nothing")
+    assert handle.done
+    got: list[bytes] = []
+    for _ in range(200):
+        got += prefill.call("notifs").get("decode-rank0", [])
+        if got:
+            break
+        threading.Event().wait(0.01)
+    assert got == [b"req-2:nothing"]
+
+
+def test_bad_reads_are_refused_before_posting(decode):
+    kv, transport, peer = decode
+    with pytest.raises(TransferError, match="block ids must be distinct across groups"):
+        transport.read_blocks(peer, [[1], [2], [], []], [[7], [7], [], []])  # groups alias block 7
+    with pytest.raises(TransferError, match="2 remote block ids but 1 local"):
+        transport.read_blocks(peer, [[1, 2], [], [], []], [[3], [], [], []])
+    with pytest.raises(TransferError, match="outside the registered KV cache"):
+        transport.read_blocks(peer, [[kv.config.num_blocks + 5], [], [], []], [[3], [], [], []])
+    with pytest.raises(TransferError, match="unknown peer"):
+        transport.read_blocks("nobody", REMOTE, LOCAL)
+
+
+# ----------------------------------------------------------------------------- handshake
+
+
+@pytest.fixture(scope="module")
+def handshake_server(expected):
+    info = AgentInfo(
+        engine_id="prefill-hs",
+        tp_rank=0,
+        agent_name="prefill-hs-rank0",
+        agent_metadata=b"\x00nixl-metadata-bytes\xff",
+        layout=expected.descriptor(),
+    )
+    with HandshakeServer(info) as server:
+        yield server
+
+
+def test_handshake_returns_agent_and_prefill_addresses(handshake_server, expected):
+    local = KV(seed=None)
+    info = fetch_agent_info(
+        handshake_server.address, local.descriptor(), engine_id="d", tp_rank=0, prefill_engine_id="prefill-hs"
+    )
+    assert info.agent_metadata == b"\x00nixl-metadata-bytes\xff"
+    assert info.agent_name == "prefill-hs-rank0" and info.version == HANDSHAKE_VERSION
+    for mine, theirs in zip(expected.layout.groups, info.layout.group_layouts(), strict=True):
+        assert np.array_equal(mine.bases, theirs.bases) and np.array_equal(mine.strides, theirs.strides)
+        assert np.array_equal(mine.block_bytes, theirs.block_bytes)
+
+
+REFUSALS = {
+    "block_size": "prefill group 3 block_size=16 but decode has 32: start both instances with the same --block-size",
+    "dtype": "prefill group 0 dtype=torch.bfloat16 but decode has torch.float16: start both instances with the same --dtype / --kv-cache-dtype",
+    "kv_heads": "prefill group 0 layer 0 block_bytes=16384 but decode has 32768: the per-layer block bytes",
+}
+
+
+@pytest.mark.parametrize("variant", sorted(REFUSALS))
+def test_handshake_refuses_incompatible_layout_on_decode(handshake_server, variant):
+    local = KV(variant, seed=None).descriptor()
+    # Decode-side check, on a real answer the server was not asked to vet.
+    info = request_agent_info(handshake_server.address, AgentInfoRequest("d", 0, expected=None), 5.0)
+    with pytest.raises(HandshakeError) as err:
+        check_agent_info(info, local, address=handshake_server.address, tp_rank=0)
+    assert REFUSALS[variant] in str(err.value)
+    assert f"prefill engine 'prefill-hs' rank 0 at {handshake_server.address}" in str(err.value)
+
+
+@pytest.mark.parametrize("variant", sorted(REFUSALS))
+def test_handshake_refuses_incompatible_layout_on_prefill(handshake_server, variant):
+    local = KV(variant, seed=None).descriptor()
+    with pytest.raises(HandshakeError) as err:
+        fetch_agent_info(handshake_server.address, local, engine_id="d", tp_rank=0)
+    assert REFUSALS[variant] in str(err.value)
+    assert "decode engine 'd' rank 0" in str(err.value)  # the prefill server's wording: it refused
+
+
+def test_handshake_refuses_tp_mismatch(handshake_server, expected):
+    local = replace(expected.descriptor(), tp_size=2)
+    msg = "prefill tp_size=1 but decode has 2: start both instances with the same --tensor-parallel-size"
+    with pytest.raises(HandshakeError, match=msg):
+        fetch_agent_info(handshake_server.address, local, engine_id="d", tp_rank=0)
+    info = request_agent_info(handshake_server.address, AgentInfoRequest("d", 0, expected=None), 5.0)
+    with pytest.raises(HandshakeError, match=msg):
+        check_agent_info(info, local, address=handshake_server.address, tp_rank=0)
+
+
+def test_handshake_refuses_version_mismatch_both_ways(handshake_server, expected):
+    newer = HANDSHAKE_VERSION + 1
+    # Prefill refuses a decode that speaks another version.
+    with pytest.raises(HandshakeError) as err:
+        request_agent_info(handshake_server.address, AgentInfoRequest("d", 0, None, version=newer), 5.0)
+    assert f"prefill handshake version={HANDSHAKE_VERSION} but decode has {newer}" in str(err.value)
+    assert "install the same hybridkv version on both instances" in str(err.value)
+    # Decode refuses a prefill that answers in another version.
+    info = AgentInfo("p2", 0, "p2-rank0", b"md", expected.descriptor(), version=newer)
+    with HandshakeServer(info) as newer_server:
+        with pytest.raises(HandshakeError) as err:
+            request_agent_info(newer_server.address, AgentInfoRequest("d", 0, None, version=newer), 5.0)
+        # request_agent_info's answer check compares with the version the request spoke;
+        # the full decode path compares with this build's version:
+        with pytest.raises(HandshakeError) as err2:
+            fetch_agent_info(newer_server.address, expected.descriptor(), engine_id="d", tp_rank=0)
+    assert err.type is HandshakeError  # same version both ways: accepted by the server ...
+    assert f"prefill handshake version={newer} but decode has {HANDSHAKE_VERSION}" in str(err2.value) or (
+        f"prefill handshake version={HANDSHAKE_VERSION} but decode has {newer}" in str(err2.value)
+    )
+
+
+def test_handshake_refuses_wrong_engine_and_rank(handshake_server, expected):
+    with pytest.raises(HandshakeError, match="expected prefill engine 'other' but 'prefill-hs' answered"):
+        fetch_agent_info(
+            handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=0, prefill_engine_id="other"
+        )
+    with pytest.raises(HandshakeError, match="it asked for tp_rank 1 but this is prefill engine 'prefill-hs' rank 0"):
+        fetch_agent_info(handshake_server.address, replace(expected.descriptor()), engine_id="d", tp_rank=1)
+
+
+def test_handshake_unreachable_peer_fails_within_timeout(expected):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(HandshakeError, match=f"P/D handshake with {closed}: unreachable .*check that the prefill"):
+        fetch_agent_info(closed, expected.descriptor(), engine_id="d", tp_rank=0, timeout_s=2.0)
+    with socket.socket() as silent:  # accepts TCP, never speaks gRPC
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        addr = f"127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(HandshakeError, match=f"P/D handshake with {addr}: no answer within 1 s"):
+            fetch_agent_info(addr, expected.descriptor(), engine_id="d", tp_rank=0, timeout_s=1.0)
+
+
+# ----------------------------------------------------------------------------- dying / stuck peer
+
+
+def _decode_against_failing_peer(conn, address: str, engine_id: str, victim_pid: int, mode: str) -> None:
+    """Decode child: READ big batches until the peer dies (mode "kill") or stops (mode
+    "stop"); report how each read ended. Runs in its own process so a hang is visible."""
+    if mode == "stop":
+        os.environ["UCX_TLS"] = "tcp"  # cma can read a stopped process; tcp needs the peer's help
+    kv = KV(nbytes=BIG, seed=None)
+    transport = PDTransport(f"decode-{mode}", kv.layout)
+    info = fetch_agent_info(address, kv.descriptor(), engine_id="d", tp_rank=0, timeout_s=10.0)
+    peer = transport.add_peer(info.agent_metadata, info.layout.group_layouts())
+    n = kv.config.num_blocks
+    half = list(range(0, n // 2)), list(range(n // 2, n))  # all of group 1's pool: ~BIG bytes a read
+    remote, local = [[], half[0], [], []], [[], half[1], [], []]
+    transport.wait(transport.read_blocks(peer, remote, local), WAIT_S)  # peer is fine so far
+    sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
+    threading.Timer(0.05, os.kill, (victim_pid, sig)).start()
+    outcomes = []
+    for _ in range(500):
+        try:
+            transport.wait(transport.read_blocks(peer, remote, local), WAIT_S if mode == "kill" else 2.0)
+            outcomes.append("DONE")
+        except TransferError as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+            break
+    try:  # the next read must fail promptly too (not hang)
+        transport.wait(transport.read_blocks(peer, remote, local), 2.0)
+        outcomes.append("DONE")
+    except TransferError as e:
+        outcomes.append(f"{type(e).__name__}: {e}")
+    transport.shutdown()
+    conn.send(outcomes)
+
+
+@pytest.mark.parametrize("mode", ["kill", "stop"])
+def test_failing_prefill_mid_transfer_ends_in_error_not_hang(mode):
+    prefill = Prefill(nbytes=BIG, engine_id=f"prefill-{mode}", tcp=(mode == "stop"))
+    conn, child = mp.Pipe()
+    proc = _ctx().Process(
+        target=_decode_against_failing_peer, args=(child, prefill.address, prefill.engine_id, prefill.pid, mode), daemon=True
+    )
+    proc.start()
+    try:
+        assert conn.poll(JOIN_S), f"decode child hung after the prefill was {mode}ed"
+        outcomes = conn.recv()
+    finally:
+        if mode == "stop":
+            os.kill(prefill.pid, signal.SIGCONT)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        prefill.proc.kill()
+        prefill.proc.join()
+    *done, failed, after = outcomes
+    assert all(o == "DONE" for o in done)
+    expected_error = "TransferError" if mode == "kill" else "TransferTimeout"
+    assert failed.startswith(expected_error), failed
+    assert f"'{prefill.engine_id}-rank0'" in failed  # the peer is named
+    assert after.startswith("Transfer"), after  # TransferError or TransferTimeout
+    if mode == "stop":
+        assert TransferTimeout.__name__ in failed and "not done after 2 s; released" in failed
