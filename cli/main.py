@@ -24,7 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         description=agentic_demo.__doc__.split("\n\n")[0],
     )
     agentic_demo.add_arguments(agent)
+    from hybridkv.cli import proxy
+
+    proxy.add_arguments(sub.add_parser("proxy", help="OpenAI-compatible P/D front door (prefill -> decode)"))
     args = parser.parse_args(argv)
+    if args.cmd == "proxy":
+        return proxy.run_from_args(args)
     if args.cmd == "mirror-demo":
         from hybridkv.cli.foundation_demo import run_demo
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HybridStoreConnector"]
+__all__ = ["HybridPDConnector", "HybridStoreConnector"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,4 +16,8 @@ def __getattr__(name: str) -> Any:
         from hybridkv.connector.store_connector import HybridStoreConnector
 
         return HybridStoreConnector
+    if name == "HybridPDConnector":
+        from hybridkv.connector.pd_connector import HybridPDConnector
+
+        return HybridPDConnector
     raise AttributeError(f"module 'hybridkv.connector' has no attribute {name!r}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -31,6 +32,8 @@ import grpc
 import numpy as np
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout
+
+logger = logging.getLogger(__name__)
 
 # Bump on any change of the JSON schema or of what a field means.
 HANDSHAKE_VERSION = 1
@@ -383,7 +386,10 @@ class HandshakeServer:
         self._body = json.dumps(info.to_json()).encode()
         self._host = host
         self._requested_port = port
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pd-handshake"))
+        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pd-handshake")
+        # No SO_REUSEPORT (gRPC's default): a second worker configured with the same port must
+        # fail to start, not silently share the port and answer for the other rank.
+        self._server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
         handler = grpc.unary_unary_rpc_method_handler(
             self._get_agent_info,
             request_deserializer=lambda b: b,
@@ -417,6 +423,7 @@ class HandshakeServer:
 
     def stop(self, grace_s: float = 0.5) -> None:
         self._server.stop(grace_s).wait(grace_s + 1.0)
+        self._executor.shutdown(wait=False)
 
     def __enter__(self) -> "HandshakeServer":
         self.start()
@@ -432,13 +439,13 @@ class HandshakeServer:
             # Version first: a request of another version may not parse as this one.
             v = version_mismatch(self._info.version, obj.get("version"))
             if v is not None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, _refusal(peer, [v]))
+                self._refuse(context, _refusal(peer, [v]))
             req = AgentInfoRequest.from_json(obj)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GetAgentInfo request: {e!r}")
         if req.tp_rank != self._info.tp_rank:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            self._refuse(
+                context,
                 f"P/D handshake with {peer} refused: it asked for tp_rank {req.tp_rank} but this is "
                 f"prefill engine {self._info.engine_id!r} rank {self._info.tp_rank}: check the "
                 "handshake address used for that rank",
@@ -446,8 +453,14 @@ class HandshakeServer:
         if req.expected is not None:
             problems = find_mismatches(self._info.layout, req.expected)
             if problems:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, _refusal(peer, problems))
+                self._refuse(context, _refusal(peer, problems))
         return self._body
+
+    @staticmethod
+    def _refuse(context: grpc.ServicerContext, message: str) -> None:
+        """Log on the prefill side (the operator looks there too) and answer FAILED_PRECONDITION."""
+        logger.warning("%s", message)
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
 # --------------------------------------------------------------------------- client

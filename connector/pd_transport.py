@@ -26,6 +26,11 @@ Facts this relies on (NIXL 1.5.1, UCX backend, checked on this CPU machine):
 - A peer that died makes ``transfer()`` or ``check_xfer_state()`` raise
   ``NIXL_ERR_REMOTE_DISCONNECT`` at once; a descriptor outside registered memory
   makes ``initialize_xfer`` raise ``NIXL_ERR_NOT_FOUND``.
+- Releasing an in-flight READ is not a fence: over tcp, a READ from a stalled
+  (SIGSTOPped) peer kept landing bytes in the destination after
+  ``release_xfer_handle`` and ``remove_remote_agent`` once the peer resumed;
+  destroying the agent stopped it. So a timed-out READ stays open here and its
+  destination blocks stay the caller's until it settles.
 - ``UCX_NET_DEVICES`` (e.g. ``lo`` for single-host runs) is read when the agent
   is created; this module does not set it. ``UCX_TLS=`` (empty) makes agent
   creation fail: leave it unset or name transports.
@@ -165,7 +170,8 @@ class PDTransport:
     :meth:`metadata` through the handshake and collects decode's completion
     notifications with :meth:`get_notifs`; decode adds the peer
     (:meth:`add_peer`) and reads (:meth:`read_blocks` + :meth:`wait`). Calls
-    are serialised by a lock (the agent runs with NIXL's default no-sync mode).
+    are serialised by a lock (the agent runs with NIXL's default no-sync mode);
+    over cma that lock is held for the copy inside :meth:`read_blocks`.
     """
 
     def __init__(self, agent_name: str, layout: KVLayout, *, backends: Sequence[str] = ("UCX",)) -> None:
@@ -196,13 +202,12 @@ class PDTransport:
         self._peers: dict[str, tuple[GroupLayout | None, ...]] = {}
         self._open: set[ReadHandle] = set()
         self._leaked: list[object] = []  # NIXL handles whose release failed; retried at shutdown
-        self._closed = False
 
     # ------------------------------------------------------------------ peers
     def metadata(self) -> bytes:
         """This agent's NIXL metadata (connection info + registered regions) for the handshake."""
         with self._lock:
-            return self._agent.get_agent_metadata()
+            return self._live().get_agent_metadata()
 
     def add_peer(self, peer_metadata: bytes, peer_groups: Sequence[GroupLayout | None]) -> str:
         """Load a peer's NIXL metadata and remember its block addressing; returns the peer name.
@@ -216,7 +221,7 @@ class PDTransport:
             )
         with self._lock:
             try:
-                name = self._agent.add_remote_agent(peer_metadata)
+                name = self._live().add_remote_agent(peer_metadata)
             except self._errors as e:
                 raise TransferError(f"NIXL agent {self.name!r}: loading peer metadata failed: {e!r}") from e
             name = name.decode() if isinstance(name, bytes) else str(name)
@@ -224,7 +229,8 @@ class PDTransport:
             return name
 
     def remove_peer(self, peer: str) -> None:
-        """Forget a peer (disconnects); open reads from it are released first."""
+        """Forget a peer (disconnects). Its open reads are released first, which is
+        not a fence (see :meth:`release`)."""
         with self._lock:
             for h in [h for h in self._open if h.peer == peer]:
                 self._release_locked(h)
@@ -259,6 +265,7 @@ class PDTransport:
             raise TransferError(f"READ from {peer!r} refused: {e}") from e
         handle = ReadHandle(peer=peer, num_descs=len(local), nbytes=int(local[:, 1].sum()) if len(local) else 0)
         with self._lock:
+            self._live()
             if len(local) == 0:
                 if notif:
                     self._notify_locked(peer, notif)
@@ -300,7 +307,7 @@ class PDTransport:
             if handle.state != "PROC":
                 raise TransferError(f"READ from {handle.peer!r} is {handle.state.lower()}")
             try:
-                state = self._agent.check_xfer_state(handle._xfer)
+                state = self._live().check_xfer_state(handle._xfer)
             except self._errors as e:
                 self._fail_locked(handle)
                 raise TransferError(
@@ -318,17 +325,20 @@ class PDTransport:
     def wait(self, handle: ReadHandle, timeout_s: float) -> None:
         """Block until the READ is done; never longer than ``timeout_s`` past the call.
 
-        On timeout the handle is released (NIXL cancels it) and
-        :class:`TransferTimeout` is raised; a failure raises :class:`TransferError`.
+        On timeout :class:`TransferTimeout` is raised and the READ stays open:
+        releasing it would not stop NIXL from writing its destination blocks
+        (see :meth:`release`), so the caller keeps those blocks until
+        :meth:`poll` reports DONE or an error (a dead peer errors at once).
+        A failure raises :class:`TransferError`.
         """
         deadline = time.monotonic() + timeout_s
         pause = 0.0
         while self.poll(handle) != "DONE":
             if time.monotonic() >= deadline:
-                self.release(handle)
                 raise TransferTimeout(
                     f"READ of {handle.nbytes} bytes from {handle.peer!r} not done after "
-                    f"{timeout_s:g} s; released. Check that the prefill instance is alive and reachable"
+                    f"{timeout_s:g} s; still in flight (keep its destination blocks until poll() "
+                    "settles it). Check that the prefill instance is alive and not stalled"
                 )
             # Short spin first (the progress thread usually finishes quickly), then back off
             # so a 2-core host is not starved by polling.
@@ -336,7 +346,14 @@ class PDTransport:
             pause = min(0.001, pause * 2 or 0.00005)
 
     def release(self, handle: ReadHandle) -> None:
-        """Abandon a READ (cancels it if still running). Idempotent."""
+        """Stop tracking a READ that is still in flight. Idempotent.
+
+        NOT a fence: measured over UCX tcp, a READ from a stalled peer kept
+        writing its destination after release (and after remove_peer) once the
+        peer resumed. Only reuse the destination blocks of a released READ
+        when the peer is known dead; :meth:`shutdown` destroys the agent, which
+        does stop late writes.
+        """
         with self._lock:
             self._release_locked(handle)
 
@@ -351,16 +368,19 @@ class PDTransport:
         with self._lock:
             return {
                 (k.decode() if isinstance(k, bytes) else str(k)): list(v)
-                for k, v in self._agent.get_new_notifs().items()
+                for k, v in self._live().get_new_notifs().items()
             }
 
     # ------------------------------------------------------------------ teardown
     def shutdown(self) -> None:
-        """Release open reads, drop peers, deregister the KV cache. Idempotent."""
+        """Release open reads, drop peers, deregister the KV cache and destroy the agent.
+
+        Destroying the agent stops UCX's progress thread, the only measured way
+        to guarantee no in-flight READ writes the KV cache afterwards. Idempotent.
+        """
         with self._lock:
-            if self._closed:
+            if self._agent is None:
                 return
-            self._closed = True
             for h in list(self._open):
                 self._release_locked(h)
             for x in self._leaked:
@@ -375,12 +395,15 @@ class PDTransport:
                 except self._errors:
                     pass
             self._peers.clear()
-            if self._reg is not None:
-                reg, self._reg = self._reg, None
-                try:
+            reg, self._reg = self._reg, None
+            try:
+                if reg is not None:
                     self._agent.deregister_memory(reg)
-                except self._errors as e:
-                    raise TransferError(f"NIXL agent {self.name!r}: deregistering the KV cache failed: {e!r}") from e
+            except self._errors as e:
+                raise TransferError(f"NIXL agent {self.name!r}: deregistering the KV cache failed: {e!r}") from e
+            finally:
+                # Handles hold the agent too; with them gone this is the last reference.
+                self._agent = None
 
     def __enter__(self) -> "PDTransport":
         return self
@@ -389,9 +412,14 @@ class PDTransport:
         self.shutdown()
 
     # ------------------------------------------------------------------ internals (lock held)
+    def _live(self):
+        if self._agent is None:
+            raise TransferError(f"P/D transport {self.name!r} is shut down")
+        return self._agent
+
     def _notify_locked(self, peer: str, msg: bytes) -> None:
         try:
-            self._agent.send_notif(peer, msg)
+            self._live().send_notif(peer, msg)
         except self._errors as e:
             raise TransferError(f"notification to {peer!r} failed: {e!r}; is the prefill instance alive?") from e
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 CONNECTORS = {
     "HybridStoreConnector": "hybridkv.connector.store_connector",
+    "HybridPDConnector": "hybridkv.connector.pd_connector",
 }
 
 

@@ -40,6 +40,7 @@ class LoadJob:
     req_id: str
     blocks: BlockBatch
     refused: str | None = None
+    load_id: int = 0  # pins of the target blocks are released by this id
 
 
 @dataclass
@@ -60,10 +61,14 @@ class StoreConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class StoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """Save jobs finished on this worker (summed over workers by ``aggregate``)."""
+    """Save jobs finished, and requests whose load calls have all returned (their
+    target blocks may be unpinned), on this worker; summed over workers by ``aggregate``."""
 
     finished_saves: Counter = field(default_factory=Counter)
+    released_loads: Counter = field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, StoreWorkerMetadata)
-        return StoreWorkerMetadata(self.finished_saves + other.finished_saves)
+        return StoreWorkerMetadata(
+            self.finished_saves + other.finished_saves, self.released_loads + other.released_loads
+        )

@@ -81,6 +81,8 @@ class StoreScheduler:
         self._saved_upto: dict[str, list[int]] = {}  # req -> per group: blocks considered for saving
         self._tails_done: set[str] = set()
         self._load_failed: set[str] = set()
+        self._load_pins: dict[int, list[Any]] = {}
+        self._load_acks: Counter[int] = Counter()
         self._recent: OrderedDict[BlockKey, None] = OrderedDict()
         self._job_ids = itertools.count(1)
         self._pins: dict[int, list[Any]] = {}
@@ -162,7 +164,7 @@ class StoreScheduler:
             hit = self._mirror.longest_hit(
                 request.block_hashes, target, plan.found, plan.local_tokens
             )
-        job = LoadJob(req_id, BlockBatch())
+        job = LoadJob(req_id, BlockBatch(), load_id=next(self._job_ids))
         if hit.tokens != target:
             job.refused = f"granted {num_external_tokens} tokens but the store has no state at {target}"
             self._loads.append(job)
@@ -184,6 +186,13 @@ class StoreScheduler:
                 job.blocks.add(gid, block_hash, block.block_id)
             if job.refused:
                 break
+        if job.blocks:
+            # Pinned until every worker's read into them has returned: a read that
+            # timed out may still be writing while the request recomputes elsewhere.
+            pool = self._manager.block_pool
+            pinned = [pool.blocks[b] for b in job.blocks.block_ids]
+            pool.touch(pinned)
+            self._load_pins[job.load_id] = pinned
         for gid, n in Counter(job.blocks.group_ids).items():
             self._stats.add(f"hit_tokens.g{gid}", n * self._mirror.geometry.groups[gid].block_size)
         self._loads.append(job)
@@ -331,9 +340,16 @@ class StoreScheduler:
                 pinned = self._pins.pop(job_id, None)
                 if pinned is not None and self._manager is not None:
                     self._manager.block_pool.free_blocks(pinned)
+        for load_id, n in meta.released_loads.items():
+            self._load_acks[load_id] += n
+            if self._load_acks[load_id] >= self._world_size:
+                del self._load_acks[load_id]
+                pinned = self._load_pins.pop(load_id, None)
+                if pinned is not None and self._manager is not None:
+                    self._manager.block_pool.free_blocks(pinned)
 
     def has_pending_saves(self) -> bool:
-        return bool(self._pins)
+        return bool(self._pins or self._load_pins)
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -30,7 +31,14 @@ from hybridkv.connector.store_config import StoreConnectorConfig
 from hybridkv.connector.store_metadata import BlockBatch, LoadJob, SaveJob, StoreConnectorMetadata, StoreWorkerMetadata
 from hybridkv.connector.store_stats import HybridStoreStats
 from hybridkv.store.keys import KeySchema
-from hybridkv.store.mooncake_backend import OBJECT_NOT_FOUND, MooncakeBackend, StoreError, code_name
+from hybridkv.store.mooncake_backend import (
+    CALL_TIMEOUT,
+    INTERNAL_ERROR,
+    OBJECT_NOT_FOUND,
+    MooncakeBackend,
+    StoreError,
+    code_name,
+)
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -94,6 +102,7 @@ class StoreWorker:
         self._lock = threading.Lock()
         self._done_loads: list[_LoadResult] = []
         self._done_saves: Counter[int] = Counter()
+        self._released_loads: Counter[int] = Counter()
         self._stats = HybridStoreStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -113,19 +122,21 @@ class StoreWorker:
             self._loads.submit(lambda job=job: self._run_load(job))
 
     def _run_load(self, job: LoadJob) -> None:
-        ok = False
+        ok, pending = False, None
         try:
             if job.refused:
                 self._fail("load_refused", f"request {job.req_id}: {job.refused}")
             elif self._layout is None:
                 self._fail("not_registered", "load before register_kv_caches")
             else:
-                ok = self._move(job.blocks, load=True)
+                ok, pending = self._move(job.blocks, load=True)
         finally:
             if not ok:
                 self._stat("failed_loads")
             with self._lock:
                 self._done_loads.append(_LoadResult(job.req_id, ok))
+            # The target blocks stay pinned by the scheduler until no read into them runs.
+            self._after(pending, lambda: self._released(job.load_id))
 
     # ------------------------------------------------------------------- saves
     def wait_for_save(self, meta: StoreConnectorMetadata) -> None:
@@ -137,16 +148,73 @@ class StoreWorker:
                 self._saves.submit(lambda job=job: self._run_save(job))
 
     def _run_save(self, job: SaveJob) -> None:
+        pending = None
         try:
-            if self._layout is not None and self._move(job.blocks, load=False) is not None:
-                self._log_keys(job.blocks)
+            if self._layout is not None:
+                ok, pending = self._move(job.blocks, load=False)
+                if ok:
+                    self._log_keys(job.blocks)
         finally:
-            with self._lock:
-                self._done_saves[job.job_id] += 1
+            # Acknowledge (unpin the source blocks) only once no write from them runs.
+            self._after(pending, lambda: self._ack_save(job.job_id))
+
+    def _ack_save(self, job_id: int) -> None:
+        with self._lock:
+            self._done_saves[job_id] += 1
+
+    def _released(self, load_id: int) -> None:
+        with self._lock:
+            self._released_loads[load_id] += 1
+
+    @staticmethod
+    def _after(pending: threading.Event | None, fn: Callable[[], None]) -> None:
+        """Run ``fn`` now, or when an abandoned store call has really returned."""
+        if pending is None or pending.is_set():
+            fn()
+            return
+
+        def wait_then() -> None:
+            pending.wait()
+            fn()
+
+        threading.Thread(target=wait_then, name="hybridkv-store-straggler", daemon=True).start()
+
+    def _guarded(
+        self, op: str, fn: Callable[..., list[int]], keys: list[str], addrs: list, sizes: list
+    ) -> tuple[list[int] | None, StoreError | None, threading.Event]:
+        """One store call bounded by ``timeout_s`` WITHOUT letting it outlive its buffers.
+
+        A Mooncake call cannot be cancelled: after a timeout it may still read or
+        write the KV blocks. The caller gets the timeout at once (the request
+        recomputes), and the returned event tells when the call really ended, so
+        the blocks stay pinned until then and are never reused under it.
+        """
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["codes"] = fn(keys, addrs, sizes, timeout_s=None)
+            except StoreError as e:
+                box["err"] = e
+            except Exception as e:  # noqa: BLE001 - surfaced as a store failure
+                box["err"] = StoreError(op, INTERNAL_ERROR, repr(e))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"hybridkv-{op}", daemon=True).start()
+        if not done.wait(self._cfg.timeout_s):
+            return None, StoreError(op, CALL_TIMEOUT, f"no answer within {self._cfg.timeout_s:g}s "
+                                    "(its blocks stay pinned until it returns)"), done
+        return box.get("codes"), box.get("err"), done
 
     # ---------------------------------------------------------------- transfer
-    def _move(self, blocks: BlockBatch, load: bool) -> bool:
-        """Move every object of ``blocks`` in batches; True iff all of them moved."""
+    def _move(self, blocks: BlockBatch, load: bool) -> tuple[bool, threading.Event | None]:
+        """Move every object of ``blocks`` in batches.
+
+        Returns (all moved, pending): ``pending`` is set when the last call issued
+        has really returned (None: nothing is still running).
+        """
         assert self._layout is not None
         keys, addrs, sizes, expect = [], [], [], []
         by_group: dict[int, list[int]] = {}
@@ -164,17 +232,15 @@ class StoreWorker:
         all_ok = True
         step = self._cfg.max_batch_blocks
         for lo in range(0, len(keys), step):
-            hi = lo + step
+            hi = min(lo + step, len(keys))
             t0 = time.perf_counter()
-            try:
-                if load:
-                    codes = self._client.get_into_parts(keys[lo:hi], addrs[lo:hi], sizes[lo:hi])
-                else:
-                    codes = self._client.put_from_parts(keys[lo:hi], addrs[lo:hi], sizes[lo:hi])
-            except StoreError as e:
-                cause = f"{'load' if load else 'save'}_{code_name(e.code).lower()}"
-                self._fail(cause, str(e), n=hi - lo, load=load)
-                return False
+            fn = self._client.get_into_parts if load else self._client.put_from_parts
+            codes, err, done = self._guarded("get_into_parts" if load else "put_from_parts", fn,
+                                             keys[lo:hi], addrs[lo:hi], sizes[lo:hi])
+            if err is not None:
+                cause = f"{'load' if load else 'save'}_{code_name(err.code).lower()}"
+                self._fail(cause, str(err), n=hi - lo, load=load)
+                return False, done
             dt = time.perf_counter() - t0
             moved = moved_bytes = 0
             for code, want in zip(codes, expect[lo:hi]):
@@ -195,8 +261,8 @@ class StoreWorker:
             self._stat(f"{kind}_bytes", moved_bytes)
             self._stat("load_seconds" if load else "save_seconds", dt)
             if load and not all_ok:
-                return False  # the request recomputes; the rest of its blocks are useless
-        return all_ok
+                return False, None  # the request recomputes; the rest of its blocks are useless
+        return all_ok, None
 
     def _log_keys(self, blocks: BlockBatch) -> None:
         if not self._cfg.key_log_path:
@@ -225,10 +291,11 @@ class StoreWorker:
 
     def build_worker_meta(self) -> StoreWorkerMetadata | None:
         with self._lock:
-            if not self._done_saves:
+            if not self._done_saves and not self._released_loads:
                 return None
             done, self._done_saves = self._done_saves, Counter()
-        return StoreWorkerMetadata(done)
+            released, self._released_loads = self._released_loads, Counter()
+        return StoreWorkerMetadata(done, released)
 
     def _stat(self, name: str, value: float = 1) -> None:
         with self._lock:

@@ -129,3 +129,77 @@ def test_bad_config_fails_at_startup_naming_the_key(capfd):
         make_llm(tiny_model("gemma3"), store_transfer_config({"master_adress": "127.0.0.1:1"}))
     out, err = capfd.readouterr()
     assert "unknown key(s) ['master_adress']" in out + err
+
+
+def _generate_many(llm, prompts: list[list[int]], max_tokens: int = 24):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
+
+
+def test_chunked_prefill_and_preemption_under_a_small_cache():
+    """Several long requests at once in a KV cache too small for them: vLLM chunks their
+    prefills and preempts some (their blocks are freed while saves are in flight, which
+    the connector's pins must survive). The next turn must still hit the store and match."""
+    llm = make_llm(tiny_model("gemma3"), store_transfer_config({"namespace": "preempt"}),
+                   max_num_batched_tokens=256, num_gpu_blocks_override=40, max_num_seqs=4,
+                   disable_log_stats=False)
+    sessions = [Session(seed=100 + i, first_tokens=1200, growth_tokens=300) for i in range(4)]
+    first = _generate_many(llm, [s.prompt for s in sessions])
+    preemptions = _metric(llm, "vllm:num_preemptions")
+    for s, (toks, _) in zip(sessions, first):
+        s.extend(toks)
+    reset_local_cache(llm)
+    second = _generate_many(llm, [s.prompt for s in sessions])
+    print(f"\npreemptions {preemptions}, cached on turn 2: {[c for _, c in second]}")
+    assert preemptions >= 1, "the cache was meant to be too small for all requests at once"
+    assert sum(c for _, c in second) > 0
+    for i, (s, (toks, cached)) in enumerate(zip(sessions, second)):
+        ref = generate(llm, s.prompt, max_tokens=24, cache_salt=f"preempt-{i}")
+        assert ref.token_ids == toks, f"request {i} (cached {cached}) differs from recompute"
+    del llm
+
+
+def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_blocks():
+    """The node holding the objects stops answering (SIGSTOP) while a load reads from it.
+
+    The read times out and the request recomputes at once; the abandoned read is
+    still pending inside Mooncake and completes when the node resumes. Its target
+    blocks must stay pinned until then: before that fix, a late read landed in
+    blocks the recompute had been given and the output differed from recompute.
+    """
+    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout.readline().strip() == b"ready"
+            llm = make_llm(tiny_model("gemma3"), store_transfer_config(
+                {"master_address": master.address, "namespace": "hung", "global_segment_size": 0,
+                 "timeout_s": 2.0}), disable_log_stats=False)
+            session = Session(seed=14)
+            session.extend(generate(llm, session.prompt).token_ids)
+            reset_local_cache(llm)
+            holder.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                got = generate(llm, session.prompt)
+                elapsed = time.monotonic() - t0
+                ref = generate(llm, session.prompt, cache_salt="hung-recompute")
+            finally:
+                holder.send_signal(signal.SIGCONT)
+            time.sleep(3)  # let the abandoned read finish into its pinned blocks
+            again = generate(llm, session.prompt, cache_salt="hung-after")
+            other = generate(llm, Session(seed=15).prompt, cache_salt="hung-other")
+            other_ref = generate(llm, Session(seed=15).prompt, cache_salt="hung-other-2")
+            print(f"\nnode hung: cached {got.num_cached_tokens}, {elapsed:.1f}s, "
+                  f"failed loads {_metric(llm, 'vllm:hybridkv_store_failed_loads')}")
+            assert matches(got, ref)
+            assert matches(again, ref) and matches(other, other_ref)
+            assert _metric(llm, "vllm:hybridkv_store_failed_loads") >= 1
+            assert elapsed < 30
+            del llm
+        finally:
+            if holder.poll() is None:
+                holder.kill()

@@ -10,20 +10,55 @@ block ids, and checks the moved bytes against a local copy of prefill's memory
 regenerated from the seed — and that every other byte is still poison. Planted
 faults prove the check can fail. Children come from a forkserver that has
 vLLM/torch preloaded, so each costs a fork, not a vLLM import.
+
+Each test has no timing assertion: bounds (wait timeouts, join limits) only
+turn a hang into a failure.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
 import socket
 import threading
 from dataclasses import replace
+from multiprocessing import forkserver
 
-import numpy as np
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # read at agent creation; keeps UCX on loopback
+# Without this every process that created a UCX agent segfaults at exit (pytest: rc 139 after
+# "passed"): UCX's IB module loads nixl's bundled libibverbs, which loads the system rdma-core
+# providers, so two libnl-route copies get finalised. CPU loopback needs no IB.
+os.environ.setdefault("UCX_MODULES", "^ib")
+
+# Children fork from a server that has the heavy imports done. Start it before this module's
+# own vLLM import so the two imports overlap (the test module is not preloaded: it would
+# start a forkserver of its own).
+_PRELOAD = [
+    "torch",
+    "vllm.config",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.worker.utils",
+    "hybridkv.connector.pd_handshake",
+    "hybridkv.connector.pd_transport",
+]
+
+
+def _ctx() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+if not os.environ.get("HYBRIDKV_PD_TEST_CHILD"):  # the pytest process, not a child importing this
+    os.environ["HYBRIDKV_PD_TEST_CHILD"] = "1"  # inherited by the forkserver and its children
+    _ctx()
+    forkserver.ensure_running()
+
+import numpy as np  # noqa: E402
 import pytest
-import torch
+import torch  # noqa: E402
 from vllm.config import VllmConfig
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
@@ -48,12 +83,10 @@ from hybridkv.connector.pd_handshake import (
 )
 from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")  # read at agent creation; keeps UCX on loopback
-
 POISON = 0xA5
 SEED = 1234
 SMALL = 8 << 20  # bytes of KV memory per side for the correctness tests
-BIG = 192 << 20  # for the kill/stop tests: reads large enough to be in flight
+BIG = 64 << 20  # for the kill/stop tests: reads large enough to be in flight
 WAIT_S = 10.0  # bound passed to PDTransport.wait (a bound, never asserted as a duration)
 JOIN_S = 90.0  # a child still alive after this is reported as a hang
 
@@ -78,7 +111,7 @@ def _groups(variant: str) -> list[KVCacheGroupSpec]:
     )
     if variant == "block_size":
         dense = FullAttentionSpec(block_size=32, num_kv_heads=heads, head_size=64, dtype=dtype)
-    else:  # half the per-token bytes of a head-128 layer -> double... here: head 128 at block 16
+    else:  # a second full-attention group at another block size (head 128, same page)
         dense = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=128, dtype=dtype)
     return [
         KVCacheGroupSpec(["sw.0", "sw.1"], sw),
@@ -146,17 +179,18 @@ def assert_moved(src: KV, dst: KV, remote_ids: list[list[int]], local_ids: list[
 # ----------------------------------------------------------------------------- child processes
 
 
-def _ctx() -> mp.context.BaseContext:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
+def _forked() -> None:
+    """In a child forked from the preloaded server: keep the first GC from walking (and so
+    copy-on-write copying) the whole inherited heap, which cost 1.5 s inside a ``tolist``."""
+    gc.freeze()
 
 
 def _prefill_main(conn, variant: str, nbytes: int, engine_id: str, tcp: bool) -> None:
     """Prefill worker: seeded KV, NIXL agent, handshake server; then obey the test's commands."""
+    _forked()
     if tcp:
         os.environ["UCX_TLS"] = "tcp"
-    kv = KV(variant, nbytes=nbytes, seed=SEED)
+    kv = KV(variant, nbytes=nbytes, seed=SEED if nbytes == SMALL else None)  # big: content not checked
     transport = PDTransport(f"{engine_id}-rank0", kv.layout)
     info = AgentInfo(
         engine_id=engine_id,
@@ -255,6 +289,7 @@ LOCAL = [[210, 11, 77, 140], [12, 190, 13, 100, 30, 201], [66], [1, 250, 44]]
 
 def test_read_moves_exactly_the_asked_blocks_and_notifies_prefill(prefill, decode, expected):
     kv, transport, peer = decode
+    prefill.call("notifs")  # drain
     kv.raw.fill_(POISON)
     handle = transport.read_blocks(peer, REMOTE, LOCAL, notif=b"req-1:done")
     transport.wait(handle, WAIT_S)
@@ -393,24 +428,22 @@ def test_handshake_refuses_tp_mismatch(handshake_server, expected):
 
 def test_handshake_refuses_version_mismatch_both_ways(handshake_server, expected):
     newer = HANDSHAKE_VERSION + 1
+    fix = "install the same hybridkv version on both instances"
     # Prefill refuses a decode that speaks another version.
     with pytest.raises(HandshakeError) as err:
         request_agent_info(handshake_server.address, AgentInfoRequest("d", 0, None, version=newer), 5.0)
-    assert f"prefill handshake version={HANDSHAKE_VERSION} but decode has {newer}" in str(err.value)
-    assert "install the same hybridkv version on both instances" in str(err.value)
+    assert f"prefill handshake version={HANDSHAKE_VERSION} but decode has {newer}: {fix}" in str(err.value)
+    assert "decode engine 'd' rank 0" in str(err.value)
     # Decode refuses a prefill that answers in another version.
-    info = AgentInfo("p2", 0, "p2-rank0", b"md", expected.descriptor(), version=newer)
-    with HandshakeServer(info) as newer_server:
+    newer_info = AgentInfo("p2", 0, "p2-rank0", b"md", expected.descriptor(), version=newer)
+    with HandshakeServer(newer_info) as newer_server:
+        info = request_agent_info(newer_server.address, AgentInfoRequest("d", 0, None, version=newer), 5.0)
         with pytest.raises(HandshakeError) as err:
-            request_agent_info(newer_server.address, AgentInfoRequest("d", 0, None, version=newer), 5.0)
-        # request_agent_info's answer check compares with the version the request spoke;
-        # the full decode path compares with this build's version:
-        with pytest.raises(HandshakeError) as err2:
+            check_agent_info(info, expected.descriptor(), address=newer_server.address, tp_rank=0)
+        assert f"prefill handshake version={newer} but decode has {HANDSHAKE_VERSION}: {fix}" in str(err.value)
+        assert f"prefill engine 'p2' rank 0 at {newer_server.address}" in str(err.value)
+        with pytest.raises(HandshakeError, match=f"prefill handshake version={newer} but decode has {HANDSHAKE_VERSION}"):
             fetch_agent_info(newer_server.address, expected.descriptor(), engine_id="d", tp_rank=0)
-    assert err.type is HandshakeError  # same version both ways: accepted by the server ...
-    assert f"prefill handshake version={newer} but decode has {HANDSHAKE_VERSION}" in str(err2.value) or (
-        f"prefill handshake version={HANDSHAKE_VERSION} but decode has {newer}" in str(err2.value)
-    )
 
 
 def test_handshake_refuses_wrong_engine_and_rank(handshake_server, expected):
@@ -419,7 +452,14 @@ def test_handshake_refuses_wrong_engine_and_rank(handshake_server, expected):
             handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=0, prefill_engine_id="other"
         )
     with pytest.raises(HandshakeError, match="it asked for tp_rank 1 but this is prefill engine 'prefill-hs' rank 0"):
-        fetch_agent_info(handshake_server.address, replace(expected.descriptor()), engine_id="d", tp_rank=1)
+        fetch_agent_info(handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=1)
+
+
+def test_handshake_server_refuses_a_taken_port(handshake_server):
+    # gRPC's default SO_REUSEPORT would let two workers share one port and answer for each other.
+    second = HandshakeServer(replace(handshake_server._info, tp_rank=1), port=handshake_server.port)
+    with pytest.raises(HandshakeError, match=f"cannot bind 127.0.0.1:{handshake_server.port}"):
+        second.start()
 
 
 def test_handshake_unreachable_peer_fails_within_timeout(expected):
@@ -439,31 +479,33 @@ def test_handshake_unreachable_peer_fails_within_timeout(expected):
 # ----------------------------------------------------------------------------- dying / stuck peer
 
 
-def _decode_against_failing_peer(conn, address: str, engine_id: str, victim_pid: int, mode: str) -> None:
-    """Decode child: READ big batches until the peer dies (mode "kill") or stops (mode
-    "stop"); report how each read ended. Runs in its own process so a hang is visible."""
-    if mode == "stop":
-        os.environ["UCX_TLS"] = "tcp"  # cma can read a stopped process; tcp needs the peer's help
+def _big_read(kv: KV) -> tuple[list[list[int]], list[list[int]]]:
+    """Half of group 1's pool into the other half: about BIG/2 bytes in one READ."""
+    n = kv.config.num_blocks
+    return [[], list(range(0, n // 2)), [], []], [[], list(range(n // 2, n)), [], []]
+
+
+def _decode_vs_killed_peer(conn, address: str, victim_pid: int) -> None:
+    """Decode child: big READs while the prefill is SIGKILLed; report how each ended.
+    In its own process so that a hang shows up as a missing report, not a stuck suite."""
+    _forked()
     kv = KV(nbytes=BIG, seed=None)
-    transport = PDTransport(f"decode-{mode}", kv.layout)
+    transport = PDTransport("decode-kill", kv.layout)
     info = fetch_agent_info(address, kv.descriptor(), engine_id="d", tp_rank=0, timeout_s=10.0)
     peer = transport.add_peer(info.agent_metadata, info.layout.group_layouts())
-    n = kv.config.num_blocks
-    half = list(range(0, n // 2)), list(range(n // 2, n))  # all of group 1's pool: ~BIG bytes a read
-    remote, local = [[], half[0], [], []], [[], half[1], [], []]
-    transport.wait(transport.read_blocks(peer, remote, local), WAIT_S)  # peer is fine so far
-    sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
-    threading.Timer(0.05, os.kill, (victim_pid, sig)).start()
+    remote, local = _big_read(kv)
+    transport.wait(transport.read_blocks(peer, remote, local), WAIT_S)  # healthy so far
+    threading.Timer(0.05, os.kill, (victim_pid, signal.SIGKILL)).start()
     outcomes = []
-    for _ in range(500):
+    for _ in range(500):  # until the kill lands in (or before) a READ
         try:
-            transport.wait(transport.read_blocks(peer, remote, local), WAIT_S if mode == "kill" else 2.0)
+            transport.wait(transport.read_blocks(peer, remote, local), WAIT_S)
             outcomes.append("DONE")
         except TransferError as e:
             outcomes.append(f"{type(e).__name__}: {e}")
             break
-    try:  # the next read must fail promptly too (not hang)
-        transport.wait(transport.read_blocks(peer, remote, local), 2.0)
+    try:  # and the next READ fails too, promptly
+        transport.wait(transport.read_blocks(peer, remote, local), WAIT_S)
         outcomes.append("DONE")
     except TransferError as e:
         outcomes.append(f"{type(e).__name__}: {e}")
@@ -471,30 +513,69 @@ def _decode_against_failing_peer(conn, address: str, engine_id: str, victim_pid:
     conn.send(outcomes)
 
 
-@pytest.mark.parametrize("mode", ["kill", "stop"])
-def test_failing_prefill_mid_transfer_ends_in_error_not_hang(mode):
-    prefill = Prefill(nbytes=BIG, engine_id=f"prefill-{mode}", tcp=(mode == "stop"))
-    conn, child = mp.Pipe()
-    proc = _ctx().Process(
-        target=_decode_against_failing_peer, args=(child, prefill.address, prefill.engine_id, prefill.pid, mode), daemon=True
+def _decode_vs_stalled_peer(conn, address: str, victim_pid: int) -> None:
+    """Decode child over UCX tcp (cma could read a stopped process): the prefill is
+    SIGSTOPped right after the post; wait() must give up at its bound, the READ must
+    stay open, and finish once the prefill is SIGCONTed."""
+    _forked()
+    os.environ["UCX_TLS"] = "tcp"
+    kv = KV(nbytes=BIG, seed=None)
+    kv.raw.zero_()
+    transport = PDTransport("decode-stop", kv.layout)
+    info = fetch_agent_info(address, kv.descriptor(), engine_id="d", tp_rank=0, timeout_s=10.0)
+    peer = transport.add_peer(info.agent_metadata, info.layout.group_layouts())
+    remote, local = _big_read(kv)
+    handle = transport.read_blocks(peer, remote, local)
+    os.kill(victim_pid, signal.SIGSTOP)
+    report = {"post": handle.state}
+    try:
+        transport.wait(handle, 1.0)
+        report["wait"] = "DONE"
+    except TransferError as e:
+        report["wait"] = f"{type(e).__name__}: {e}"
+    report["poll_after_timeout"] = transport.poll(handle)
+    os.kill(victim_pid, signal.SIGCONT)
+    transport.wait(handle, WAIT_S)
+    report["after_resume"] = handle.state
+    addrs, sizes = kv.layout.groups[1].regions(local[1])
+    report["landed"] = all(
+        bool((kv.mem[a - kv.base : a - kv.base + n] == POISON).all())
+        for row, srow in zip(addrs, sizes)
+        for a, n in zip(row, srow)
     )
+    transport.shutdown()
+    conn.send(report)
+
+
+def _run_decode_child(target, prefill: Prefill):
+    conn, child = mp.Pipe()
+    proc = _ctx().Process(target=target, args=(child, prefill.address, prefill.pid), daemon=True)
     proc.start()
     try:
-        assert conn.poll(JOIN_S), f"decode child hung after the prefill was {mode}ed"
-        outcomes = conn.recv()
+        assert conn.poll(JOIN_S), f"decode child hung (no report after {JOIN_S:g} s)"
+        return conn.recv()
     finally:
-        if mode == "stop":
-            os.kill(prefill.pid, signal.SIGCONT)
         proc.join(10)
         if proc.is_alive():
             proc.kill()
         prefill.proc.kill()
         prefill.proc.join()
-    *done, failed, after = outcomes
+
+
+def test_prefill_killed_mid_transfer_ends_in_error_not_hang():
+    prefill = Prefill(nbytes=BIG, engine_id="prefill-kill")
+    *done, failed, after = _run_decode_child(_decode_vs_killed_peer, prefill)
     assert all(o == "DONE" for o in done)
-    expected_error = "TransferError" if mode == "kill" else "TransferTimeout"
-    assert failed.startswith(expected_error), failed
-    assert f"'{prefill.engine_id}-rank0'" in failed  # the peer is named
-    assert after.startswith("Transfer"), after  # TransferError or TransferTimeout
-    if mode == "stop":
-        assert TransferTimeout.__name__ in failed and "not done after 2 s; released" in failed
+    assert failed.startswith("TransferError: READ of ") and "from 'prefill-kill-rank0'" in failed, failed
+    assert "is the prefill instance alive?" in failed or "may have died" in failed, failed
+    assert after.startswith("TransferError"), after
+
+
+def test_stalled_prefill_times_out_and_the_read_stays_open_until_it_settles():
+    prefill = Prefill(nbytes=BIG, engine_id="prefill-stop", tcp=True)
+    report = _run_decode_child(_decode_vs_stalled_peer, prefill)
+    assert report["post"] == "PROC", report  # over tcp the post returns before the data moved
+    assert report["wait"].startswith("TransferTimeout: READ of "), report
+    assert "from 'prefill-stop-rank0' not done after 1 s; still in flight" in report["wait"], report
+    assert report["poll_after_timeout"] == "PROC", report
+    assert report["after_resume"] == "DONE" and report["landed"], report

@@ -1,0 +1,177 @@
+"""HybridPDConnector: prefill/decode disaggregation over NIXL, for hybrid KV caches.
+
+One class for both instances of a pair (``kv_role`` ``kv_producer`` / ``kv_consumer``
+/ ``kv_both``); what a request does is decided by its ``kv_transfer_params``
+(``do_remote_decode`` on the prefill instance, ``do_remote_prefill`` with the
+prefill side's answer on the decode instance), which ``hybridkv proxy`` sets.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hybridkv.connector.pd_metadata import PDConnectorMetadata
+from hybridkv.connector.pd_scheduler import PDScheduler
+from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
+from hybridkv.connector.store_config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+
+
+@dataclass(frozen=True)
+class PDConnectorConfig:
+    # Address the gRPC handshake service binds to and advertises (127.0.0.1: single host).
+    handshake_host: str = "127.0.0.1"
+    # 0: a free port per worker (advertised through kv_transfer_params).
+    handshake_port: int = 0
+    # Seconds the prefill side keeps a finished request's blocks for the decode side.
+    lease_s: float = 60.0
+    # Bound on one handshake round trip (decode side).
+    handshake_timeout_s: float = 5.0
+    # Bound on one request's read (decode side); past it the request recomputes or fails.
+    read_timeout_s: float = 30.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config has unknown key(s) {unknown} for HybridPDConnector; "
+                f"known keys: {sorted(known)}"
+            )
+        for key in ("lease_s", "handshake_timeout_s", "read_timeout_s"):
+            v = extra.get(key, 1.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"kv_connector_extra_config.{key}={v!r}: expected a positive number of seconds")
+        port = extra.get("handshake_port", 0)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ConfigError(f"kv_connector_extra_config.handshake_port={port!r}: expected 0 (any free port) or a port")
+        if not isinstance(extra.get("handshake_host", ""), str):
+            raise ConfigError("kv_connector_extra_config.handshake_host: expected a host name or address")
+        return cls(**extra)
+
+
+def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
+    out = []
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        if any(isinstance(s, MambaSpec) for s in specs):
+            out.append(gid)
+    return tuple(out)
+
+
+class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
+    """Decode pulls every transfer-enabled group's blocks from prefill with NIXL READs."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self._cfg = PDConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ConfigError(
+                "HybridPDConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 in this "
+                f"version (got tp={parallel.tensor_parallel_size}, pp={parallel.pipeline_parallel_size})"
+            )
+        engine_id = str(ktc.engine_id)
+        mamba = _mamba_group_ids(kv_cache_config)
+        self._scheduler: PDScheduler | None = None
+        self._worker: PDWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PDScheduler(engine_id, bool(mamba), self._cfg.lease_s, mamba)
+        else:
+            self._worker = PDWorker(
+                PDWorkerSettings(engine_id, 0, 1, self._cfg.handshake_host, self._cfg.handshake_port,
+                                 self._cfg.handshake_timeout_s, self._cfg.read_timeout_s),
+                kv_cache_config,
+            )
+
+    # ----------------------------------------------------------------- scheduler
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return self._kv_transfer_config.is_kv_producer
+
+    def on_new_request(self, request: "Request") -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_handshake(metadata)
+
+    # -------------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self):  # noqa: ANN201 - vLLM's signature
+        return self._worker.handshake_metadata() if self._worker is not None else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert self._worker is not None and isinstance(meta, PDConnectorMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # reads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # decode pulls; prefill only keeps its blocks alive
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.get_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,50 @@
+"""What HybridPDConnector's scheduler side tells its workers each step.
+
+Decode side: ``reads`` (pull these remote blocks into these local blocks, per
+group). Prefill side: ``leases`` (hold these finished requests' blocks until the
+decode side says it has read them, or the lease expires).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+
+@dataclass
+class ReadJob:
+    """Pull one request's blocks from a prefill peer (pairs per group, same order)."""
+
+    req_id: str
+    remote_req_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: list[list[int]]
+    local_block_ids: list[list[int]]
+    refused: str | None = None
+
+
+@dataclass
+class Lease:
+    req_id: str
+    expires_at: float  # time.time() on the prefill host
+
+
+@dataclass
+class PDConnectorMetadata(KVConnectorMetadata):
+    reads: list[ReadJob] = field(default_factory=list)
+    leases: list[Lease] = field(default_factory=list)
+
+
+@dataclass
+class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Where a worker's gRPC handshake service listens (sent to the scheduler by vLLM)."""
+
+    host: str
+    port: int
+    tp_rank: int

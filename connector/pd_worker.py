@@ -1,0 +1,179 @@
+"""Worker side of HybridPDConnector: handshake service, NIXL reads, leases.
+
+Prefill workers register the KV cache with NIXL and serve the gRPC handshake;
+they report a finished request's blocks free (``finished_sending``) when the
+decode side's read notification arrives or its lease expires. Decode workers
+handshake once per peer (refusing a layout mismatch there), then pull each
+request's blocks with one batched READ on a background thread; a failed or
+timed-out read is reported per request (``failed_recving``), so vLLM recomputes
+or fails it according to ``kv_load_failure_policy`` and never runs on partial KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from hybridkv.connector.block_layout import KVLayout, layout_rows
+from hybridkv.connector.log_once import warn_once
+from hybridkv.connector.pd_handshake import AgentInfo, HandshakeError, HandshakeServer, LayoutDescriptor, fetch_agent_info
+from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
+from hybridkv.connector.pd_transport import PDTransport, TransferError
+
+logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+
+
+@dataclass(frozen=True)
+class PDWorkerSettings:
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    host: str
+    port: int
+    handshake_timeout_s: float
+    read_timeout_s: float
+
+
+class PDWorker:
+    def __init__(self, settings: PDWorkerSettings, kv_cache_config: KVCacheConfig) -> None:
+        self._s = settings
+        self._kv_cache_config = kv_cache_config
+        self._transport: PDTransport | None = None
+        self._server: HandshakeServer | None = None
+        self._local: LayoutDescriptor | None = None
+        self._peers: dict[tuple[str, int], str] = {}
+        self._lock = threading.Lock()
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        self._leases: dict[str, float] = {}
+        self._read_notified: set[str] = set()
+        self._jobs: queue.Queue[ReadJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run_reads, name="hybridkv-pd-read", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ registration
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = KVLayout.from_kv_caches(self._kv_cache_config, kv_caches)
+        name = f"hybridkv-{self._s.engine_id}-tp{self._s.tp_rank}"
+        self._transport = PDTransport(name, layout)
+        self._local = LayoutDescriptor.from_kv(layout, layout_rows(self._kv_cache_config), self._s.tp_size)
+        info = AgentInfo(
+            engine_id=self._s.engine_id,
+            tp_rank=self._s.tp_rank,
+            agent_name=name,
+            agent_metadata=self._transport.metadata(),
+            layout=self._local,
+        )
+        self._server = HandshakeServer(info, host=self._s.host, port=self._s.port)
+        port = self._server.start()
+        logger.info("hybridkv P/D: NIXL agent %s, handshake on %s:%d", name, self._s.host, port)
+
+    def handshake_metadata(self) -> PDHandshakeMetadata | None:
+        if self._server is None:
+            return None
+        return PDHandshakeMetadata(host=self._s.host, port=int(self._server.address.rpartition(":")[2]),
+                                   tp_rank=self._s.tp_rank)
+
+    # ------------------------------------------------------------------ decode
+    def start_load_kv(self, meta: PDConnectorMetadata) -> None:
+        for job in meta.reads:
+            self._jobs.put(job)
+        now = time.time()
+        with self._lock:
+            for lease in meta.leases:
+                self._leases[lease.req_id] = lease.expires_at if lease.expires_at > now else now
+
+    def _run_reads(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            ok = False
+            try:
+                ok = self._read(job)
+            except Exception:  # noqa: BLE001 - reported as a failed load, never a crash
+                logger.exception("hybridkv P/D: read for %s crashed", job.req_id)
+            with self._lock:
+                self._recv_done.add(job.req_id)
+                if not ok:
+                    self._recv_failed.add(job.req_id)
+
+    def _read(self, job: ReadJob) -> bool:
+        if job.refused:
+            warn_once(logger, "pd_refused", "request %s cannot be read: %s", job.req_id, job.refused)
+            return False
+        assert self._transport is not None and self._local is not None
+        try:
+            import os
+            peer = self._peer(job)
+            if os.environ.get("HKV_DEBUG"):
+                from hybridkv.connector.pd_transport import read_descriptors
+                loc, rem = read_descriptors(self._transport.layout.groups, self._transport._peers[peer], job.remote_block_ids, job.local_block_ids)
+                with open("/tmp/hkv_pd_debug.log", "a") as f:
+                    f.write(f"job {job}\nalloc {self._transport.layout.allocations}\nlocal min {loc[:,0].min()} max {(loc[:,0]+loc[:,1]).max()} n {len(loc)}\nremote min {rem[:,0].min()} max {(rem[:,0]+rem[:,1]).max()}\npeer groups {[ (g.bases.tolist(), g.strides.tolist(), g.block_bytes.tolist()) for g in self._transport._peers[peer] if g is not None]}\n")
+            if os.environ.get("HKV_SKIP_READ"):
+                return True
+            handle = self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids,
+                                                 notif=job.remote_req_id.encode())
+            self._transport.wait(handle, self._s.read_timeout_s)
+            self._transport.release(handle)
+            import os
+            if os.environ.get("HKV_DEBUG"):
+                with open("/tmp/hkv_pd_debug.log", "a") as f:
+                    f.write("read done\n")
+            return True
+        except HandshakeError as e:
+            logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters
+            return False
+        except TransferError as e:
+            warn_once(logger, f"pd_read:{type(e).__name__}", "read of %s from %s:%d failed: %s",
+                      job.req_id, job.remote_host, job.remote_port, e)
+            self._peers.pop((job.remote_host, job.remote_port), None)  # re-handshake next time
+            return False
+
+    def _peer(self, job: ReadJob) -> str:
+        key = (job.remote_host, job.remote_port)
+        peer = self._peers.get(key)
+        if peer is None:
+            info = fetch_agent_info(
+                f"{job.remote_host}:{job.remote_port}", self._local, engine_id=self._s.engine_id,
+                tp_rank=self._s.tp_rank, timeout_s=self._s.handshake_timeout_s,
+                prefill_engine_id=job.remote_engine_id,
+            )
+            peer = self._transport.add_peer(info.agent_metadata, info.layout.group_layouts())
+            self._peers[key] = peer
+        return peer
+
+    # ----------------------------------------------------------------- results
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        sending: set[str] = set()
+        if self._transport is not None and self._leases:
+            for msgs in self._transport.get_notifs().values():
+                self._read_notified.update(m.decode(errors="replace") for m in msgs)
+        with self._lock:
+            recv, failed = self._recv_done, self._recv_failed
+            self._recv_done, self._recv_failed = set(), set()
+            now = time.time()
+            for req_id, expires in list(self._leases.items()):
+                if req_id in self._read_notified or now >= expires:
+                    if req_id not in self._read_notified:
+                        warn_once(logger, "pd_lease_expired", "lease of %s expired before the decode side read it",
+                                  req_id)
+                    sending.add(req_id)
+                    del self._leases[req_id]
+                    self._read_notified.discard(req_id)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)
+
+    def has_leases(self) -> bool:
+        return bool(self._leases)
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+        if self._server is not None:
+            self._server.stop()
+        if self._transport is not None:
+            self._transport.shutdown()
