@@ -34,6 +34,11 @@ Facts this relies on (NIXL 1.5.1, UCX backend, checked on this CPU machine):
 - ``UCX_NET_DEVICES`` (e.g. ``lo`` for single-host runs) is read when the agent
   is created; this module does not set it. ``UCX_TLS=`` (empty) makes agent
   creation fail: leave it unset or name transports.
+- On a host with the system rdma-core installed (``libibverbs1``, which the
+  Mooncake store needs), every process that created a UCX agent segfaults at
+  exit (two libnl-route copies: nixl's bundled one and the system one loaded
+  by the rdma-core providers). ``UCX_MODULES=^ib`` (no IB transport; fine for
+  CPU loopback) avoids it. Set by the deployment, not here: RDMA hosts need IB.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ class TransferError(RuntimeError):
 
 
 class TransferTimeout(TransferError):
-    """A P/D READ did not complete within the caller's bound (its handle was released)."""
+    """A P/D READ did not complete within the caller's bound; it is still in flight."""
 
 
 def _nixl():
@@ -116,11 +121,12 @@ def read_descriptors(
                 f"group {gid}: per-layer block bytes differ (local {lg.block_bytes.tolist()}, peer "
                 f"{rg.block_bytes.tolist()}); the handshake should have refused this peer"
             )
-        l_addr, l_size = lg.regions(l_ids)
+        l_addr, _ = lg.regions(l_ids)
         r_addr, _ = rg.regions(r_ids)
         local_parts.append(np.asarray(l_addr, dtype=np.uint64).reshape(-1))
         remote_parts.append(np.asarray(r_addr, dtype=np.uint64).reshape(-1))
-        sizes.append(np.asarray(l_size, dtype=np.uint64).reshape(-1))
+        # regions() sizes are block_bytes per layer, block after block: same rows, no list trip
+        sizes.append(np.tile(lg.block_bytes.astype(np.uint64), len(l_ids)))
     if not sizes:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return empty, empty.copy()
@@ -255,6 +261,8 @@ class PDTransport:
         blocks. With nothing to read the notification is sent on its own and
         the handle is already done. May block for the copy (see module doc).
         """
+        if self._agent is None:
+            raise TransferError(f"P/D transport {self.name!r} is shut down")
         try:
             peer_groups = self._peers[peer]
         except KeyError:

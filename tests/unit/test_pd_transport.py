@@ -298,7 +298,7 @@ def test_read_moves_exactly_the_asked_blocks_and_notifies_prefill(prefill, decod
     )
     assert_moved(expected, kv, REMOTE, LOCAL)
     notifs: dict[str, list[bytes]] = {}
-    for _ in range(200):  # notification travels separately from the data
+    for _ in range(1000):  # bound only  # notification travels separately from the data
         for k, v in prefill.call("notifs").items():
             notifs.setdefault(k, []).extend(v)
         if notifs:
@@ -341,7 +341,7 @@ def test_nothing_to_read_still_notifies(prefill, decode):
     handle = transport.read_blocks(peer, [[], [], [], []], [[], [], [], []], notif=b"req-2:nothing")
     assert handle.done
     got: list[bytes] = []
-    for _ in range(200):
+    for _ in range(1000):  # bound only
         got += prefill.call("notifs").get("decode-rank0", [])
         if got:
             break
@@ -455,9 +455,10 @@ def test_handshake_refuses_wrong_engine_and_rank(handshake_server, expected):
         fetch_agent_info(handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=1)
 
 
-def test_handshake_server_refuses_a_taken_port(handshake_server):
+def test_handshake_server_refuses_a_taken_port(handshake_server, expected):
     # gRPC's default SO_REUSEPORT would let two workers share one port and answer for each other.
-    second = HandshakeServer(replace(handshake_server._info, tp_rank=1), port=handshake_server.port)
+    rank1 = AgentInfo("prefill-hs", 1, "prefill-hs-rank1", b"md", expected.descriptor())
+    second = HandshakeServer(rank1, port=handshake_server.port)
     with pytest.raises(HandshakeError, match=f"cannot bind 127.0.0.1:{handshake_server.port}"):
         second.start()
 
