@@ -113,7 +113,7 @@ def matches(a: Completion, b: Completion, tol: float = LOGPROB_TOL) -> bool:
     beyond ``tol`` before or at that point (the planted-fault controls show it).
     """
     for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
-        if abs(a.logprobs[i] - b.logprobs[i]) > tol:
+        if not abs(a.logprobs[i] - b.logprobs[i]) <= tol:  # NaN (garbage KV) fails too
             return False
         if ta != tb:
             return True  # a near-tie: equal top logprobs, different argmax
