@@ -53,6 +53,7 @@ CASES = [
     ("1M x4L x128", 4, 1 << 20, 128),
 ]
 QUICK = [CASES[0], CASES[4], CASES[6]]
+PROGRESS_DELAY_US = 100  # PDTransport's default
 
 
 def build_kv(layers: int, block_bytes: int, num_blocks: int):
@@ -124,10 +125,9 @@ def q(xs: list[float], p: float) -> float:
 
 def run_case(conn, case, repeats: int, warmup: int) -> dict:
     import numpy as np
-    from nixl._api import nixl_agent, nixl_agent_config
 
     from hybridkv.connector.pd_handshake import LayoutDescriptor, fetch_agent_info
-    from hybridkv.connector.pd_transport import PDTransport, read_descriptors
+    from hybridkv.connector.pd_transport import PDTransport, _make_agent, read_descriptors
 
     name, layers, block_bytes, blocks = case
     num_blocks = 2 * blocks + 8  # room for scattered ids on both sides
@@ -142,11 +142,13 @@ def run_case(conn, case, repeats: int, warmup: int) -> dict:
         t = time.perf_counter()
         info = fetch_agent_info(address, local_desc, engine_id="bench-decode", tp_rank=0, timeout_s=10)
         hs.append(time.perf_counter() - t)
-    transport = PDTransport(f"decode-{name}", layout)
+    transport = PDTransport(f"decode-{name}", layout, progress_delay_us=PROGRESS_DELAY_US)
     peer = transport.add_peer(info.agent_metadata, info.layout.group_layouts())
     peer_groups = info.layout.group_layouts()
 
-    raw_agent = nixl_agent(f"raw-{name}", nixl_agent_config(backends=["UCX"]))
+    # Same agent settings as PDTransport (progress thread with a delay: a stock nixl_agent's
+    # spins a core, which on this 2-core host would slow whichever path runs next to it).
+    raw_agent = _make_agent(f"raw-{name}", ["UCX"], PROGRESS_DELAY_US)
     base, size = layout.allocations[0]
     reg = raw_agent.register_memory([(base, size, 0, "")], "DRAM")
     raw_peer = raw_agent.add_remote_agent(info.agent_metadata)
@@ -245,6 +247,26 @@ def run_case(conn, case, repeats: int, warmup: int) -> dict:
     }
 
 
+def idle_agent_cpu() -> dict[int, float]:
+    """CPU share of one idle agent's progress thread, by progress delay (0 = stock nixl_agent)."""
+    import resource
+
+    from hybridkv.connector.pd_transport import _make_agent
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    out = {}
+    for delay in (0, 10, PROGRESS_DELAY_US):
+        agent = _make_agent(f"idle-{delay}", ["UCX"], delay)
+        c0, t0 = cpu(), time.perf_counter()
+        time.sleep(1.0)
+        out[delay] = 100 * (cpu() - c0) / (time.perf_counter() - t0)
+        del agent
+    return out
+
+
 def fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{q(xs, 0.25):.2f}-{q(xs, 0.75):.2f}]"
 
@@ -281,6 +303,8 @@ def main() -> None:
         if proc.is_alive():
             proc.kill()
     load1 = os.getloadavg()
+    idle = idle_agent_cpu()
+    print("idle agent CPU % of a core by progress delay (us):", {k: round(v) for k, v in idle.items()})
 
     import nixl  # noqa: F401
     from importlib.metadata import version
@@ -309,6 +333,10 @@ def main() -> None:
         "alone (included in hybridkv's time). memcpy = numpy copy of the same scattered blocks "
         "inside one process. handshake = gRPC GetAgentInfo round trip incl. validation.",
         "- correctness: both paths' moved bytes were checked against the prefill pattern once per case.",
+        f"- agents: progress thread with a {PROGRESS_DELAY_US} us delay (PDTransport's default; the raw "
+        "agent is built the same way). Idle CPU of one agent, % of a core, by delay: "
+        + ", ".join(f"{k} us: {v:.0f} %" for k, v in idle.items())
+        + " (0 us = the stock `nixl_agent`, which hard-codes it).",
         "",
         "| case | layers | block/layer | blocks | MiB/read | descs | hybridkv GB/s | raw NIXL GB/s | ratio | build us | memcpy GB/s | handshake ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

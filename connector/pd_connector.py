@@ -9,6 +9,7 @@ prefill side's answer on the decode instance), which ``hybridkv proxy`` sets.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,10 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PDScheduler(engine_id, bool(mamba), self._cfg.lease_s, mamba)
+            align = 1
+            for group in kv_cache_config.kv_cache_groups:
+                align = math.lcm(align, group.kv_cache_spec.block_size)
+            self._scheduler = PDScheduler(engine_id, bool(mamba), self._cfg.lease_s, mamba, align)
         else:
             self._worker = PDWorker(
                 PDWorkerSettings(engine_id, 0, 1, self._cfg.handshake_host, self._cfg.handshake_port,

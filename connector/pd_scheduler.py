@@ -6,8 +6,10 @@ state the decode side receives is h(N-1) and decode recomputes token N itself
 (a state cannot "un-see" a token). At finish the blocks are kept under a lease
 and ``kv_transfer_params`` tell the decode side where to read them.
 
-Decode (request carries ``do_remote_prefill``): offers the prompt minus its last
-token and minus what its own prefix cache holds, then pairs, per group, the
+Decode (request carries ``do_remote_prefill``): offers the prompt up to the last
+scheduler-block boundary before its final token, minus what its own prefix cache
+holds (the prefill side computed exactly that much when the model has recurrent
+state), then pairs, per group, the
 prefill side's blocks with the blocks vLLM allocated for them. Attention groups
 pair by block position (the prefill side sends positional lists, nulls
 included), so dense groups read only the uncached suffix (end-trim) and sliding
@@ -56,9 +58,13 @@ def pair_by_position(remote: list[int], local_blocks) -> tuple[list[int], list[i
 
 
 class PDScheduler:
-    def __init__(self, engine_id: str, has_recurrent_state: bool, lease_s: float, mamba_group_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, engine_id: str, has_recurrent_state: bool, lease_s: float, mamba_group_ids: tuple[int, ...],
+        align_tokens: int,
+    ) -> None:
         self._engine_id = engine_id
-        self._backoff = 1 if has_recurrent_state else 0
+        self._recurrent = has_recurrent_state
+        self._align = align_tokens
         self._lease_s = lease_s
         self._mamba = set(mamba_group_ids)
         self._handshake: PDHandshakeMetadata | None = None
@@ -76,12 +82,20 @@ class PDScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or params.get("_hkv_truncated"):
             return
-        if self._backoff and request.num_prompt_tokens > self._backoff and request.prompt_token_ids is not None:
-            del request.prompt_token_ids[-self._backoff :]
-            del request._all_token_ids[-self._backoff :]
-            request.num_prompt_tokens -= self._backoff
+        keep = self.handover_tokens(request.num_prompt_tokens)
+        drop = request.num_prompt_tokens - keep
+        if self._recurrent and keep > 0 and drop > 0 and request.prompt_token_ids is not None:
+            # The recurrent state handed over must be h(keep): compute exactly that much.
+            del request.prompt_token_ids[-drop:]
+            del request._all_token_ids[-drop:]
+            request.num_prompt_tokens = keep
             request.max_tokens = 1
             params["_hkv_truncated"] = True
+
+    def handover_tokens(self, num_prompt_tokens: int) -> int:
+        """Tokens whose KV moves prefill -> decode: the last scheduler-block boundary
+        before the final prompt token (decode recomputes the rest)."""
+        return (num_prompt_tokens - 1) // self._align * self._align
 
     def request_finished(
         self, request: "Request", block_ids: tuple[list[int], ...]
@@ -121,7 +135,7 @@ class PDScheduler:
             logger.warning("hybridkv P/D: request %s has incomplete kv_transfer_params %s; recomputing",
                            request.request_id, sorted(params))
             return 0, False
-        target = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens - 1)
+        target = min(int(params.get("remote_num_tokens") or 0), self.handover_tokens(request.num_prompt_tokens))
         count = target - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 

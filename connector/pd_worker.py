@@ -12,6 +12,7 @@ or fails it according to ``kv_load_failure_policy`` and never runs on partial KV
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -61,6 +62,9 @@ class PDWorker:
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = KVLayout.from_kv_caches(self._kv_cache_config, kv_caches)
+        if self._s.host in ("127.0.0.1", "localhost") and "UCX_NET_DEVICES" not in os.environ:
+            # Single-host pair: keep UCX on loopback (it would otherwise pick other interfaces).
+            os.environ["UCX_NET_DEVICES"] = "lo"
         name = f"hybridkv-{self._s.engine_id}-tp{self._s.tp_rank}"
         self._transport = PDTransport(name, layout)
         self._local = LayoutDescriptor.from_kv(layout, layout_rows(self._kv_cache_config), self._s.tp_size)
@@ -108,23 +112,11 @@ class PDWorker:
             return False
         assert self._transport is not None and self._local is not None
         try:
-            import os
             peer = self._peer(job)
-            if os.environ.get("HKV_DEBUG"):
-                from hybridkv.connector.pd_transport import read_descriptors
-                loc, rem = read_descriptors(self._transport.layout.groups, self._transport._peers[peer], job.remote_block_ids, job.local_block_ids)
-                with open("/tmp/hkv_pd_debug.log", "a") as f:
-                    f.write(f"job {job}\nalloc {self._transport.layout.allocations}\nlocal min {loc[:,0].min()} max {(loc[:,0]+loc[:,1]).max()} n {len(loc)}\nremote min {rem[:,0].min()} max {(rem[:,0]+rem[:,1]).max()}\npeer groups {[ (g.bases.tolist(), g.strides.tolist(), g.block_bytes.tolist()) for g in self._transport._peers[peer] if g is not None]}\n")
-            if os.environ.get("HKV_SKIP_READ"):
-                return True
             handle = self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids,
                                                  notif=job.remote_req_id.encode())
             self._transport.wait(handle, self._s.read_timeout_s)
             self._transport.release(handle)
-            import os
-            if os.environ.get("HKV_DEBUG"):
-                with open("/tmp/hkv_pd_debug.log", "a") as f:
-                    f.write("read done\n")
             return True
         except HandshakeError as e:
             logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters

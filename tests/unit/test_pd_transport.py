@@ -516,7 +516,7 @@ def _decode_vs_killed_peer(conn, address: str, victim_pid: int) -> None:
 
 def _decode_vs_stalled_peer(conn, address: str, victim_pid: int) -> None:
     """Decode child over UCX tcp (cma could read a stopped process): the prefill is
-    SIGSTOPped right after the post; wait() must give up at its bound, the READ must
+    SIGSTOPped, then a READ is posted; wait() must give up at its bound, the READ must
     stay open, and finish once the prefill is SIGCONTed."""
     _forked()
     os.environ["UCX_TLS"] = "tcp"
@@ -526,8 +526,10 @@ def _decode_vs_stalled_peer(conn, address: str, victim_pid: int) -> None:
     info = fetch_agent_info(address, kv.descriptor(), engine_id="d", tp_rank=0, timeout_s=10.0)
     peer = transport.add_peer(info.agent_metadata, info.layout.group_layouts())
     remote, local = _big_read(kv)
-    handle = transport.read_blocks(peer, remote, local)
+    transport.wait(transport.read_blocks(peer, [[], [0], [], []], [[], [1], [], []]), WAIT_S)  # connected
+    # Stop first: over tcp a post can finish a whole READ inline, so stopping after it races.
     os.kill(victim_pid, signal.SIGSTOP)
+    handle = transport.read_blocks(peer, remote, local)
     report = {"post": handle.state}
     try:
         transport.wait(handle, 1.0)
@@ -575,7 +577,7 @@ def test_prefill_killed_mid_transfer_ends_in_error_not_hang():
 def test_stalled_prefill_times_out_and_the_read_stays_open_until_it_settles():
     prefill = Prefill(nbytes=BIG, engine_id="prefill-stop", tcp=True)
     report = _run_decode_child(_decode_vs_stalled_peer, prefill)
-    assert report["post"] == "PROC", report  # over tcp the post returns before the data moved
+    assert report["post"] == "PROC", report  # tcp needs the (stopped) peer to move the data
     assert report["wait"].startswith("TransferTimeout: READ of "), report
     assert "from 'prefill-stop-rank0' not done after 1 s; still in flight" in report["wait"], report
     assert report["poll_after_timeout"] == "PROC", report
