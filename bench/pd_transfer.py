@@ -229,7 +229,6 @@ def run_case(conn, case, repeats: int, warmup: int) -> dict:
     transport.shutdown()
     raw_agent.remove_remote_agent(raw_peer)
     raw_agent.deregister_memory(reg)
-    del raw_agent
     gbs = lambda ts: [nbytes / t / 1e9 for t in ts]  # noqa: E731
     return {
         "name": name,
@@ -306,7 +305,6 @@ def main() -> None:
     idle = idle_agent_cpu()
     print("idle agent CPU % of a core by progress delay (us):", {k: round(v) for k, v in idle.items()})
 
-    import nixl  # noqa: F401
     from importlib.metadata import version
 
     cmd = "python bench/pd_transfer.py" + (" --quick" if args.quick else "") + (

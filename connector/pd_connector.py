@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,7 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hybridkv.connector.pd_metadata import PDConnectorMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
-from hybridkv.connector.store_config import ConfigError
+from hybridkv.connector.store_config import ConfigError, refuse_unknown_keys
 
 if TYPE_CHECKING:
     import torch
@@ -54,14 +54,7 @@ class PDConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(
-                f"kv_connector_extra_config has unknown key(s) {unknown} for HybridPDConnector; "
-                f"known keys: {sorted(known)}"
-            )
+        extra = refuse_unknown_keys(cls, extra, "HybridPDConnector")
         for key in ("lease_s", "handshake_timeout_s", "read_timeout_s"):
             v = extra.get(key, 1.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:

@@ -75,14 +75,7 @@ class StoreConnectorConfig:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "StoreConnectorConfig":
         """Parse and validate; unknown keys are refused (a typo must not be a silent no-op)."""
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(
-                f"kv_connector_extra_config has unknown key(s) {unknown} for HybridStoreConnector; "
-                f"known keys: {sorted(known)}"
-            )
+        extra = refuse_unknown_keys(cls, extra, "HybridStoreConnector")
         kw: dict[str, Any] = {}
         for key, value in extra.items():
             if key in ("global_segment_size", "local_buffer_size"):
@@ -126,6 +119,19 @@ class StoreConnectorConfig:
                 "whose other nodes contribute memory"
             )
         return cfg
+
+
+def refuse_unknown_keys(config_cls: type, extra: dict[str, Any] | None, connector: str) -> dict[str, Any]:
+    """A copy of ``extra``; raises naming every key ``config_cls`` does not declare."""
+    extra = dict(extra or {})
+    known = {f.name for f in fields(config_cls)}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config has unknown key(s) {unknown} for {connector}; "
+            f"known keys: {sorted(known)}"
+        )
+    return extra
 
 
 def _is_host_port(value: Any) -> bool:

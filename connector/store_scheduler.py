@@ -333,18 +333,16 @@ class StoreScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, StoreWorkerMetadata):
             return
-        for job_id, n in meta.finished_saves.items():
-            self._acks[job_id] += n
-            if self._acks[job_id] >= self._world_size:
-                del self._acks[job_id]
-                pinned = self._pins.pop(job_id, None)
-                if pinned is not None and self._manager is not None:
-                    self._manager.block_pool.free_blocks(pinned)
-        for load_id, n in meta.released_loads.items():
-            self._load_acks[load_id] += n
-            if self._load_acks[load_id] >= self._world_size:
-                del self._load_acks[load_id]
-                pinned = self._load_pins.pop(load_id, None)
+        self._release(meta.finished_saves, self._acks, self._pins)
+        self._release(meta.released_loads, self._load_acks, self._load_pins)
+
+    def _release(self, reported: Counter, acks: Counter, pins: dict[int, list[Any]]) -> None:
+        """Unpin the blocks of every job all workers have reported done."""
+        for job_id, n in reported.items():
+            acks[job_id] += n
+            if acks[job_id] >= self._world_size:
+                del acks[job_id]
+                pinned = pins.pop(job_id, None)
                 if pinned is not None and self._manager is not None:
                     self._manager.block_pool.free_blocks(pinned)
 

@@ -82,3 +82,51 @@ def test_pd_three_turns_match_recompute(kind):
         assert local + pulled >= (prev - 1) // 256 * 256 if prev else True
         prev = prompt
     del prefill, decode
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_layout_mismatch_is_refused_at_handshake_and_decode_recomputes(capfd):
+    """Prefill at --block-size 128, decode at 256: the handshake names the field; no wrong KV is read."""
+    model = tiny_model("gemma3")
+    prefill = make_llm(model, pd_config("kv_producer"))
+    decode = make_llm(model, pd_config("kv_consumer"), block_size=256)
+    session = Session(seed=22)
+    params = _prefill(prefill, session.prompt)
+    got = _decode(decode, session.prompt, params)
+    ref = generate(decode, session.prompt, cache_salt="pd-mismatch-recompute")
+    out, err = capfd.readouterr()
+    assert matches(got, ref)
+    assert "block_size=128" in out + err and "256" in out + err, "the refusal must name the field and values"
+    del prefill, decode
+
+
+def test_prefill_instance_killed_before_the_read_decode_recomputes():
+    import signal as _signal
+
+    model = tiny_model("gemma3")
+    before = _children()
+    prefill = make_llm(model, pd_config("kv_producer"))
+    prefill_pids = _children() - before
+    decode = make_llm(model, pd_config("kv_consumer"), disable_log_stats=False)
+    session = Session(seed=23)
+    params = _prefill(prefill, session.prompt)
+    for pid in prefill_pids:  # the prefill engine core and its worker (NIXL agent, handshake server)
+        try:
+            os.kill(pid, _signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    import time
+
+    t0 = time.monotonic()
+    got = _decode(decode, session.prompt, params)
+    elapsed = time.monotonic() - t0
+    ref = generate(decode, session.prompt, cache_salt="pd-killed-recompute")
+    print(f"\nprefill killed: decode finished in {elapsed:.1f}s, cached {got.num_cached_tokens}")
+    assert matches(got, ref)
+    assert elapsed < 30
+    del decode

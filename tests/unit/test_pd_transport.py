@@ -578,7 +578,7 @@ def test_stalled_prefill_times_out_and_the_read_stays_open_until_it_settles():
     prefill = Prefill(nbytes=BIG, engine_id="prefill-stop", tcp=True)
     report = _run_decode_child(_decode_vs_stalled_peer, prefill)
     assert report["post"] == "PROC", report  # tcp needs the (stopped) peer to move the data
-    assert report["wait"].startswith("TransferTimeout: READ of "), report
+    assert report["wait"].startswith(f"{TransferTimeout.__name__}: READ of "), report
     assert "from 'prefill-stop-rank0' not done after 1 s; still in flight" in report["wait"], report
     assert report["poll_after_timeout"] == "PROC", report
     assert report["after_resume"] == "DONE" and report["landed"], report
