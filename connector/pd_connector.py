@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hybridkv.connector.pd_metadata import PDConnectorMetadata
+from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
 from hybridkv.connector.store_config import ConfigError, refuse_unknown_keys
@@ -134,6 +134,24 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._scheduler is not None
+        self._scheduler.bind_block_pool(kv_cache_manager.block_pool)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pins()
+
+    def build_connector_worker_meta(self):  # noqa: ANN201 - vLLM's signature
+        if self._worker is None:
+            return None
+        released = self._worker.take_released()
+        return PDWorkerMetadata({r: 1 for r in released}) if released else None
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
         if self._scheduler is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
 
@@ -48,3 +49,17 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
     host: str
     port: int
     tp_rank: int
+
+
+@dataclass
+class PDWorkerMetadata(KVConnectorWorkerMetadata):
+    """Decode reads whose target blocks nothing writes into anymore (per worker, summed)."""
+
+    released: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PDWorkerMetadata)
+        merged = dict(self.released)
+        for k, v in other.released.items():
+            merged[k] = merged.get(k, 0) + v
+        return PDWorkerMetadata(merged)

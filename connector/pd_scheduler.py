@@ -25,7 +25,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.connector.pd_metadata import Lease, PDConnectorMetadata, PDHandshakeMetadata, ReadJob
+from hybridkv.connector.pd_metadata import Lease, PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata, ReadJob
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -70,6 +70,11 @@ class PDScheduler:
         self._handshake: PDHandshakeMetadata | None = None
         self._reads: list[ReadJob] = []
         self._leases: list[Lease] = []
+        self._block_pool: Any = None
+        self._pins: dict[str, list[Any]] = {}  # decode: read targets, until the READ is over
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        self._block_pool = block_pool
 
     # ------------------------------------------------------------- handshake
     def set_handshake(self, metadata: dict[int, Any]) -> None:
@@ -168,7 +173,24 @@ class PDScheduler:
                     r, l_ = pair_by_position(remote, group)
                 job.remote_block_ids.append(r)
                 job.local_block_ids.append(l_)
+            if self._block_pool is not None:
+                # A READ that timed out may still write: the request recomputes in other blocks.
+                pinned = [self._block_pool.blocks[b] for group in job.local_block_ids for b in group]
+                self._block_pool.touch(pinned)
+                self._pins[request.request_id] = pinned
         self._reads.append(job)
+
+    def update_connector_output(self, output: Any) -> None:
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, PDWorkerMetadata):
+            return
+        for req_id in meta.released:
+            pinned = self._pins.pop(req_id, None)
+            if pinned is not None:
+                self._block_pool.free_blocks(pinned)
+
+    def has_pins(self) -> bool:
+        return bool(self._pins)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PDConnectorMetadata:
         meta = PDConnectorMetadata(reads=self._reads, leases=self._leases)

@@ -26,7 +26,7 @@ from hybridkv.connector.block_layout import KVLayout, layout_rows
 from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.pd_handshake import AgentInfo, HandshakeError, HandshakeServer, LayoutDescriptor, fetch_agent_info
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
-from hybridkv.connector.pd_transport import PDTransport, TransferError
+from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -55,6 +55,7 @@ class PDWorker:
         self._recv_failed: set[str] = set()
         self._leases: dict[str, float] = {}
         self._read_notified: set[str] = set()
+        self._released: set[str] = set()  # reads whose target blocks nothing writes into anymore
         self._jobs: queue.Queue[ReadJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run_reads, name="hybridkv-pd-read", daemon=True)
         self._thread.start()
@@ -62,9 +63,12 @@ class PDWorker:
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = KVLayout.from_kv_caches(self._kv_cache_config, kv_caches)
-        if self._s.host in ("127.0.0.1", "localhost") and "UCX_NET_DEVICES" not in os.environ:
-            # Single-host pair: keep UCX on loopback (it would otherwise pick other interfaces).
-            os.environ["UCX_NET_DEVICES"] = "lo"
+        if self._s.host in ("127.0.0.1", "localhost"):
+            # Single-host pair: keep UCX on loopback (it would otherwise pick other interfaces),
+            # and off its IB module, whose second copy of libnl-route crashes the process at
+            # exit on hosts with rdma-core installed (as Mooncake needs).
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+            os.environ.setdefault("UCX_MODULES", "^ib")
         name = f"hybridkv-{self._s.engine_id}-tp{self._s.tp_rank}"
         self._transport = PDTransport(name, layout)
         self._local = LayoutDescriptor.from_kv(layout, layout_rows(self._kv_cache_config), self._s.tp_size)
@@ -96,36 +100,63 @@ class PDWorker:
 
     def _run_reads(self) -> None:
         while (job := self._jobs.get()) is not None:
-            ok = False
+            ok, straggler = False, None
             try:
-                ok = self._read(job)
+                ok, straggler = self._read(job)
             except Exception:  # noqa: BLE001 - reported as a failed load, never a crash
                 logger.exception("hybridkv P/D: read for %s crashed", job.req_id)
             with self._lock:
                 self._recv_done.add(job.req_id)
                 if not ok:
                     self._recv_failed.add(job.req_id)
+            if straggler is None:
+                self._release(job.req_id)
+            else:
+                threading.Thread(target=self._drain, args=(job.req_id, straggler), daemon=True,
+                                 name="hybridkv-pd-straggler").start()
 
-    def _read(self, job: ReadJob) -> bool:
+    def _release(self, req_id: str) -> None:
+        with self._lock:
+            self._released.add(req_id)
+
+    def _drain(self, req_id: str, handle) -> None:  # noqa: ANN001
+        """A timed-out READ may still write into its target blocks (NIXL cannot cancel
+        it): keep them pinned until it completes or fails, then release them."""
+        while True:
+            try:
+                if self._transport is None or self._transport.poll(handle) == "DONE":
+                    break
+            except TransferError:
+                break
+            time.sleep(0.05)
+        try:
+            self._transport.release(handle)
+        except TransferError:
+            pass
+        self._release(req_id)
+
+    def _read(self, job: ReadJob) -> tuple[bool, object | None]:
+        """(read ok, a READ still in flight after a timeout or None)."""
         if job.refused:
             warn_once(logger, "pd_refused", "request %s cannot be read: %s", job.req_id, job.refused)
-            return False
+            return False, None
         assert self._transport is not None and self._local is not None
+        handle = None
         try:
             peer = self._peer(job)
             handle = self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids,
                                                  notif=job.remote_req_id.encode())
             self._transport.wait(handle, self._s.read_timeout_s)
             self._transport.release(handle)
-            return True
+            return True, None
         except HandshakeError as e:
             logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters
-            return False
+            return False, None
         except TransferError as e:
             warn_once(logger, f"pd_read:{type(e).__name__}", "read of %s from %s:%d failed: %s",
                       job.req_id, job.remote_host, job.remote_port, e)
             self._peers.pop((job.remote_host, job.remote_port), None)  # re-handshake next time
-            return False
+            return False, (handle if isinstance(e, TransferTimeout) else None)
 
     def _peer(self, job: ReadJob) -> str:
         key = (job.remote_host, job.remote_port)
@@ -159,6 +190,11 @@ class PDWorker:
                     del self._leases[req_id]
                     self._read_notified.discard(req_id)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)
+
+    def take_released(self) -> set[str]:
+        with self._lock:
+            released, self._released = self._released, set()
+        return released
 
     def has_leases(self) -> bool:
         return bool(self._leases)
