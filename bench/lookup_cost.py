@@ -9,7 +9,8 @@ holds every object of the prompt. Timed, side by side in one process:
 * ``hybridkv``: ``StoreScheduler.get_num_new_matched_tokens`` (key building, ONE
   ``batch_is_exist`` round trip, vLLM's coordinator over the answers);
 * ``floor``: one ``batch_is_exist`` of exactly the keys hybridkv probed;
-* ``repeat``: the same lookup of the same waiting request again.
+* ``repeat``: the same lookup of the same waiting request again (the scheduler
+  re-asks while it cannot admit the request; answered from ``lookup_cache_s``).
 
 Ratios are medians over repeats in the same run. vLLM's in-tree
 MooncakeStoreConnector is NOT measured here yet (issue 5).
@@ -62,6 +63,7 @@ def main() -> int:
                 client.put_from(part, [buf.ctypes.data] * len(part), [64] * len(part))
             t_first, t_floor, t_repeat = [], [], []
             for _ in range(7):
+                sched._recent_lookups.clear()  # a first lookup: nothing remembered for this request
                 t0 = time.perf_counter()
                 ext, _ = sched.get_num_new_matched_tokens(req, 0)
                 t_first.append(time.perf_counter() - t0)

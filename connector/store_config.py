@@ -69,6 +69,9 @@ class StoreConnectorConfig:
     embedded_lease_ttl_ms: int = 30_000
     # Max blocks per store batch call (bounds one call's bytes and latency).
     max_batch_blocks: int = 256
+    # Seconds a lookup's answer is reused when the scheduler re-asks for a request it could
+    # not admit yet (0: always ask the store).
+    lookup_cache_s: float = 1.0
     # Debugging: append "<key> <group> <bytes>" of every object this worker writes to this file.
     key_log_path: str = ""
 
@@ -80,6 +83,10 @@ class StoreConnectorConfig:
         for key, value in extra.items():
             if key in ("global_segment_size", "local_buffer_size"):
                 kw[key] = parse_size(key, value)
+            elif key == "lookup_cache_s":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise ConfigError(f"kv_connector_extra_config.lookup_cache_s={value!r}: expected seconds >= 0")
+                kw[key] = float(value)
             elif key in ("timeout_s", "lookup_timeout_s"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                     raise ConfigError(

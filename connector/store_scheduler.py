@@ -81,6 +81,7 @@ class StoreScheduler:
         self._saved_upto: dict[str, list[int]] = {}  # req -> per group: blocks considered for saving
         self._tails_done: set[str] = set()
         self._load_failed: set[str] = set()
+        self._recent_lookups: dict[str, tuple] = {}
         self._load_pins: dict[int, list[Any]] = {}
         self._load_acks: Counter[int] = Counter()
         self._recent: OrderedDict[BlockKey, None] = OrderedDict()
@@ -108,6 +109,23 @@ class StoreScheduler:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """External tokens beyond the block-aligned local hit; side-effect free on the store."""
         self._plans.pop(request.request_id, None)
+        cached = self._recent_lookups.get(request.request_id)
+        if cached is not None:
+            key, at, answer, plan = cached
+            if key == (request.num_tokens, num_computed_tokens) and time.monotonic() - at < self._cfg.lookup_cache_s:
+                # The scheduler re-asks for a request it could not admit yet: same answer,
+                # no round trip (a stale "present" only costs a failed load and a recompute).
+                if plan is not None:
+                    self._plans[request.request_id] = plan
+                return answer
+        answer = self._lookup(request, num_computed_tokens)
+        self._recent_lookups[request.request_id] = (
+            (request.num_tokens, num_computed_tokens), time.monotonic(), answer,
+            self._plans.get(request.request_id),
+        )
+        return answer
+
+    def _lookup(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         mirror = self._mirror
         if mirror is None or self._client is None or not request.block_hashes:
             return 0, False
@@ -153,6 +171,7 @@ class StoreScheduler:
         self._saved_upto.pop(req_id, None)  # (re)admitted: saving restarts from its new hit
         self._tails_done.discard(req_id)
         plan = self._plans.pop(req_id, None)
+        self._recent_lookups.pop(req_id, None)  # admitted: the next lookup (after preemption) is fresh
         if num_external_tokens == 0 or plan is None:
             return
         assert self._mirror is not None
@@ -356,6 +375,7 @@ class StoreScheduler:
         self._saved_upto.pop(req_id, None)
         self._tails_done.discard(req_id)
         self._load_failed.discard(req_id)
+        self._recent_lookups.pop(req_id, None)
         return False, None
 
     def take_stats(self) -> HybridStoreStats | None:
