@@ -108,6 +108,12 @@ class KVLayout:
         return cls(groups=tuple(groups), allocations=tuple(sorted(allocations.items())))
 
 
+def layer_specs(group) -> list:  # noqa: ANN001 - a vllm KVCacheGroupSpec
+    """The specs of a group's layers (a ``UniformTypeKVCacheSpecs`` holds one per layer)."""
+    spec = group.kv_cache_spec
+    return list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+
+
 def layout_rows(kv_cache_config: KVCacheConfig) -> list[dict]:
     """What both scheduler and workers know about each group's bytes (for key schemas).
 

@@ -20,9 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybridkv.connector.block_layout import layer_specs
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
@@ -68,13 +69,11 @@ class PDConnectorConfig:
 
 
 def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
-    out = []
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        if any(isinstance(s, MambaSpec) for s in specs):
-            out.append(gid)
-    return tuple(out)
+    return tuple(
+        gid
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+        if any(isinstance(s, MambaSpec) for s in layer_specs(group))
+    )
 
 
 class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):

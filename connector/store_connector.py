@@ -18,9 +18,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybridkv.connector.block_layout import layer_specs
 from hybridkv.connector.store_config import ConfigError, StoreConnectorConfig
 from hybridkv.connector.store_keys import store_key_schema
 from hybridkv.connector.store_metadata import StoreConnectorMetadata
@@ -50,9 +51,7 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
             "--enable-prefix-caching (or remove the connector)"
         )
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        for s in specs:
+        for s in layer_specs(group):
             if isinstance(s, MambaSpec) and s.mamba_cache_mode != "align":
                 raise ConfigError(
                     f"KV cache group {gid} holds Mamba/linear-attention state with "

@@ -208,10 +208,7 @@ class StoreScheduler:
         if job.blocks:
             # Pinned until every worker's read into them has returned: a read that
             # timed out may still be writing while the request recomputes elsewhere.
-            pool = self._manager.block_pool
-            pinned = [pool.blocks[b] for b in job.blocks.block_ids]
-            pool.touch(pinned)
-            self._load_pins[job.load_id] = pinned
+            self._load_pins[job.load_id] = self._pin(job.blocks.block_ids)
         for gid, n in Counter(job.blocks.group_ids).items():
             self._stats.add(f"hit_tokens.g{gid}", n * self._mirror.geometry.groups[gid].block_size)
         self._loads.append(job)
@@ -248,11 +245,15 @@ class StoreScheduler:
 
     def _pinned_job(self, blocks: BlockBatch, sync: bool) -> SaveJob:
         job = SaveJob(next(self._job_ids), blocks, sync=sync)
-        pool = self._manager.block_pool
-        pinned = [pool.blocks[b] for b in blocks.block_ids]
-        pool.touch(pinned)
-        self._pins[job.job_id] = pinned
+        self._pins[job.job_id] = self._pin(blocks.block_ids)
         return job
+
+    def _pin(self, block_ids: list[int]) -> list[Any]:
+        """Hold blocks (ref count + 1) so vLLM cannot hand them to another request."""
+        pool = self._manager.block_pool
+        pinned = [pool.blocks[b] for b in block_ids]
+        pool.touch(pinned)
+        return pinned
 
     def _plan_block_saves(
         self, request: "Request", block_ids: tuple[list[int], ...], end: int, batch: BlockBatch

@@ -80,11 +80,13 @@ def generate(llm, prompt_ids: list[int], max_tokens: int = 8, cache_salt: str | 
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True)
-    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    return completion_from(llm.generate([prompt], sp, use_tqdm=False)[0])
+
+
+def completion_from(out) -> Completion:  # noqa: ANN001 - a vllm RequestOutput
+    """Greedy tokens, the sampled tokens' logprobs (``logprobs=0``) and cached tokens."""
     comp = out.outputs[0]
-    lps = [next(iter(d.values())).logprob if d else float("nan") for d in (comp.logprobs or [])]
-    # With logprobs=0 vLLM returns the sampled token's logprob per position.
-    lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs, comp.token_ids)] if comp.logprobs else lps
+    lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], comp.token_ids)]
     return Completion(list(comp.token_ids), lps, int(out.num_cached_tokens or 0))
 
 

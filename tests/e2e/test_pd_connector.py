@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.e2e.engine_harness import Completion, Session, generate, make_llm, matches, tiny_model
+from tests.e2e.engine_harness import Completion, Session, completion_from, generate, make_llm, matches, tiny_model
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes CPU hosts at exit
@@ -45,10 +45,7 @@ def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8) -> Comple
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True,
                         extra_args={"kv_transfer_params": params})
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
-    c = out.outputs[0]
-    return Completion(list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                      int(out.num_cached_tokens or 0))
+    return completion_from(llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0])
 
 
 def _external_hits(llm) -> float:

@@ -20,6 +20,7 @@ from hybridkv.store.embedded_master import EmbeddedMaster
 from tests.e2e.engine_harness import (
     Completion,
     Session,
+    completion_from,
     generate,
     make_llm,
     matches,
@@ -139,12 +140,7 @@ def _generate_many(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[C
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    result = []
-    for o in outs:
-        c = o.outputs[0]
-        lps = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
-        result.append(Completion(list(c.token_ids), lps, int(o.num_cached_tokens or 0)))
-    return result
+    return [completion_from(o) for o in outs]
 
 
 def test_chunked_prefill_and_preemption_under_a_small_cache():
