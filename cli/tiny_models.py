@@ -31,6 +31,16 @@ Kinds (each yields a distinct hybrid KV-cache layout in vLLM 0.32):
 * ``gemma4``: ``Gemma4ForCausalLM`` (text), one sliding layer and two full layers with
   different head sizes -> two FullAttentionSpec groups at different block sizes.
 
+Drafter kinds (``DRAFTER_KINDS``; not servable alone, passed to vLLM as
+``speculative_config={"method": "eagle", "model": DIR, ...}`` next to their target):
+
+* ``eagle-gemma3``: an EAGLE-1 head (``EagleLlamaForCausalLM``, one Llama layer) for the
+  ``gemma3`` target, with head_dim 128 where the target has 64. Its per-token KV bytes
+  are twice the target's, so vLLM gives the drafter layer half the block size (128 vs
+  256) and keeps it in a KV cache group of its own: a full-attention group at another
+  block size than the target's. No ``embed_tokens``/``lm_head`` in the checkpoint: vLLM
+  shares the target's.
+
 Usage: ``python -m hybridkv.cli.tiny_models KIND OUT_DIR [--seed N]``.
 """
 
@@ -49,7 +59,7 @@ from safetensors.torch import save_file
 
 from hybridkv.cli.tiny_tokenizer import write_tiny_tokenizer
 
-__all__ = ["KINDS", "write_tiny_model", "main"]
+__all__ = ["DRAFTER_KINDS", "KINDS", "write_tiny_model", "main"]
 
 # Bump when the config or the initialisation changes, so stale folders are rewritten.
 _FORMAT_VERSION = 3  # 2: a tokenizer is written too; 3: qwen3next uses all experts
@@ -388,12 +398,76 @@ def _gemma4_tensors(cfg: dict) -> dict[str, _Init]:
     return t
 
 
-_BUILDERS: dict[str, tuple[Callable[[], dict], Callable[[dict], dict[str, _Init]]]] = {
+# ---------------------------------------------------------------- eagle drafter
+
+
+def _eagle_gemma3_config() -> dict:
+    # EAGLE-1 head for the gemma3 target: hidden and vocab must equal the target's (the
+    # head reads the target's hidden states and shares its embedding and LM head).
+    # head_dim 128 (target: 64) doubles the per-token KV bytes of the drafter layer, so
+    # vLLM equalises page sizes with a smaller block and the drafter's full-attention
+    # layer gets its own KV cache group.
+    target = _gemma3_config()
+    return {
+        "architectures": ["EagleLlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": target["vocab_size"],
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": 512,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": _MAX_LEN,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def _eagle_llama_tensors(cfg: dict) -> dict[str, _Init]:
+    # EAGLE-1 checkpoint names (vLLM prefixes "model."): fc mixes [embedding, target
+    # hidden state]; layer 0 has no input_layernorm (vLLM replaces it by Identity) and
+    # the head has no final norm. Llama norms multiply by the weight: gain 1 = weight 1.
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    nq, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    t: dict[str, _Init] = {"fc.weight": _linear(h, 2 * h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
+        t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
+        t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
+        t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
+        if i > 0:
+            t[p + "input_layernorm.weight"] = _plain_norm(h)
+        t[p + "post_attention_layernorm.weight"] = _plain_norm(h)
+        t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
+        t[p + "mlp.up_proj.weight"] = _linear(inter, h)
+        t[p + "mlp.down_proj.weight"] = _linear(h, inter)
+    return t
+
+
+_Builder = tuple[Callable[[], dict], Callable[[dict], dict[str, _Init]]]
+_BUILDERS: dict[str, _Builder] = {
     "gemma3": (_gemma3_config, _gemma3_tensors),
     "qwen3next": (_qwen3next_config, _qwen3next_tensors),
     "gemma4": (_gemma4_config, _gemma4_tensors),
 }
+# Speculative-decoding heads: written like the targets, served only next to theirs.
+_DRAFTERS: dict[str, _Builder] = {
+    "eagle-gemma3": (_eagle_gemma3_config, _eagle_llama_tensors),
+}
 KINDS: tuple[str, ...] = tuple(_BUILDERS)
+DRAFTER_KINDS: tuple[str, ...] = tuple(_DRAFTERS)
 
 
 # ---------------------------------------------------------------------------- writer
@@ -427,15 +501,18 @@ def write_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pa
     file written last), nothing is rewritten. The stamp is removed first and written only
     after both files are complete, so an interrupted write is redone on the next call.
     """
-    if kind not in _BUILDERS:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    builders = {**_BUILDERS, **_DRAFTERS}
+    if kind not in builders:
+        raise ValueError(
+            f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS + DRAFTER_KINDS)}"
+        )
     out = pathlib.Path(out_dir)
     if _is_current(out, kind, seed):
         return out
     out.mkdir(parents=True, exist_ok=True)
     (out / _STAMP).unlink(missing_ok=True)
 
-    make_config, make_tensors = _BUILDERS[kind]
+    make_config, make_tensors = builders[kind]
     config = make_config()
     tensors = {}
     for name, (shape, fill) in sorted(make_tensors(config).items()):
@@ -457,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hybridkv.cli.tiny_models", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("kind", choices=KINDS + DRAFTER_KINDS)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

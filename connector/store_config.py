@@ -74,6 +74,12 @@ class StoreConnectorConfig:
     lookup_cache_s: float = 1.0
     # Debugging: append "<key> <group> <bytes>" of every object this worker writes to this file.
     key_log_path: str = ""
+    # How blocks reach the store: "auto" = zero-copy from a host KV cache, through a host
+    # staging buffer (BlockStager) from a GPU one; "always" = stage even a host cache (the
+    # GPU path's logic, testable on a CPU engine; objects are byte-identical either way).
+    staging: str = "auto"
+    # Host staging memory per KV-cache group and direction (load, save) when staging.
+    staging_buffer_size: int = 64 << 20
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "StoreConnectorConfig":
@@ -81,7 +87,7 @@ class StoreConnectorConfig:
         extra = refuse_unknown_keys(cls, extra, "HybridStoreConnector")
         kw: dict[str, Any] = {}
         for key, value in extra.items():
-            if key in ("global_segment_size", "local_buffer_size"):
+            if key in ("global_segment_size", "local_buffer_size", "staging_buffer_size"):
                 kw[key] = parse_size(key, value)
             elif key == "lookup_cache_s":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -107,6 +113,13 @@ class StoreConnectorConfig:
                         f"kv_connector_extra_config.protocol={value!r}: expected \"tcp\" or \"rdma\""
                     )
                 kw[key] = value
+            elif key == "staging":
+                if value not in ("auto", "always"):
+                    raise ConfigError(
+                        f"kv_connector_extra_config.staging={value!r}: expected \"auto\" (stage only a GPU "
+                        "KV cache) or \"always\""
+                    )
+                kw[key] = value
             elif key == "master_address":
                 if value is not None and not _is_host_port(value):
                     raise ConfigError(
@@ -119,6 +132,9 @@ class StoreConnectorConfig:
                     raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: expected a string")
                 kw[key] = value
         cfg = cls(**kw)
+        if cfg.staging_buffer_size == 0:
+            raise ConfigError("kv_connector_extra_config.staging_buffer_size=0: give room for at least one "
+                              "block, e.g. \"64MiB\"")
         if cfg.global_segment_size == 0 and cfg.master_address is None:
             raise ConfigError(
                 "kv_connector_extra_config.global_segment_size=0 with an embedded master leaves the "

@@ -146,6 +146,7 @@ class StoreScheduler:
             found.update(k for k, ok in zip(keys, answers) if ok)
             return answers
 
+        t0 = time.perf_counter()
         try:
             hit = mirror.longest_hit(request.block_hashes, max_tokens, exists, num_computed_tokens)
         except StoreError as e:
@@ -153,6 +154,8 @@ class StoreScheduler:
             self._stats.add(f"fail.lookup_{code_name(e.code).lower()}")
             warn_once(logger, f"lookup:{e.code}", "store lookup failed, treating as a miss: %s", e)
             return 0, False
+        finally:
+            self._stats.add_latency("lookup", time.perf_counter() - t0)
         ext = hit.tokens - num_computed_tokens
         if ext <= 0:
             return 0, False

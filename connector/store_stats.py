@@ -33,27 +33,53 @@ COUNTERS: dict[str, str] = {
     "failed_saves": "Blocks whose write failed",
 }
 
+# Latencies (seconds) kept per call, exported as histograms: a sum hides the slow calls.
+LATENCIES: dict[str, str] = {
+    "lookup": "Scheduler lookup (key building, existence query, hit computation)",
+    "load": "One batched store read (up to max_batch_blocks objects)",
+    "save": "One batched store write (up to max_batch_blocks objects)",
+}
+LATENCY_BUCKETS = [1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
 
 @dataclass
 class HybridStoreStats(KVConnectorStats):
-    """``data``: counter name -> value, plus ``fail.<cause>`` and ``hit_tokens.g<id>``."""
+    """``data``: counter name -> value, plus ``fail.<cause>``, ``hit_tokens.g<id>`` and
+    ``lat.<kind>`` (a list of per-call seconds)."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
     def add(self, name: str, value: float = 1) -> None:
         self.data[name] = self.data.get(name, 0) + value
 
+    def add_latency(self, kind: str, seconds: float) -> None:
+        self.data.setdefault(f"lat.{kind}", []).append(seconds)
+
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if isinstance(v, list):
+                self.data.setdefault(k, []).extend(v)
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
-        out: dict[str, int | float] = {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(d.items())}
+        out: dict[str, int | float] = {
+            k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(d.items()) if not isinstance(v, list)
+        }
+        for kind in LATENCIES:
+            if d.get(f"lat.{kind}"):
+                out[f"{kind}_p50_ms"] = round(1e3 * _percentile(d[f"lat.{kind}"], 0.5), 3)
+                out[f"{kind}_p99_ms"] = round(1e3 * _percentile(d[f"lat.{kind}"], 0.99), 3)
         if d.get("query_tokens"):
             out["hit_rate"] = round(d.get("hit_tokens", 0) / d["query_tokens"], 4)
         if d.get("load_seconds"):
@@ -67,7 +93,8 @@ class HybridStoreStats(KVConnectorStats):
 
 
 class HybridStorePromMetrics(KVConnectorPromMetrics):
-    """``vllm:hybridkv_store_<counter>_total``; causes and groups as labels."""
+    """``vllm:hybridkv_store_<counter>_total``; causes and groups as labels;
+    ``vllm:hybridkv_store_<kind>_latency_seconds`` histograms."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:  # noqa: ANN001
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -87,6 +114,13 @@ class HybridStorePromMetrics(KVConnectorPromMetrics):
             documentation="Tokens served from the store, per KV cache group",
             labelnames=labelnames + ["group"],
         )
+        self._latencies = {
+            kind: self._histogram_cls(
+                name=f"vllm:hybridkv_store_{kind}_latency_seconds", documentation=doc,
+                buckets=LATENCY_BUCKETS, labelnames=labelnames,
+            )
+            for kind, doc in LATENCIES.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -99,3 +133,7 @@ class HybridStorePromMetrics(KVConnectorPromMetrics):
                 self._failures.labels(*labels, key[5:]).inc(value)
             elif key.startswith("hit_tokens.g"):
                 self._group_hits.labels(*labels, key[len("hit_tokens.g"):]).inc(value)
+            elif key.startswith("lat.") and key[4:] in self._latencies:
+                histogram = self._latencies[key[4:]].labels(*labels)
+                for seconds in value:
+                    histogram.observe(seconds)

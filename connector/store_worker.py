@@ -29,6 +29,7 @@ from hybridkv.connector.block_layout import KVLayout
 from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.store_config import StoreConnectorConfig
 from hybridkv.connector.store_metadata import BlockBatch, LoadJob, SaveJob, StoreConnectorMetadata, StoreWorkerMetadata
+from hybridkv.connector.store_staging import StagerPool, build_stager_pools, device_fence, needs_staging
 from hybridkv.connector.store_stats import HybridStoreStats
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import (
@@ -39,6 +40,7 @@ from hybridkv.store.mooncake_backend import (
     StoreError,
     code_name,
 )
+from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, TrailerArenas, checksum_parts
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -104,16 +106,25 @@ class StoreWorker:
         self._done_saves: Counter[int] = Counter()
         self._released_loads: Counter[int] = Counter()
         self._stats = HybridStoreStats()
+        self._arenas = TrailerArenas(cfg.max_batch_blocks, client.register)
+        self._staging: dict[int, dict[str, StagerPool]] | None = None
+        self._on_cuda = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layout = KVLayout.from_kv_caches(self._kv_cache_config, kv_caches)
-        for base, nbytes in self._layout.allocations:
-            self._client.register(base, nbytes)
+        self._on_cuda = any(t.device.type == "cuda" for t in kv_caches.values())
+        if needs_staging(kv_caches, self._cfg.staging):
+            self._staging = build_stager_pools(self._layout, kv_caches, self._cfg.max_batch_blocks,
+                                               self._cfg.staging_buffer_size, self._client.register)
+        else:
+            for base, nbytes in self._layout.allocations:
+                self._client.register(base, nbytes)
         logger.info(
-            "hybridkv store worker: %d group(s), object bytes %s, registered %d allocation(s)",
+            "hybridkv store worker: %d group(s), object bytes %s, %s",
             len(self._layout.groups),
             [g.object_bytes if g else 0 for g in self._layout.groups],
-            len(self._layout.allocations),
+            f"staged through host buffers ({ {g: p['save'].slots for g, p in self._staging.items()} } slots)"
+            if self._staging is not None else f"zero-copy from {len(self._layout.allocations)} registered allocation(s)",
         )
 
     # ------------------------------------------------------------------- loads
@@ -141,15 +152,18 @@ class StoreWorker:
     # ------------------------------------------------------------------- saves
     def wait_for_save(self, meta: StoreConnectorMetadata) -> None:
         """Queue this step's saves; the forward that wrote the blocks has finished."""
+        fence = device_fence(self._on_cuda) if meta.saves else None
         for job in meta.saves:
             if job.sync:
-                self._run_save(job)
+                self._run_save(job, fence)
             else:
-                self._saves.submit(lambda job=job: self._run_save(job))
+                self._saves.submit(lambda job=job: self._run_save(job, fence))
 
-    def _run_save(self, job: SaveJob) -> None:
+    def _run_save(self, job: SaveJob, fence: "torch.cuda.Event | None" = None) -> None:
         pending = None
         try:
+            if fence is not None:
+                fence.synchronize()  # the forward that wrote these blocks has finished on the device
             if self._layout is not None:
                 ok, pending = self._move(job.blocks, load=False)
                 if ok:
@@ -210,59 +224,140 @@ class StoreWorker:
 
     # ---------------------------------------------------------------- transfer
     def _move(self, blocks: BlockBatch, load: bool) -> tuple[bool, threading.Event | None]:
-        """Move every object of ``blocks`` in batches.
+        """Move every object of ``blocks``, each checked by its trailer.
 
-        Returns (all moved, pending): ``pending`` is set when the last call issued
-        has really returned (None: nothing is still running).
+        Returns (all moved, pending): ``pending`` (not None only when the transfer
+        stopped early) is set when the last call issued has really returned.
         """
         assert self._layout is not None
-        keys, addrs, sizes, expect = [], [], [], []
         by_group: dict[int, list[int]] = {}
         for i, gid in enumerate(blocks.group_ids):
-            by_group.setdefault(gid, []).append(i)
+            if self._layout.groups[gid] is not None:  # else this rank holds no layer of the group
+                by_group.setdefault(gid, []).append(i)
+        if self._staging is not None:
+            return self._move_staged(blocks, by_group, load)
+        keys, addrs, sizes, expect = [], [], [], []
         for gid, idxs in by_group.items():
             layout = self._layout.groups[gid]
-            if layout is None:
-                continue  # this rank holds no layer of the group
             a, s = layout.regions([blocks.block_ids[i] for i in idxs])
             keys.extend(self._schema.key(gid, blocks.hashes[i]) for i in idxs)
             addrs.extend(a)
             sizes.extend(s)
             expect.extend([layout.object_bytes] * len(idxs))
+        return self._move_parts(keys, addrs, sizes, expect, load)
+
+    def _move_staged(
+        self, blocks: BlockBatch, by_group: dict[int, list[int]], load: bool
+    ) -> tuple[bool, threading.Event | None]:
+        """Through host staging slots: gather then put (save), get then scatter (load)."""
+        assert self._staging is not None
+        all_ok = True
+        for gid, idxs in by_group.items():
+            pool = self._staging[gid]["load" if load else "save"]
+            for lo in range(0, len(idxs), pool.slots):
+                part = idxs[lo:lo + pool.slots]
+                ids = [blocks.block_ids[i] for i in part]
+                keys = [self._schema.key(gid, blocks.hashes[i]) for i in part]
+                stager = pool.acquire()
+                pending: threading.Event | None = None
+                try:
+                    if not load:
+                        stager.gather(ids)
+                    slots = stager.slot_addresses(len(ids))
+                    ok, pending = self._move_parts(
+                        keys, [[a] for a, _ in slots], [[n] for _, n in slots], [stager.slot_bytes] * len(ids), load
+                    )
+                    if load and ok:
+                        stager.scatter(ids)  # verified bytes only: a failed load leaves the cache untouched
+                finally:
+                    self._after(pending, lambda pool=pool, stager=stager: pool.release(stager))
+                all_ok = all_ok and ok
+                if (load and not ok) or pending is not None:
+                    return False, pending
+        return all_ok, None
+
+    def _move_parts(
+        self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], expect: list[int], load: bool
+    ) -> tuple[bool, threading.Event | None]:
+        """Objects given as host regions, in batches of ``max_batch_blocks``."""
         all_ok = True
         step = self._cfg.max_batch_blocks
         for lo in range(0, len(keys), step):
             hi = min(lo + step, len(keys))
-            t0 = time.perf_counter()
-            fn = self._client.get_into_parts if load else self._client.put_from_parts
-            codes, err, done = self._guarded("get_into_parts" if load else "put_from_parts", fn,
-                                             keys[lo:hi], addrs[lo:hi], sizes[lo:hi])
-            if err is not None:
-                cause = f"{'load' if load else 'save'}_{code_name(err.code).lower()}"
-                self._fail(cause, str(err), n=hi - lo, load=load)
-                return False, done
-            dt = time.perf_counter() - t0
-            moved = moved_bytes = 0
-            for code, want in zip(codes, expect[lo:hi]):
-                if (load and code == want) or (not load and code == 0):
-                    moved += 1
-                    moved_bytes += want
-                    continue
-                all_ok = False
-                if code == OBJECT_NOT_FOUND:
-                    cause = "load_evicted"
-                elif code >= 0:
-                    cause = "load_short_object"
-                else:
-                    cause = f"{'load' if load else 'save'}_{code_name(code).lower()}"
-                self._fail(cause, f"code {code}, expected {want if load else 0}", load=load)
-            kind = "loaded" if load else "saved"
-            self._stat(f"{kind}_blocks", moved)
-            self._stat(f"{kind}_bytes", moved_bytes)
-            self._stat("load_seconds" if load else "save_seconds", dt)
-            if load and not all_ok:
-                return False, None  # the request recomputes; the rest of its blocks are useless
+            arena = self._arenas.acquire()
+            done: threading.Event | None = None
+            try:
+                ok, call_failed, done = self._move_batch(
+                    keys[lo:hi], addrs[lo:hi], sizes[lo:hi], expect[lo:hi], arena, load)
+            finally:
+                # The arena is reused only once no store call can still touch it.
+                self._after(done, lambda arena=arena: self._arenas.release(arena))
+            all_ok = all_ok and ok
+            # A failed load makes the rest of the request's blocks useless (it recomputes);
+            # after a failed save call the store is unwell: stop, and unpin when it returns.
+            if (load and not ok) or call_failed:
+                return False, done  # (set already unless the call timed out)
         return all_ok, None
+
+    def _move_batch(
+        self,
+        keys: list[str],
+        addrs: list[list[int]],
+        sizes: list[list[int]],
+        expect: list[int],
+        arena: TrailerArena,
+        load: bool,
+    ) -> tuple[bool, bool, threading.Event]:
+        """One batched store call: (every object moved and verified, the call failed, call ended)."""
+        n = len(keys)
+        part_addrs = [a + [arena.addr(j)] for j, a in enumerate(addrs)]
+        part_sizes = [s + [TRAILER_BYTES] for s in sizes]
+        if load:
+            arena.clear(n)
+        else:
+            for j in range(n):
+                arena.write(j, checksum_parts(keys[j], addrs[j], sizes[j]))
+        t0 = time.perf_counter()
+        op = "get_into_parts" if load else "put_from_parts"
+        fn = self._client.get_into_parts if load else self._client.put_from_parts
+        codes, err, done = self._guarded(op, fn, keys, part_addrs, part_sizes)
+        if err is not None:
+            self._fail(f"{'load' if load else 'save'}_{code_name(err.code).lower()}", str(err), n=n, load=load)
+            return False, True, done
+        dt = time.perf_counter() - t0
+        moved = moved_bytes = 0
+        all_ok = True
+        for j, (code, want) in enumerate(zip(codes, expect)):
+            total = want + TRAILER_BYTES
+            if not load and code == 0:
+                cause = None
+            elif not load:
+                cause = f"save_{code_name(code).lower()}"
+            elif code == OBJECT_NOT_FOUND:
+                cause = "load_evicted"
+            elif code >= 0 and code != total:
+                cause = "load_short_object"
+            elif code < 0:
+                cause = f"load_{code_name(code).lower()}"
+            elif not arena.holds(j, checksum_parts(keys[j], addrs[j], sizes[j])):
+                cause = "load_corrupt_object"
+            else:
+                cause = None
+            if cause is None:
+                moved += 1
+                moved_bytes += want
+                continue
+            all_ok = False
+            self._fail(cause, f"{keys[j]}: code {code}, expected {total if load else 0}", load=load)
+            if load:
+                break  # the request recomputes; its other objects need no checking
+        kind = "loaded" if load else "saved"
+        self._stat(f"{kind}_blocks", moved)
+        self._stat(f"{kind}_bytes", moved_bytes)
+        self._stat("load_seconds" if load else "save_seconds", dt)
+        with self._lock:
+            self._stats.add_latency("load" if load else "save", dt)
+        return all_ok, False, done
 
     def _log_keys(self, blocks: BlockBatch) -> None:
         if not self._cfg.key_log_path:

@@ -1,8 +1,8 @@
 """How a stored KV object is named.
 
-``hkv1/<model>/<layout>/g<group>/<rank>/<block hash hex>``
+``hkv2/<model>/<layout>/g<group>/<rank>/<block hash hex>``
 
-* ``hkv1`` -- the key-scheme version. Bump it whenever the bytes stored under a
+* ``hkv2`` -- the key-scheme version. Bump it whenever the bytes stored under a
   key change meaning (layout, dtype packing); old objects then simply miss.
 * ``<model>`` -- model identity: a short fingerprint of the model name and
   revision given by the operator plus the dtype. Two deployments share objects
@@ -15,6 +15,9 @@
   (each rank stores its own shard).
 * the block hash -- vLLM's chained block hash of the hash unit ending where
   the object's valid KV ends (it already includes ``cache_salt`` and LoRA).
+
+An object is the block's bytes followed by an 8-byte trailer (``object_trailer``:
+magic + CRC-32 seeded with the key), so a wrong object never loads silently.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-KEY_SCHEME_VERSION = "hkv1"
+KEY_SCHEME_VERSION = "hkv2"
 
 
 def _fingerprint(text: str) -> str:

@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.mooncake_backend import MooncakeBackend
+from hybridkv.store.object_trailer import seal
 from tests.e2e.engine_harness import (
     TurnRow,
     format_table,
@@ -34,12 +35,13 @@ from tests.e2e.engine_harness import (
 
 TABLES = Path(os.environ.get("HYBRIDKV_E2E_TABLES", "/tmp/hybridkv-e2e-tables.txt"))
 
-# (model kind, prefix_match_unit, hit alignment in tokens, extra engine args)
+# (model kind, prefix_match_unit, hit alignment in tokens, extra engine args, extra connector config)
+# qwen3next-partial also runs the staged data path (the one a GPU KV cache takes).
 CASES = {
-    "gemma3-block": ("gemma3", None, 128, {}),
-    "qwen3next-block": ("qwen3next", None, 256, {"block_size": 256}),
-    "qwen3next-partial": ("qwen3next", 64, 64, {"block_size": 256}),
-    "gemma4-two-dense-block": ("gemma4", None, 256, {}),
+    "gemma3-block": ("gemma3", None, 128, {}, {}),
+    "qwen3next-block": ("qwen3next", None, 256, {"block_size": 256}, {}),
+    "qwen3next-partial-staged": ("qwen3next", 64, 64, {"block_size": 256}, {"staging": "always"}),
+    "gemma4-two-dense-block": ("gemma4", None, 256, {}, {}),
 }
 
 
@@ -62,7 +64,11 @@ def _record(title: str, rows: list[TurnRow]) -> None:
 
 
 def _plant_fault(key_log: Path, master_address: str) -> str:
-    """Overwrite the 2nd stored object of the group with the most objects (a dense group)."""
+    """Overwrite the 2nd stored object of the group with the most objects (a dense group).
+
+    The noise is sealed with a valid trailer (``seal``), so the connector's own
+    checksum cannot catch it: only the output comparison can.
+    """
     entries = [line.split() for line in key_log.read_text().splitlines()]
     by_group: dict[str, list[tuple[str, int]]] = {}
     for key, gid, nbytes in entries:
@@ -70,7 +76,7 @@ def _plant_fault(key_log: Path, master_address: str) -> str:
     dense = max(by_group.values(), key=len)
     key, nbytes = dense[1]
     with MooncakeBackend(master_address, global_segment_size=0) as client:
-        noise = random.Random(7).randbytes(nbytes)
+        noise = seal(key, random.Random(7).randbytes(nbytes))
         assert client.replace_bytes(key, noise) == 0
         assert client.get_bytes(key) == noise
     return key
@@ -78,12 +84,12 @@ def _plant_fault(key_log: Path, master_address: str) -> str:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_three_turns_hit_the_store_and_match_recompute(case, master, tmp_path):
-    kind, unit, align, engine_kw = CASES[case]
+    kind, unit, align, engine_kw, extra = CASES[case]
     key_log = tmp_path / "keys.log"
     llm = make_llm(
         tiny_model(kind),
         store_transfer_config({"master_address": master.address, "key_log_path": str(key_log),
-                               "namespace": case}),
+                               "namespace": case, **extra}),
         prefix_match_unit=unit,
         **engine_kw,
     )

@@ -32,22 +32,26 @@ from tests.e2e.engine_harness import (
 ALIGN = 128  # gemma3 tiny model: scheduler block
 
 
-def _metric(llm, name: str) -> float:
-    """Sum of a counter over its label sets in the engine's Prometheus registry."""
+def _metric(llm, name: str, **labels: str) -> float:
+    """Sum of a counter over its label sets (those matching ``labels``) in the engine's registry."""
     total = 0.0
     for m in llm.get_metrics():
-        if m.name == name:
+        if m.name == name and all(m.labels.get(k) == v for k, v in labels.items()):
             total += getattr(m, "value", 0) or 0
     return total
 
 
 def test_second_instance_hits_what_the_first_saved_and_name_resolves_without_module_path():
+    """A saves zero-copy; B (registered name, staged data path) loads A's objects, saves the
+    next turn through its staging buffers, and A loads those: the two paths' objects are
+    interchangeable byte for byte."""
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
         model = tiny_model("gemma3")
         extra = {"master_address": master.address, "namespace": "sharing"}
         a = make_llm(model, store_transfer_config(extra))
         # B uses the name registered by hybridkv's vLLM plugin entry point, no module path.
-        b = make_llm(model, store_transfer_config(extra, module_path=False), disable_log_stats=False)
+        b = make_llm(model, store_transfer_config({**extra, "staging": "always"}, module_path=False),
+                     disable_log_stats=False)
         session = Session(seed=11)
         first = generate(a, session.prompt)
         prev_len = len(session.prompt)
@@ -62,6 +66,19 @@ def test_second_instance_hits_what_the_first_saved_and_name_resolves_without_mod
         assert ref.num_cached_tokens == 0
         assert _metric(b, "vllm:hybridkv_store_loaded_bytes") > 0
         assert _metric(b, "vllm:hybridkv_store_hit_tokens") >= expected
+        for kind in ("lookup", "load"):
+            hist = [m for m in b.get_metrics() if m.name == f"vllm:hybridkv_store_{kind}_latency_seconds"]
+            assert hist and sum(m.count for m in hist) >= 1, f"no {kind} latency histogram"
+
+        prev_len = len(session.prompt)
+        session.extend(got.token_ids)
+        reset_local_cache(b)  # B's staged saves acknowledged
+        back = generate(a, session.prompt)
+        back_ref = generate(a, session.prompt, cache_salt="sharing-recompute-a")
+        expected = get_mamba_prefill_checkpoint_position(prev_len, ALIGN, False)
+        print(f"instance A: prompt {len(session.prompt)} cached {back.num_cached_tokens} expected >= {expected}")
+        assert back.num_cached_tokens >= expected
+        assert matches(back, back_ref)
         del a, b
 
 
@@ -207,3 +224,61 @@ def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_b
         finally:
             if holder.poll() is None:
                 holder.kill()
+
+
+def _session_dense_keys(key_log, seen: int) -> list[str]:
+    """Keys of the dense group (most objects) written since line ``seen`` of the key log."""
+    by_group: dict[str, list[str]] = {}
+    for line in key_log.read_text().splitlines()[seen:]:
+        key, gid, _ = line.split()
+        by_group.setdefault(gid, []).append(key)
+    return max(by_group.values(), key=len)
+
+
+def test_corrupt_short_and_misplaced_objects_are_detected_and_recompute(tmp_path):
+    """A store that answers with the wrong bytes: every object carries a CRC trailer.
+
+    Three faults, each on a fresh session: a payload with flipped bytes (right size,
+    old trailer), a truncated object, and another block's valid object stored under
+    this key. Each must be refused (failure counted by cause) and the turn must
+    equal a recompute; without the trailer the first and third load silently.
+    """
+    from hybridkv.store.mooncake_backend import MooncakeBackend
+
+    key_log = tmp_path / "keys.log"
+    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
+        llm = make_llm(tiny_model("gemma3"), store_transfer_config(
+            {"master_address": master.address, "namespace": "corrupt", "key_log_path": str(key_log)}),
+            disable_log_stats=False)
+
+        def flip(data: bytes, other: bytes) -> bytes:
+            mid = len(data) // 2
+            return data[:mid] + bytes(b ^ 0x5A for b in data[mid:mid + 64]) + data[mid + 64:]
+
+        # fault -> the failure cause it must be counted under (Mooncake itself refuses a
+        # read whose buffers do not match the object's size: TRANSFER_FAIL).
+        faults = {
+            "flipped payload": (flip, "load_corrupt_object"),
+            "truncated": (lambda data, other: data[: len(data) // 2], "load_transfer_fail"),
+            "another key's object": (lambda data, other: other, "load_corrupt_object"),
+        }
+        with MooncakeBackend(master.address, global_segment_size=0) as client:
+            for i, (name, (fault, cause)) in enumerate(faults.items()):
+                reset_local_cache(llm)  # waits until earlier saves are acknowledged
+                seen = len(key_log.read_text().splitlines()) if key_log.exists() else 0
+                session = Session(seed=40 + i)
+                session.extend(generate(llm, session.prompt).token_ids)
+                reset_local_cache(llm)
+                keys = _session_dense_keys(key_log, seen)
+                victim, other = keys[1], keys[2]
+                assert client.replace_bytes(victim, fault(client.get_bytes(victim), client.get_bytes(other))) == 0
+                failed_before = _metric(llm, "vllm:hybridkv_store_failed_loads")
+                cause_before = _metric(llm, "vllm:hybridkv_store_failures", cause=cause)
+                got = generate(llm, session.prompt)
+                ref = generate(llm, session.prompt, cache_salt=f"corrupt-recompute-{i}")
+                failed = _metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
+                counted = _metric(llm, "vllm:hybridkv_store_failures", cause=cause) - cause_before
+                print(f"\n{name}: cached {got.num_cached_tokens}, failed loads +{failed}, {cause} +{counted}")
+                assert failed == 1 and counted >= 1, f"{name}: not refused"
+                assert matches(got, ref), f"{name}: output differs from recompute"
+        del llm

@@ -33,6 +33,8 @@ def test_defaults_and_sizes():
         ({"save_decode": "yes"}, "save_decode='yes'"),
         ({"max_batch_blocks": -1}, "max_batch_blocks=-1"),
         ({"namespace": 3}, "namespace=3"),
+        ({"staging": "sometimes"}, "staging='sometimes'"),
+        ({"staging_buffer_size": 0}, "staging_buffer_size=0"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(extra, needle):
@@ -97,3 +99,36 @@ def test_worker_metadata_sums_acks_and_stats_reduce():
     other = HybridStoreStats(data={"hit_tokens": 250})
     assert s.aggregate(other).reduce()["hit_rate"] == 0.5
     assert HybridStoreStats().is_empty()
+
+
+def test_latencies_aggregate_as_lists_and_reach_prometheus_histograms():
+    import prometheus_client
+
+    from hybridkv.connector.store_stats import HybridStorePromMetrics
+
+    a, b = HybridStoreStats(), HybridStoreStats()
+    for ms in (1, 2, 3):
+        a.add_latency("load", ms / 1e3)
+    b.add_latency("load", 0.5)
+    b.add_latency("lookup", 0.004)
+    merged = a.aggregate(b)
+    assert merged.data["lat.load"] == [0.001, 0.002, 0.003, 0.5]
+    out = merged.reduce()
+    assert out["load_p50_ms"] == 3.0 and out["load_p99_ms"] == 500.0 and out["lookup_p50_ms"] == 4.0
+    assert "lat.load" not in out
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def scoped(cls):  # noqa: ANN001, ANN202 - register into a private registry
+        return lambda *args, **kw: cls(*args, registry=registry, **kw)
+
+    types = {prometheus_client.Gauge: scoped(prometheus_client.Gauge),
+             prometheus_client.Counter: scoped(prometheus_client.Counter),
+             prometheus_client.Histogram: scoped(prometheus_client.Histogram)}
+    from vllm.config import VllmConfig
+
+    prom = HybridStorePromMetrics(VllmConfig(), types, ["engine"], {0: ["0"]})
+    prom.observe(merged.data, 0)
+    count = registry.get_sample_value("vllm:hybridkv_store_load_latency_seconds_count", {"engine": "0"})
+    slow = registry.get_sample_value("vllm:hybridkv_store_load_latency_seconds_bucket", {"engine": "0", "le": "0.25"})
+    assert count == 4 and slow == 3  # the 0.5 s call sits above the 0.25 s bucket
