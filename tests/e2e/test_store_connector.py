@@ -39,6 +39,9 @@ TABLES = Path(os.environ.get("HYBRIDKV_E2E_TABLES", "/tmp/hybridkv-e2e-tables.tx
 # qwen3next-partial also runs the staged data path (the one a GPU KV cache takes).
 CASES = {
     "gemma3-block": ("gemma3", None, 128, {}, {}),
+    # No Mamba group: vLLM 0.32 enables sub-block hits only for Mamba align groups, so a
+    # finer prefix-match unit keeps gemma3's hits on its 128-token blocks.
+    "gemma3-partial": ("gemma3", 64, 128, {}, {}),
     "qwen3next-block": ("qwen3next", None, 256, {"block_size": 256}, {}),
     "qwen3next-partial-staged": ("qwen3next", 64, 64, {"block_size": 256}, {"staging": "always"}),
     "gemma4-two-dense-block": ("gemma4", None, 256, {}, {}),

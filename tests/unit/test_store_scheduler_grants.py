@@ -106,3 +106,23 @@ def test_queried_and_not_chosen_leaves_no_job_and_no_plan(stored):
     sched, manager = stored
     offered, _, job = _admit(sched, manager, granted=0)
     assert offered == OFFER and job is None
+
+
+def test_a_local_dense_prefix_is_extended_with_state_from_the_store(stored):
+    """The divergent local hit: the local cache holds full-attention blocks to 512 but the
+    window/Mamba state there is gone. The scheduler passes 512; the store must supply the
+    rest and the sparse state at the NEW end (never claim a hit without state), without
+    re-probing or re-loading the local full-attention prefix."""
+    sched, _ = stored
+    req = make_request(GEO, TOKENS)
+    offered, load_async = sched.get_num_new_matched_tokens(req, 512)
+    assert (offered, load_async) == (OFFER - 512, True)
+    plan = sched._plans.pop(req.request_id)
+    fa_positions = [idx for idx, _ in plan.hit.blocks[0]]
+    assert fa_positions == list(range(OFFER // 16))  # the local ones are skipped at load time
+    local = set(req.block_hashes[: 512 // 16])
+    assert not any(g == 0 and h in local for g, h in plan.found), "the local dense prefix was probed"
+    # One Mamba state, keyed by the hash unit ending at the new end (in its 64-token block).
+    assert [(idx, h) for idx, (_, h) in plan.hit.blocks[2]] == [((OFFER - 1) // 64, req.block_hashes[OFFER // 16 - 1])]
+    assert all(idx >= (OFFER - 64) // 16 for idx, _ in plan.hit.blocks[1])  # window tail only
+    sched._recent_lookups.clear()
