@@ -28,6 +28,9 @@ class ReadJob:
     remote_block_ids: list[list[int]]
     local_block_ids: list[list[int]]
     refused: str | None = None
+    # Nothing to read (decode's own prefix cache or another connector, e.g. the store
+    # under MultiConnector, supplies the prefix): only tell prefill to drop its lease.
+    release_only: bool = False
 
 
 @dataclass

@@ -149,9 +149,8 @@ class PDScheduler:
         if not params or not params.get("do_remote_prefill") or params.get("_hkv_read"):
             return
         params["_hkv_read"] = True  # one transfer per request
-        if num_external_tokens == 0:
-            return  # the local prefix cache covers it (or another connector was chosen)
-        remote_groups = params["remote_block_ids"]
+        if any(k not in params for k in REQUIRED_REMOTE):
+            return  # warned at lookup; nothing to read and no peer to tell
         job = ReadJob(
             req_id=request.request_id,
             remote_req_id=params["remote_request_id"],
@@ -161,6 +160,15 @@ class PDScheduler:
             remote_block_ids=[],
             local_block_ids=[],
         )
+        if num_external_tokens == 0:
+            # The local prefix cache covers it, or another connector was chosen (the store
+            # under MultiConnector): read nothing, but release the prefill side's lease now
+            # rather than after lease_s (its blocks stay held and its engine keeps stepping
+            # until then). Never reported as a receive: this connector loads nothing here.
+            job.release_only = True
+            self._reads.append(job)
+            return
+        remote_groups = params["remote_block_ids"]
         if len(remote_groups) != len(blocks.blocks):
             job.refused = f"prefill has {len(remote_groups)} KV cache groups, decode {len(blocks.blocks)}"
         else:

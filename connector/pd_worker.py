@@ -100,6 +100,9 @@ class PDWorker:
 
     def _run_reads(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if job.release_only:
+                self._send_release(job)
+                continue
             ok, straggler = False, None
             try:
                 ok, straggler = self._read(job)
@@ -114,6 +117,20 @@ class PDWorker:
             else:
                 threading.Thread(target=self._drain, args=(job.req_id, straggler), daemon=True,
                                  name="hybridkv-pd-straggler").start()
+
+    def _send_release(self, job: ReadJob) -> None:
+        """Tell the prefill side its blocks for ``job`` will not be read (it frees them).
+
+        Best effort: if the peer cannot be reached, its lease expires on its own."""
+        if self._transport is None or self._local is None:
+            return
+        try:
+            self._transport.send_notif(self._peer(job), job.remote_req_id.encode())
+        except Exception as e:  # noqa: BLE001 - runs on the read thread, which must survive
+            warn_once(logger, f"pd_release:{type(e).__name__}",
+                      "could not release %s on %s:%d (its lease expires instead): %s",
+                      job.remote_req_id, job.remote_host, job.remote_port, e)
+            self._peers.pop((job.remote_host, job.remote_port), None)
 
     def _release(self, req_id: str) -> None:
         with self._lock:

@@ -1,0 +1,267 @@
+"""P/D + offload in ONE MultiConnector config: two real vLLM CPU engines, one real mooncake_master.
+
+Prefill engine: MultiConnector [HybridPDConnector, HybridStoreConnector] (order does not
+matter there: prefill requests carry ``do_remote_decode``, so the P/D child never loads;
+the store child loads a prefix the store holds and saves what prefill computes).
+Decode engine: MultiConnector [HybridStoreConnector, HybridPDConnector]. MultiConnector
+queries every child and loads from the FIRST one offering tokens (vLLM 0.32
+``get_num_new_matched_tokens``), so the store serves the prefix whenever it holds one and
+the prefill peer is the fallback. The child not chosen gets
+``update_state_after_alloc(request, blocks, 0)``; for the P/D child that sends prefill a
+"not reading, release" notification (no read), so prefill frees the request's blocks at
+once instead of holding them (and stepping) for ``lease_s``.
+
+3 turns, each prompt = previous prompt + answer + 500 new tokens; the decode engine's
+local prefix cache is reset before each turn, so every hit comes from the store or the
+peer. Each turn must equal a recompute on the decode engine under a fresh ``cache_salt``;
+from turn 2 the store must supply at least the previous prompt's last block boundary.
+A 4th request is the store-miss fallback: the decode request carries a cache_salt the
+prefill request did not, so the decode's store lookup (salted block hashes) finds nothing
+and the KV must come from the peer (P/D pairs blocks by position, not by hash).
+
+After each decode the prefill engine's prefix cache is reset: vLLM refuses while any block
+is held, so success within seconds shows the P/D lease was released (by the read's
+notification, or the release notification when the store was chosen; with the release
+disabled this reset timed out) and the prefill's store saves landed. It also makes the
+prefill engine load its next prompt's prefix from the store (its P/D child then is the one
+queried and not chosen). The "cached" column is the decode engine's own hit from
+``vllm:prompt_tokens_cached_by_source`` (host = store, p2p = peer): a decode request's
+``num_cached_tokens`` is the prefill side's hit (vLLM copies ``remote_prefill_cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
+
+from hybridkv.store.embedded_master import EmbeddedMaster
+from tests.e2e.engine_harness import (
+    Completion,
+    Session,
+    completion_from,
+    generate,
+    make_llm,
+    matches,
+    reset_local_cache,
+    tiny_model,
+)
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes CPU hosts at exit
+
+ALIGN = 128  # gemma3 tiny model: scheduler block (SW 128 + FA 128)
+NAMESPACE = "pd-store-multi"
+LEASE_S = 60.0  # prefill's P/D lease; a release must come long before it
+# vLLM's scheduler adds remote_prefill_cached_tokens to any do_remote_prefill answer.
+PD_PARAM_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host",
+                 "remote_port", "remote_block_ids", "remote_num_tokens", "remote_prefill_cached_tokens"}
+
+
+def _store_child(master_address: str) -> dict:
+    # The policy is repeated on the child: MultiConnector's scheduler uses the parent's, but
+    # each child gets its own KVTransferConfig (default "fail") and the store child warns on it.
+    return {"kv_connector": "HybridStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"master_address": master_address, "namespace": NAMESPACE,
+                                          "global_segment_size": "256MiB"}}
+
+
+def prefill_config(master_address: str) -> dict:
+    """Prefill instance (children with module paths: both resolution routes get covered)."""
+    pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_producer",
+          "kv_connector_module_path": "hybridkv.connector",
+          "kv_connector_extra_config": {"lease_s": LEASE_S}}
+    store = {**_store_child(master_address), "kv_connector_module_path": "hybridkv.connector"}
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [pd, store]}}
+
+
+def decode_config(master_address: str) -> dict:
+    """Decode instance: store first (its hit wins), peer second (children by registered name)."""
+    pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_both"}
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [_store_child(master_address), pd]}}
+
+
+def _prefill(llm, prompt: list[int]) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                        extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    return llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0].kv_transfer_params
+
+
+def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8,
+            cache_salt: str | None = None) -> tuple[Completion, dict | None]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    p = TokensPrompt(prompt_token_ids=prompt)
+    if cache_salt is not None:
+        p["cache_salt"] = cache_salt
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True,
+                        extra_args={"kv_transfer_params": dict(params)})
+    out = llm.generate([p], sp, use_tqdm=False)[0]
+    return completion_from(out), out.kv_transfer_params
+
+
+def _metric(llm, name: str, **labels: str) -> float:
+    total = 0.0
+    for m in llm.get_metrics():
+        if m.name == name and all(m.labels.get(k) == v for k, v in labels.items()):
+            total += getattr(m, "value", 0) or 0
+    return total
+
+
+def _snapshot(llm) -> dict[str, float]:
+    return {
+        "device": _metric(llm, "vllm:prompt_tokens_cached_by_source", source="device"),
+        "host": _metric(llm, "vllm:prompt_tokens_cached_by_source", source="host"),
+        "p2p": _metric(llm, "vllm:prompt_tokens_cached_by_source", source="p2p"),
+        "store_bytes": _metric(llm, "vllm:hybridkv_store_loaded_bytes"),
+        "store_lookups": _metric(llm, "vllm:hybridkv_store_lookups"),
+    }
+
+
+def _source(delta: dict[str, float]) -> str:
+    names = [s for s, k in (("store", "host"), ("peer", "p2p"), ("local", "device")) if delta[k] > 0]
+    return "+".join(names) or "none"
+
+
+def _shutdown(*llms) -> None:
+    """Stop the engines (in parallel) while the master still runs: their store clients talk to it at exit."""
+    import threading
+
+    def stop(llm) -> None:  # noqa: ANN001
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort; the engine may already be gone
+            pass
+
+    threads = [threading.Thread(target=stop, args=(llm,)) for llm in llms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _release_seconds(prefill) -> float:
+    """Time until prefill's blocks are all free: its request's P/D lease released and its
+    store saves acknowledged (vLLM refuses a prefix-cache reset while any block is held)."""
+    t0 = time.monotonic()
+    reset_local_cache(prefill, timeout_s=LEASE_S / 2)
+    return time.monotonic() - t0
+
+
+def _turn(prefill, decode, label, prompt: list[int], expected: int, decode_salt: str | None = None) -> dict:
+    params = _prefill(prefill, prompt)
+    # The children's kv_transfer_params merged without a clash (MultiConnector raises on one):
+    # the store child adds nothing, the P/D child its hand-over.
+    assert params and set(params) == PD_PARAM_KEYS, params
+    assert len(params["remote_block_ids"]) == 2, "two KV cache groups (SW + FA): the hybrid allocator is on"
+    reset_local_cache(decode)
+    before = _snapshot(decode)
+    got, out_params = _decode(decode, prompt, params, cache_salt=decode_salt)
+    delta = {k: v - before[k] for k, v in _snapshot(decode).items()}
+    ref = generate(decode, prompt, cache_salt=f"multi-recompute-{uuid.uuid4()}")
+    return dict(turn=label, prompt=len(prompt), expected=expected, answer=got.token_ids,
+                # The decode engine's own hit, by tier. (RequestOutput.num_cached_tokens on a
+                # decode request is the PREFILL side's hit: vLLM copies remote_prefill_cached_tokens.)
+                cached=int(delta["host"] + delta["p2p"] + delta["device"]), source=_source(delta),
+                store_tokens=int(delta["host"]), peer_tokens=int(delta["p2p"]), store_bytes=int(delta["store_bytes"]),
+                store_lookups=int(delta["store_lookups"]), prefill_cached=got.num_cached_tokens,
+                matches=matches(got, ref), ref_cached=ref.num_cached_tokens, out_params=out_params,
+                release_s=_release_seconds(prefill))
+
+
+def test_pd_and_store_in_one_multiconnector_three_turns():
+    t_start = time.monotonic()
+    model = tiny_model("gemma3")
+    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
+        prefill = make_llm(model, prefill_config(master.address))
+        decode = make_llm(model, decode_config(master.address), disable_log_stats=False)
+        try:
+            booted = time.monotonic() - t_start  # engine boots dominate the runtime (20-70 s each here)
+            # The hybrid allocator stays on: MultiConnector keeps it on only if every child
+            # subclasses SupportsHMA, and both hybridkv connectors do.
+            for llm in (prefill, decode):
+                assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+
+            session = Session(seed=31)
+            rows = []
+            prev_len = 0
+            for turn in range(1, 4):
+                expected = get_mamba_prefill_checkpoint_position(prev_len, ALIGN, False) if prev_len else 0
+                rows.append(_turn(prefill, decode, turn, session.prompt, expected))
+                prev_len = len(session.prompt)
+                session.extend(rows[-1]["answer"])
+            # Store-miss fallback: decode's lookup uses salted hashes the store never saw.
+            rows.append(_turn(prefill, decode, "miss", Session(seed=32).prompt, 0,
+                              decode_salt=f"decode-only-{uuid.uuid4()}"))
+        finally:
+            _shutdown(prefill, decode)
+            del prefill, decode
+    elapsed = time.monotonic() - t_start
+
+    print(f"\nP/D + store in one MultiConnector (gemma3; decode cache reset before each turn; "
+          f"boot {booted:.0f}s, total {elapsed:.0f}s)")
+    print("  turn  prompt  decode_cached  expected  source  store_tok  peer_tok  store_bytes  prefill_cached  "
+          "matches  prefill_free_s")
+    for r in rows:
+        print(f"  {r['turn']!s:<5} {r['prompt']:<7} {r['cached']:<14} {r['expected']:<9} {r['source']:<7} "
+              f"{r['store_tokens']:<10} {r['peer_tokens']:<9} {r['store_bytes']:<12} {r['prefill_cached']:<15} "
+              f"{r['matches']!s:<8} {r['release_s']:.2f}")
+
+    for r in rows:
+        assert r["matches"], f"turn {r['turn']} differs from recompute"
+        assert r["ref_cached"] == 0, "the recompute under a fresh cache_salt must not hit"
+        assert r["out_params"] is None, "a decode request hands nothing on"
+        assert 0 < r["cached"] <= r["prompt"] - 1
+        assert r["source"] in ("store", "peer"), r  # exactly one child loaded; nothing local (reset)
+        assert r["store_lookups"] >= 1, "the store child is always queried"
+        # Prefill's blocks freed by the P/D child's read notification or, when the store was
+        # chosen, its release notification: never by lease expiry.
+        assert r["release_s"] < LEASE_S / 4, f"turn {r['turn']}: prefill held its blocks {r['release_s']:.1f}s"
+    for r in rows[1:3]:
+        assert r["source"] == "store", f"turn {r['turn']}: the store holds the previous prompt, it must win"
+        assert r["store_tokens"] >= r["expected"] and r["store_bytes"] > 0
+    miss = rows[3]
+    assert miss["source"] == "peer" and miss["peer_tokens"] > 0 and miss["store_bytes"] == 0, miss
+
+
+def test_pd_child_not_chosen_only_releases_the_prefill_lease():
+    """Engine-free: MultiConnector's ``update_state_after_alloc(request, blocks, 0)`` to the
+    P/D child queues a release, pins nothing, and its worker never reports the request as
+    received (a non-chosen child's finished_recving would end the chosen store load early)."""
+    from types import SimpleNamespace
+
+    from hybridkv.connector.pd_scheduler import PDScheduler
+    from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
+
+    sched = PDScheduler("decode", False, LEASE_S, (), ALIGN)
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill",
+              "remote_request_id": "p-1", "remote_host": "127.0.0.1", "remote_port": 1,
+              "remote_block_ids": [[1, 2], [3, 4]], "remote_num_tokens": 256}
+    request = SimpleNamespace(request_id="d-1", kv_transfer_params=params, num_prompt_tokens=300)
+    assert sched.get_num_new_matched_tokens(request, 0) == (256, True)  # offered, then not chosen
+    sched.update_state_after_alloc(request, None, 0)
+    meta = sched.build_connector_meta(None)
+    assert [(j.req_id, j.remote_req_id, j.release_only, j.local_block_ids) for j in meta.reads] == [
+        ("d-1", "p-1", True, [])]
+    assert not sched.has_pins()
+    sched.update_state_after_alloc(request, None, 0)  # re-admission (preemption): nothing more
+    assert sched.build_connector_meta(None).reads == []
+
+    worker = PDWorker(PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 1.0, 1.0), None)
+    try:
+        worker.start_load_kv(meta)
+        worker._jobs.put(None)  # drain: the read thread exits after the release job
+        worker._thread.join(5)
+        results = worker.get_transfer_results()
+        assert not results.finished_recving and not results.failed_recving
+        assert not worker.take_released()
+    finally:
+        worker.shutdown()
