@@ -337,11 +337,13 @@ def _metrics_after(client: Client, before: dict[str, float]) -> dict[str, float]
         time.sleep(0.05)
 
 
-def hit_source(local_hits: float, store_hits: float) -> str:
+def hit_source(local_hits: float, store_hits: float, remote: str = "store") -> str:
+    """Where the cached tokens came from; ``remote`` names the connector's tier
+    (``store``, or ``prefill`` for a P/D decode instance)."""
     if local_hits > 0 and store_hits > 0:
-        return "local+store"
+        return f"local+{remote}"
     if store_hits > 0:
-        return "store"
+        return remote
     return "local" if local_hits > 0 else "none"
 
 
@@ -409,17 +411,24 @@ def run_turn(
     max_tokens: int,
     reset_local_cache: bool,
     tol: float,
+    reference: Client | None = None,
+    remote: str = "store",
 ) -> tuple[TurnResult, Completion]:
-    """Send one turn, then its salted recompute, and compare them."""
+    """Send one turn, then its salted recompute, and compare them.
+
+    ``reference``: the instance that serves metrics, cache resets and the recompute
+    when ``client`` is a front door (the P/D proxy); default ``client`` itself.
+    """
+    server = reference or client
     if reset_local_cache:
-        client.reset_prefix_cache()
-    before = client.metrics()
+        server.reset_prefix_cache()
+    before = server.metrics()
     main = client.complete(model, prompt, max_tokens)
-    after = _metrics_after(client, before)
+    after = _metrics_after(server, before)
     d = _deltas(before, after)
     # A fresh salt per call: the recompute can hit neither the local cache nor the store.
     salt = f"hybridkv-recompute-{uuid.uuid4().hex}"
-    ref = client.complete(model, prompt, max_tokens, cache_salt=salt)
+    ref = server.complete(model, prompt, max_tokens, cache_salt=salt)
     if not main.token_ids or not main.prompt_token_ids:
         raise DemoError(
             "the server returned no token ids; it must accept return_token_ids (vLLM >= 0.11)"
@@ -435,7 +444,7 @@ def run_turn(
         turn=turn + 1,
         prompt_tokens=main.prompt_tokens,
         cached_tokens=main.cached_tokens or 0,
-        hit_source=hit_source(d.local_hits, d.store_hits),
+        hit_source=hit_source(d.local_hits, d.store_hits, remote),
         local_hit_tokens=int(d.local_hits),
         store_hit_tokens=int(d.store_hits),
         reusable_tokens=common_prefix(main.prompt_token_ids, previous_ids),
@@ -566,16 +575,19 @@ def run_session(
     max_tokens: int,
     reset_local_cache: bool,
     tol: float,
+    reference: Client | None = None,
+    remote: str = "store",
 ) -> list[TurnResult]:
     """Replay ``turns`` turns of ``trajectory`` and return one checked row per turn."""
-    model, max_model_len = client.model_card()
+    server = reference or client
+    model, max_model_len = server.model_card()
     budget = trajectory.prompt_budget(turns, max_tokens)
     if max_model_len is not None and budget > max_model_len:
         raise DemoError(
             f"{turns} turns need up to ~{budget} tokens but the server's max_model_len is "
             f"{max_model_len}: lower --turns, --first-prompt-tokens or --turn-growth-tokens"
         )
-    exported = client.metrics()
+    exported = server.metrics()
     missing = [m for m in (METRIC_LOCAL_HITS, METRIC_STORE_HITS) if counter(exported, m) is None]
     if missing:
         print(f"agent-demo: server exports no {', '.join(missing)}; hit sources will read "
@@ -592,6 +604,7 @@ def run_session(
             row, main = run_turn(
                 client, model, turn, prompt, previous_ids,
                 max_tokens=max_tokens, reset_local_cache=reset_local_cache, tol=tol,
+                reference=reference, remote=remote,
             )  # fmt: skip
             rows.append(row)
             progress.write(table_row(row))
@@ -622,6 +635,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-transfer-config",
         default="default",
         help="'default' (HybridStoreConnector), 'none' (no connector), a JSON object or @FILE",
+    )
+    src.add_argument(
+        "--pd", action="store_true",
+        help="prefill/decode disaggregation: launch a prefill and a decode instance with "
+        "HybridPDConnector and talk to them through `hybridkv proxy` (hits then come from "
+        "the prefill instance; the recompute runs on the decode instance)",
     )
     src.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     src.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
@@ -668,6 +687,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             tol=args.logprob_tolerance,
         )  # fmt: skip
         info: dict = {"reset_local_cache": reset, **asdict(trajectory), **session}
+        if args.pd and (args.url or args.kv_transfer_config != "default"):
+            raise DemoError("--pd launches its own two instances with HybridPDConnector: "
+                            "drop --url / --kv-transfer-config")
         if args.url:
             info.update(url=args.url, kv_transfer_config="(external server)")
             rows = run_session(Client(args.url), trajectory, **session)
@@ -689,6 +711,21 @@ def run_from_args(args: argparse.Namespace) -> int:
                 # vLLM 0.32 aligns prefill chunks to --block-size; the tiny model's Mamba
                 # states live every 256 tokens (see HybridStoreConnector's startup warning).
                 extra += ["--block-size", "256"]
+            if args.pd:
+                from hybridkv.cli.pd_stack import PDStack
+
+                stack = PDStack(model, max_model_len=args.max_model_len, extra_args=extra,
+                                log_dir=cache / "logs" / f"pd-{os.getpid()}", startup_timeout_s=args.startup_timeout)
+                info.update(model=model, mode="pd", prefill_command=stack.prefill.command(),
+                            decode_command=stack.decode.command(), proxy_command=stack.proxy_command())
+                print(f"starting prefill + decode instances and hybridkv proxy (logs: {stack.proxy_log.parent}) ...",
+                      file=sys.stderr)
+                with stack:
+                    print(f"P/D ready: proxy {stack.url}, decode {stack.decode.url}", file=sys.stderr)
+                    rows = run_session(Client(stack.url), trajectory, **session,
+                                       reference=Client(stack.decode.url), remote="prefill")
+                    info["url"] = stack.url
+                return _finish(args, info, rows)
             server = VllmServer(
                 model, port=args.port or None, max_model_len=args.max_model_len,
                 kv_transfer_config=kv, extra_args=extra,
@@ -704,7 +741,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (DemoError, ServerStartError, ValueError, OSError) as e:  # OSError: HTTP too
         print(f"agent-demo: {e}", file=sys.stderr)
         return 2
+    return _finish(args, info, rows)
 
+
+def _finish(args: argparse.Namespace, info: dict, rows: list[TurnResult]) -> int:
+    """Print the summary, write ``--json-out``; exit status 1 on any mismatch."""
     summary = summarize(rows)
     print(format_summary(summary))
     if args.json_out:

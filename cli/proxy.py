@@ -9,8 +9,8 @@ Both the completions and chat endpoints are served; instances are used round-rob
 Binds 127.0.0.1 by default: this is an internal hop, not an edge service.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI resolves the handlers' `request: Request`
+# annotations at runtime, and Request is imported lazily inside build_app.
 import argparse
 import copy
 import itertools
@@ -69,9 +69,15 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
 
     async def route(path: str, request: Request):
-        body = await request.json()
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return JSONResponse(status_code=400, content={"error": {"message": f"request body is not JSON: {e}"}})
         prefill, decode = next(prefills), next(decodes)
-        r = await client.post(prefill + path, json=prefill_request(body))
+        try:
+            r = await client.post(prefill + path, json=prefill_request(body))
+        except httpx.HTTPError as e:
+            return _unreachable("prefill", prefill, e)
         if r.status_code != 200:
             return JSONResponse(status_code=r.status_code, content=_error(r, f"prefill {prefill}"))
         try:
@@ -79,7 +85,10 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         except ValueError as e:
             return JSONResponse(status_code=502, content={"error": {"message": str(e)}})
         if not body.get("stream"):
-            d = await client.post(decode + path, json=dreq)
+            try:
+                d = await client.post(decode + path, json=dreq)
+            except httpx.HTTPError as e:
+                return _unreachable("decode", decode, e)
             return JSONResponse(status_code=d.status_code, content=d.json() if d.content else {})
 
         async def relay() -> AsyncIterator[bytes]:
@@ -109,6 +118,14 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         return JSONResponse(status_code=503 if bad else 200, content={"unhealthy": bad})
 
     return app
+
+
+def _unreachable(role: str, url: str, e: Exception) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=502, content={"error": {
+        "message": f"{role} instance {url} unreachable: {type(e).__name__}: {e}; check that it is running "
+                   f"and that --{role} points at it"}})
 
 
 def _error(r: Any, who: str) -> dict[str, Any]:

@@ -94,6 +94,23 @@ def check_kv_connector_importable(cfg: dict | None) -> None:
         )
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
+    """Poll ``url``/health until 200: None, or why not (the process exited, or the time ran out)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            return f"exited with code {code} before becoming healthy"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.3)
+    return f"not healthy after {timeout_s:.0f} s"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -175,6 +192,19 @@ class VllmServer:
 
     def start(self) -> None:
         """Spawn the server and block until ``/health`` answers 200."""
+        self.start_async()
+        self.wait_started()
+
+    def wait_started(self) -> None:
+        """Block until a server spawned by ``start_async`` is healthy (stops it on failure)."""
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_async(self) -> None:
+        """Spawn the server without waiting (several servers can boot at once)."""
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="hybridkv-vllm-", suffix=".log")
             os.close(fd)
@@ -189,27 +219,12 @@ class VllmServer:
                 env=self.environment(),
                 start_new_session=True,  # own process group: stop() kills engine + workers
             )
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
 
     def _wait_healthy(self) -> None:
         assert self.proc is not None
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            code = self.proc.poll()
-            if code is not None:
-                raise self._start_error(f"exited with code {code} before becoming healthy")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(0.5)
-        raise self._start_error(f"not healthy after {self.startup_timeout_s:.0f} s")
+        problem = wait_healthy(self.url, self.proc, self.startup_timeout_s)
+        if problem:
+            raise self._start_error(problem)
 
     def _start_error(self, what: str) -> ServerStartError:
         cmd = shlex.join(self.command())

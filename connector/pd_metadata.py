@@ -31,6 +31,8 @@ class ReadJob:
     # Nothing to read (decode's own prefix cache or another connector, e.g. the store
     # under MultiConnector, supplies the prefix): only tell prefill to drop its lease.
     release_only: bool = False
+    # Prefill's wall-clock time (epoch s) when it frees these blocks; a READ must end before.
+    lease_expires_at: float | None = None
 
 
 @dataclass

@@ -119,8 +119,12 @@ class PDScheduler:
         remote = [list(group) for group in block_ids]
         if not any(any(group) for group in remote):
             return False, None
-        self._leases.append(Lease(request.request_id, time.time() + self._lease_s))
+        expires = time.time() + self._lease_s
+        self._leases.append(Lease(request.request_id, expires))
         return True, {
+            # After this the prefill side frees (and may reuse) the blocks: a later READ
+            # would copy another request's KV, so decode refuses to read past it.
+            "remote_lease_expires_at": expires,
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_id,
@@ -159,6 +163,7 @@ class PDScheduler:
             remote_port=int(params["remote_port"]),
             remote_block_ids=[],
             local_block_ids=[],
+            lease_expires_at=params.get("remote_lease_expires_at"),
         )
         if num_external_tokens == 0:
             # The local prefix cache covers it, or another connector was chosen (the store

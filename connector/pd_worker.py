@@ -28,6 +28,9 @@ from hybridkv.connector.pd_handshake import AgentInfo, HandshakeError, Handshake
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
 from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
 
+# Wall clocks of two hosts may disagree by this much (NTP): a READ must end this early.
+LEASE_CLOCK_MARGIN_S = 1.0
+
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
 
@@ -158,12 +161,23 @@ class PDWorker:
             warn_once(logger, "pd_refused", "request %s cannot be read: %s", job.req_id, job.refused)
             return False, None
         assert self._transport is not None and self._local is not None
+        timeout_s = self._s.read_timeout_s
+        if job.lease_expires_at is not None:
+            # The READ must END before prefill may reuse the blocks; a READ that times out
+            # counts as failed (the request recomputes), so bounding it is enough.
+            timeout_s = min(timeout_s, job.lease_expires_at - LEASE_CLOCK_MARGIN_S - time.time())
+            if timeout_s <= 0:
+                warn_once(logger, "pd_lease_expired_before_read",
+                          "request %s: the prefill side's lease on its blocks has expired (lease_s too short "
+                          "for the decode queue?); recomputing instead of reading possibly reused blocks",
+                          job.req_id)
+                return False, None
         handle = None
         try:
             peer = self._peer(job)
             handle = self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids,
                                                  notif=job.remote_req_id.encode())
-            self._transport.wait(handle, self._s.read_timeout_s)
+            self._transport.wait(handle, timeout_s)
             self._transport.release(handle)
             return True, None
         except HandshakeError as e:

@@ -23,10 +23,12 @@ os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes 
 CASES = {"gemma3": {}, "qwen3next": {"block_size": 256}}
 
 
-def pd_config(role: str, module_path: bool = True) -> dict:
+def pd_config(role: str, module_path: bool = True, **extra) -> dict:
     cfg = {"kv_connector": "HybridPDConnector", "kv_role": role, "kv_load_failure_policy": "recompute"}
     if module_path:
         cfg["kv_connector_module_path"] = "hybridkv.connector"
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
     return cfg
 
 
@@ -128,3 +130,28 @@ def test_prefill_instance_killed_before_the_read_decode_recomputes():
     assert matches(got, ref)
     assert elapsed < 30
     del decode
+
+
+def test_expired_lease_is_not_read_and_decode_recomputes(capfd):
+    """Prefill keeps a finished request's blocks for lease_s only; afterwards it may hand
+    them to other requests. A decode request arriving later must not READ them (it would
+    copy whatever KV lives there now): it recomputes, and says why."""
+    import time
+
+    model = tiny_model("gemma3")
+    prefill = make_llm(model, pd_config("kv_producer", lease_s=2))
+    decode = make_llm(model, pd_config("kv_consumer"), disable_log_stats=False)
+    session = Session(seed=24)
+    params = _prefill(prefill, session.prompt)
+    assert params["remote_lease_expires_at"] <= time.time() + 2
+    time.sleep(2.5)
+    before = _external_hits(decode)
+    got = _decode(decode, session.prompt, params)
+    pulled = _external_hits(decode) - before
+    ref = generate(decode, session.prompt, cache_salt="pd-expired-recompute")
+    out, err = capfd.readouterr()
+    print(f"\nexpired lease: pulled {pulled}, cached {got.num_cached_tokens}")
+    assert matches(got, ref)
+    assert pulled == 0, "blocks were read after the prefill side's lease expired"
+    assert "lease on its blocks has expired" in out + err
+    del prefill, decode

@@ -24,3 +24,22 @@ def test_decode_leg_carries_the_prefill_answer_and_refuses_a_missing_one():
     assert d["kv_transfer_params"] == params and d["max_tokens"] == 50 and d["stream"] is True
     with pytest.raises(ValueError, match="returned no kv_transfer_params"):
         decode_request(body, {"choices": []})
+
+
+def test_the_http_front_door_parses_requests_and_names_a_dead_instance():
+    """Through the real ASGI app: a request reaches the route (FastAPI resolves the handler's
+    Request parameter) and an unreachable prefill instance is a 502 naming it, not a crash."""
+    import socket
+
+    from fastapi.testclient import TestClient
+
+    from hybridkv.cli.proxy import build_app
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    client = TestClient(build_app([dead], [dead], timeout_s=5))
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert r.status_code == 502
+    assert f"prefill instance {dead} unreachable" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", content=b"{not json").status_code == 400

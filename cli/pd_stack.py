@@ -1,0 +1,106 @@
+"""A prefill instance, a decode instance and ``hybridkv proxy`` in front, on loopback.
+
+What a P/D user runs, as one context manager: the demo's ``--pd`` mode and the
+end-to-end tests talk to the proxy like a client would, and to the decode
+instance directly for metrics, cache resets and the recompute reference.
+Each process is a real subprocess (the proxy through the ``hybridkv`` CLI).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from types import TracebackType
+
+from hybridkv.cli.server import HOST, ServerStartError, VllmServer, free_port, wait_healthy
+
+PD_MODULE = "hybridkv.connector"
+
+
+def pd_transfer_config(role: str, module_path: bool = True) -> dict:
+    """HybridPDConnector for ``kv_producer`` (prefill) or ``kv_consumer`` (decode)."""
+    cfg = {"kv_connector": "HybridPDConnector", "kv_role": role, "kv_load_failure_policy": "recompute"}
+    if module_path:
+        cfg["kv_connector_module_path"] = PD_MODULE
+    return cfg
+
+
+class PDStack:
+    """Start prefill, decode (in parallel), then the proxy; stop all on exit."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        max_model_len: int = 4096,
+        extra_args: Sequence[str] = (),
+        log_dir: str | os.PathLike,
+        startup_timeout_s: float = 300.0,
+        prefill_config: dict | None = None,
+        decode_config: dict | None = None,
+    ) -> None:
+        log_dir = pathlib.Path(log_dir)
+        common = dict(max_model_len=max_model_len, extra_args=extra_args, startup_timeout_s=startup_timeout_s)
+        self.prefill = VllmServer(model, kv_transfer_config=prefill_config or pd_transfer_config("kv_producer"),
+                                  log_path=log_dir / "prefill.log", **common)
+        self.decode = VllmServer(model, kv_transfer_config=decode_config or pd_transfer_config("kv_consumer"),
+                                 log_path=log_dir / "decode.log", **common)
+        self.proxy_port = free_port()
+        self.proxy_log = log_dir / "proxy.log"
+        self._proxy: subprocess.Popen | None = None
+        self.startup_timeout_s = startup_timeout_s
+
+    @property
+    def url(self) -> str:
+        """The front door (what clients call)."""
+        return f"http://{HOST}:{self.proxy_port}"
+
+    def proxy_command(self) -> list[str]:
+        return [sys.executable, "-m", "hybridkv.cli.main", "proxy", "--prefill", self.prefill.url,
+                "--decode", self.decode.url, "--port", str(self.proxy_port)]
+
+    def start(self) -> None:
+        # Both engines boot at once (each spends most of its start in imports and loading).
+        for server in (self.prefill, self.decode):
+            server.start_async()
+        for server in (self.prefill, self.decode):
+            server.wait_started()
+        self.proxy_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.proxy_log, "wb") as log:
+            self._proxy = subprocess.Popen(self.proxy_command(), stdin=subprocess.DEVNULL, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+        problem = wait_healthy(self.url, self._proxy, 60)
+        if problem:
+            raise ServerStartError(f"hybridkv proxy {problem}; log: {self.proxy_log}\n"
+                                   + self.proxy_log.read_text()[-3000:])
+
+    def stop(self) -> None:
+        proxy, self._proxy = self._proxy, None
+        if proxy is not None:
+            try:
+                os.killpg(proxy.pid, signal.SIGTERM)
+                proxy.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proxy.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.decode.stop()
+        self.prefill.stop()
+
+    def __enter__(self) -> "PDStack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
