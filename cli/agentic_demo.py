@@ -642,6 +642,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "HybridPDConnector and talk to them through `hybridkv proxy` (hits then come from "
         "the prefill instance; the recompute runs on the decode instance)",
     )
+    src.add_argument("--pd-lease-s", type=float, default=60.0,
+                     help="with --pd: seconds the prefill instance keeps a request's blocks for decode")
     src.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     src.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     src.add_argument("--cache-dir", type=pathlib.Path, default=None,
@@ -714,8 +716,13 @@ def run_from_args(args: argparse.Namespace) -> int:
             if args.pd:
                 from hybridkv.cli.pd_stack import PDStack
 
+                from hybridkv.cli.pd_stack import pd_transfer_config
+
+                prefill_cfg = pd_transfer_config("kv_producer")
+                prefill_cfg["kv_connector_extra_config"] = {"lease_s": args.pd_lease_s}
                 stack = PDStack(model, max_model_len=args.max_model_len, extra_args=extra,
-                                log_dir=cache / "logs" / f"pd-{os.getpid()}", startup_timeout_s=args.startup_timeout)
+                                log_dir=cache / "logs" / f"pd-{os.getpid()}", startup_timeout_s=args.startup_timeout,
+                                prefill_config=prefill_cfg)
                 info.update(model=model, mode="pd", prefill_command=stack.prefill.command(),
                             decode_command=stack.decode.command(), proxy_command=stack.proxy_command())
                 print(f"starting prefill + decode instances and hybridkv proxy (logs: {stack.proxy_log.parent}) ...",

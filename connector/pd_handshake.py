@@ -23,7 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,11 +36,14 @@ from hybridkv.connector.block_layout import GroupLayout, KVLayout
 logger = logging.getLogger(__name__)
 
 # Bump on any change of the JSON schema or of what a field means.
-HANDSHAKE_VERSION = 1
+# 2: ReleaseBlocks (decode tells prefill a request's blocks are done with).
+HANDSHAKE_VERSION = 2
 
 SERVICE = "hybridkv.pd.Handshake"
 METHOD = "GetAgentInfo"
 _FULL_METHOD = f"/{SERVICE}/{METHOD}"
+RELEASE_METHOD = "ReleaseBlocks"
+_FULL_RELEASE_METHOD = f"/{SERVICE}/{RELEASE_METHOD}"
 # No HTTP proxy on the side channel: peers are addressed directly.
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
@@ -381,8 +384,16 @@ class HandshakeServer:
     Runs in the prefill worker (one per TP rank) for the worker's lifetime.
     """
 
-    def __init__(self, info: AgentInfo, host: str = "127.0.0.1", port: int = 0, max_workers: int = 2):
+    def __init__(
+        self,
+        info: AgentInfo,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_workers: int = 2,
+        on_release: Callable[[list[str]], None] | None = None,
+    ):
         self._info = info
+        self._on_release = on_release
         self._body = json.dumps(info.to_json()).encode()
         self._host = host
         self._requested_port = port
@@ -395,8 +406,11 @@ class HandshakeServer:
             request_deserializer=lambda b: b,
             response_serializer=lambda b: b,
         )
+        release = grpc.unary_unary_rpc_method_handler(
+            self._release_blocks, request_deserializer=lambda b: b, response_serializer=lambda b: b
+        )
         self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler}),)
+            (grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler, RELEASE_METHOD: release}),)
         )
         self.port: int | None = None
 
@@ -456,6 +470,20 @@ class HandshakeServer:
                 self._refuse(context, _refusal(peer, problems))
         return self._body
 
+    def _release_blocks(self, body: bytes, context: grpc.ServicerContext) -> bytes:
+        """Decode is done with these requests' blocks (read, or nothing to read): free them
+        now instead of at lease expiry. Over gRPC, not a NIXL notification: polling NIXL for
+        notifications on every engine step stalled incoming READs until the lease expired."""
+        try:
+            ids = json.loads(body)["request_ids"]
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                raise TypeError("request_ids must be a list of strings")
+        except (ValueError, KeyError, TypeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ReleaseBlocks request: {e!r}")
+        if self._on_release is not None:
+            self._on_release(ids)
+        return b"{}"
+
     @staticmethod
     def _refuse(context: grpc.ServicerContext, message: str) -> None:
         """Log on the prefill side (the operator looks there too) and answer FAILED_PRECONDITION."""
@@ -464,6 +492,18 @@ class HandshakeServer:
 
 
 # --------------------------------------------------------------------------- client
+
+
+def release_blocks(address: str, request_ids: Sequence[str], timeout_s: float) -> None:
+    """Tell the prefill worker at ``address`` it may free these requests' blocks now."""
+    body = json.dumps({"request_ids": list(request_ids)}).encode()
+    try:
+        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+            channel.unary_unary(
+                _FULL_RELEASE_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )(body, timeout=timeout_s)
+    except grpc.RpcError as e:
+        raise HandshakeError(f"P/D release on {address} failed: {e.code().name}: {e.details()}") from None
 
 
 def request_agent_info(address: str, request: AgentInfoRequest, timeout_s: float) -> AgentInfo:

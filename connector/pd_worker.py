@@ -2,7 +2,11 @@
 
 Prefill workers register the KV cache with NIXL and serve the gRPC handshake;
 they report a finished request's blocks free (``finished_sending``) when the
-decode side's read notification arrives or its lease expires. Decode workers
+decode side says it is done with them (``ReleaseBlocks`` on the gRPC side channel,
+after its READ or when it reads nothing) or the lease expires. Not a NIXL
+notification: polling NIXL for notifications on every engine step stalled the
+very READs it waited for, until the lease expired (measured: every P/D request
+took lease_s). Decode workers
 handshake once per peer (refusing a layout mismatch there), then pull each
 request's blocks with one batched READ on a background thread; a failed or
 timed-out read is reported per request (``failed_recving``), so vLLM recomputes
@@ -24,7 +28,14 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from hybridkv.connector.block_layout import KVLayout, layout_rows
 from hybridkv.connector.log_once import warn_once
-from hybridkv.connector.pd_handshake import AgentInfo, HandshakeError, HandshakeServer, LayoutDescriptor, fetch_agent_info
+from hybridkv.connector.pd_handshake import (
+    AgentInfo,
+    HandshakeError,
+    HandshakeServer,
+    LayoutDescriptor,
+    fetch_agent_info,
+    release_blocks,
+)
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
 from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
 
@@ -82,7 +93,7 @@ class PDWorker:
             agent_metadata=self._transport.metadata(),
             layout=self._local,
         )
-        self._server = HandshakeServer(info, host=self._s.host, port=self._s.port)
+        self._server = HandshakeServer(info, host=self._s.host, port=self._s.port, on_release=self._released_by_decode)
         port = self._server.start()
         logger.info("hybridkv P/D: NIXL agent %s, handshake on %s:%d", name, self._s.host, port)
 
@@ -122,18 +133,21 @@ class PDWorker:
                                  name="hybridkv-pd-straggler").start()
 
     def _send_release(self, job: ReadJob) -> None:
-        """Tell the prefill side its blocks for ``job`` will not be read (it frees them).
+        """Tell the prefill side it may free ``job``'s blocks (read done, or nothing to read).
 
-        Best effort: if the peer cannot be reached, its lease expires on its own."""
-        if self._transport is None or self._local is None:
-            return
+        Over the gRPC side channel. Best effort: if the peer cannot be reached, its lease
+        expires on its own."""
         try:
-            self._transport.send_notif(self._peer(job), job.remote_req_id.encode())
+            release_blocks(f"{job.remote_host}:{job.remote_port}", [job.remote_req_id], self._s.handshake_timeout_s)
         except Exception as e:  # noqa: BLE001 - runs on the read thread, which must survive
             warn_once(logger, f"pd_release:{type(e).__name__}",
                       "could not release %s on %s:%d (its lease expires instead): %s",
                       job.remote_req_id, job.remote_host, job.remote_port, e)
-            self._peers.pop((job.remote_host, job.remote_port), None)
+
+    def _released_by_decode(self, request_ids: list[str]) -> None:
+        """Prefill side, on a gRPC thread: decode is done with these requests' blocks."""
+        with self._lock:
+            self._read_notified.update(request_ids)
 
     def _release(self, req_id: str) -> None:
         with self._lock:
@@ -175,10 +189,17 @@ class PDWorker:
         handle = None
         try:
             peer = self._peer(job)
-            handle = self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids,
-                                                 notif=job.remote_req_id.encode())
+            handle = self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids)
             self._transport.wait(handle, timeout_s)
             self._transport.release(handle)
+            if job.lease_expires_at is not None and time.time() > job.lease_expires_at - LEASE_CLOCK_MARGIN_S:
+                # The post itself can block (UCX copies inside transfer()), past the bound
+                # above: bytes that arrived after the lease may come from reused blocks.
+                warn_once(logger, "pd_read_outlived_lease",
+                          "request %s: the READ ended after the prefill side's lease expired; its bytes "
+                          "may come from reused blocks, recomputing", job.req_id)
+                return False, None
+            self._send_release(job)
             return True, None
         except HandshakeError as e:
             logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters
@@ -205,9 +226,6 @@ class PDWorker:
     # ----------------------------------------------------------------- results
     def get_transfer_results(self) -> KVConnectorTransferResults:
         sending: set[str] = set()
-        if self._transport is not None and self._leases:
-            for msgs in self._transport.get_notifs().values():
-                self._read_notified.update(m.decode(errors="replace") for m in msgs)
         with self._lock:
             recv, failed = self._recv_done, self._recv_failed
             self._recv_done, self._recv_failed = set(), set()

