@@ -1,0 +1,918 @@
+"""Multi-turn agentic replay at 1/2/4 concurrent users, connectors side by side (issue 5).
+
+    .venv/bin/python bench/agentic_replay.py [--duration 40] [--users 1,2,4]
+        [--configs none,hybrid,mooncake,pd,pd-store] [--num-gpu-blocks 128] [--quick]
+
+One command, real processes: vLLM OpenAI servers on the CPU engine (launched with
+:class:`hybridkv.cli.server.VllmServer`), real ``mooncake_master`` processes
+(:class:`hybridkv.store.embedded_master.EmbeddedMaster`), and for P/D the ``hybridkv proxy``.
+
+Workload. A fixed set of ``--sessions`` agent sessions (default 8) is split evenly over the
+users; each user is a client thread that serves its sessions round robin, one request at a
+time (an agent juggling sub-tasks). The working set is thus the same at 1, 2 and 4 users and
+larger than the small local KV cache. A session is the seeded
+:class:`hybridkv.cli.agentic_demo.Trajectory` of the demo: turn k's prompt is turn k-1's prompt
++ the model's answer + a new tool-result / user chunk, for ``--turns`` turns, then the slot
+starts a new session with the next seed. Seeds depend only on (level, user, slot, generation),
+so every config replays the same trajectories; levels use disjoint seeds, so nothing a level
+saved can serve the next one. Requests are the demo's streamed greedy ``/v1/completions``
+calls (:class:`hybridkv.cli.agentic_demo.Client`): TTFT is measured at the first streamed
+token, cached tokens come from ``usage.prompt_tokens_details``.
+
+Every engine gets the same small local KV cache (``--num-gpu-blocks-override``): with the
+round robin over sessions a session's previous turn is normally evicted locally before the
+session comes back, so reuse must come from the connector's store (the per-level split of
+hits into local and external tokens, from each engine's ``/metrics``, shows how far that holds).
+
+Per level (config, users): the users run for ``--duration`` seconds (no new request after it;
+running ones finish); then a sample of hit turns (``--check-sample``) is re-sent with a fresh
+``cache_salt`` (so it can hit nothing anywhere) to the engine that decoded it, and greedy tokens
++ top-2 logprobs are compared with :func:`hybridkv.cli.agentic_demo.compare` (the demo's
+near-tie-aware check).
+
+Configs: ``none`` (no connector), ``hybrid`` (HybridStoreConnector on its own master),
+``mooncake`` (vLLM's in-tree MooncakeStoreConnector on its own master, MOONCAKE_CONFIG_PATH,
+``save_decode_cache`` on like hybridkv's ``save_decode``), ``pd`` (HybridPDConnector producer +
+consumer behind the hybridkv proxy), ``pd-store`` (the same with HybridStoreConnector added to
+both engines through MultiConnector, one master). For P/D, ``usage.cached_tokens`` of a
+request is the prefill engine's hit (vLLM copies ``remote_prefill_cached_tokens``), i.e. prompt
+tokens prefill did not compute.
+
+Writes ``bench/results/agentic_replay.{md,json,png}`` (``--out-dir``) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass, field
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_MODULES", "^ib")  # IB module crashes CPU hosts at exit (see pd_worker)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+from hybridkv.cli.agentic_demo import (  # noqa: E402
+    DEFAULT_LOGPROB_TOL,
+    METRIC_LOCAL_HITS,
+    METRIC_LOCAL_QUERIES,
+    METRIC_STORE_HITS,
+    METRIC_STORE_QUERIES,
+    Client,
+    Completion,
+    Trajectory,
+    compare,
+    counter,
+)
+from hybridkv.cli.server import HOST, ServerStartError, VllmServer, free_port  # noqa: E402
+
+ALL_CONFIGS = ("none", "hybrid", "mooncake", "pd", "pd-store")
+LABELS = {
+    "none": "no connector",
+    "hybrid": "HybridStoreConnector",
+    "mooncake": "MooncakeStoreConnector (in-tree)",
+    "pd": "P/D: HybridPDConnector + proxy",
+    "pd-store": "P/D + store (MultiConnector)",
+}
+SEGMENT = "512MiB"  # store memory per engine, the same for both store connectors
+
+
+# ------------------------------------------------------------------------ deployments
+
+
+@dataclass
+class Deployment:
+    """What a level talks to: the front door, where recomputes go, engines to read metrics from."""
+
+    name: str
+    url: str
+    check_url: str
+    engines: dict[str, str]  # role -> engine URL ("engine", or "prefill"/"decode")
+    hit_engine: str  # the engine whose prefix cache the hit rate is about
+    commands: list[str] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="hybridkv-agentic-replay-"))
+        self.model = self._model()
+
+    # -- model
+    def _model(self) -> str:
+        from hybridkv.cli.tiny_models import write_tiny_model
+
+        if self.args.model:
+            return self.args.model
+        base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+        out = base / "hybridkv" / "tiny-models" / f"{self.args.kind}-seed0"
+        return str(write_tiny_model(self.args.kind, out, seed=0))
+
+    def model_summary(self) -> dict:
+        path = pathlib.Path(self.model)
+        cfg = json.loads((path / "config.json").read_text())
+        info = {"path": str(path), "architecture": cfg.get("architectures", ["?"])[0],
+                "hidden_size": cfg.get("hidden_size"), "layers": cfg.get("num_hidden_layers"),
+                "layer_types": cfg.get("layer_types"), "sliding_window": cfg.get("sliding_window")}
+        st = path / "model.safetensors"
+        if st.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(st), "pt") as f:
+                n = 0
+                for k in f.keys():
+                    shape = f.get_slice(k).get_shape()
+                    n += math.prod(shape)
+            info["parameters"] = n
+            info["safetensors_mib"] = round(st.stat().st_size / 2**20, 1)
+        return info
+
+    # -- servers
+    def _server(self, tag: str, kv: dict | None, env: dict | None = None) -> VllmServer:
+        extra = ["--num-gpu-blocks-override", str(self.args.num_gpu_blocks),
+                 "--max-num-batched-tokens", str(self.args.max_num_batched_tokens),
+                 "--max-num-seqs", str(self.args.max_num_seqs), "--seed", "0"]
+        return VllmServer(self.model, max_model_len=self.args.max_model_len, kv_transfer_config=kv,
+                          extra_args=extra, log_path=self.workdir / f"vllm-{tag}.log",
+                          startup_timeout_s=self.args.startup_timeout, env=env)
+
+    @staticmethod
+    def _start_all(servers: list[VllmServer]) -> None:
+        """Start servers concurrently (two CPU engines boot in about the time of one and a half)."""
+        errors: list[BaseException] = []
+
+        def go(s: VllmServer) -> None:
+            try:
+                s.start()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=go, args=(s,)) for s in servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            for s in servers:
+                s.stop()
+            raise errors[0]
+
+    def _store_child(self, master: str) -> dict:
+        return {"kv_connector": "HybridStoreConnector", "kv_connector_module_path": "hybridkv.connector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"master_address": master, "global_segment_size": SEGMENT}}
+
+    @contextlib.contextmanager
+    def deploy(self, name: str):
+        with contextlib.ExitStack() as stack:
+            master = None
+            if name in ("hybrid", "mooncake", "pd-store"):
+                master = EmbeddedMasterCM(self.workdir / f"master-{name}", self.args.lease_ttl_ms)
+                stack.enter_context(master)
+            if name in ("none", "hybrid", "mooncake"):
+                env = None
+                if name == "none":
+                    kv = None
+                elif name == "hybrid":
+                    kv = self._store_child(master.address)
+                else:
+                    cfg_path = self.workdir / "mooncake_store.json"
+                    cfg_path.write_text(json.dumps({
+                        "metadata_server": "P2PHANDSHAKE", "master_server_address": master.address,
+                        "protocol": "tcp", "device_name": "", "mode": "embedded",
+                        "global_segment_size": "512MB", "local_buffer_size": self.args.mooncake_local_buffer,
+                    }, indent=2))
+                    env = {"MOONCAKE_CONFIG_PATH": str(cfg_path)}
+                    kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                          "kv_load_failure_policy": "recompute",
+                          "kv_connector_extra_config": {"save_decode_cache": True}}
+                srv = self._server(name, kv, env)
+                self._start_all([srv])
+                stack.callback(srv.stop)
+                yield Deployment(name, srv.url, srv.url, {"engine": srv.url}, "engine",
+                                 [shlex.join(srv.command())], [str(srv.log_path)])
+                return
+            # P/D: prefill + decode engines, then the proxy in front.
+            if name == "pd":
+                pre_kv = {"kv_connector": "HybridPDConnector", "kv_connector_module_path": "hybridkv.connector",
+                          "kv_role": "kv_producer"}
+                dec_kv = {"kv_connector": "HybridPDConnector", "kv_connector_module_path": "hybridkv.connector",
+                          "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
+            else:  # pd-store: as tests/e2e/test_pd_store_multiconnector.py (store first on decode)
+                pd_child = {"kv_connector": "HybridPDConnector", "kv_connector_module_path": "hybridkv.connector"}
+                pre_kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                          "kv_load_failure_policy": "recompute",
+                          "kv_connector_extra_config": {"connectors": [
+                              {**pd_child, "kv_role": "kv_producer"}, self._store_child(master.address)]}}
+                dec_kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                          "kv_load_failure_policy": "recompute",
+                          "kv_connector_extra_config": {"connectors": [
+                              self._store_child(master.address), {**pd_child, "kv_role": "kv_both"}]}}
+            pre, dec = self._server(f"{name}-prefill", pre_kv), self._server(f"{name}-decode", dec_kv)
+            self._start_all([pre, dec])
+            stack.callback(pre.stop)
+            stack.callback(dec.stop)
+            proxy = stack.enter_context(ProxyCM(pre.url, dec.url, self.workdir / f"proxy-{name}.log"))
+            yield Deployment(name, proxy.url, dec.url, {"prefill": pre.url, "decode": dec.url}, "prefill",
+                             [shlex.join(pre.command()), shlex.join(dec.command()), shlex.join(proxy.cmd)],
+                             [str(pre.log_path), str(dec.log_path), str(proxy.log)])
+
+
+SINGLE_ENGINE = ("none", "hybrid", "mooncake")
+
+
+def enter_concurrently(cms: dict, errors: dict[str, str]) -> dict:
+    """Enter each deployment's context manager in its own thread (engines boot in parallel).
+    A deployment that fails to start lands in ``errors``; the caller exits the others."""
+    out: dict[str, tuple[Deployment, float]] = {}
+    lock = threading.Lock()
+
+    def enter(name: str, cm) -> None:
+        t = time.monotonic()
+        try:
+            dep = cm.__enter__()
+        except Exception as e:  # noqa: BLE001 - reported in the results
+            with lock:
+                errors[name] = f"{type(e).__name__}: {e}"[-3000:]
+            print(f"{name}: FAILED to start: {str(e)[-1500:]}", file=sys.stderr, flush=True)
+            return
+        with lock:
+            out[name] = (dep, time.monotonic() - t)
+
+    threads = [threading.Thread(target=enter, args=item) for item in cms.items()]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return {n: out[n] for n in cms if n in out}
+
+
+def healthy(dep: Deployment) -> bool:
+    """Every engine (and the front door) answers /health within 20 s."""
+    for url in {dep.url, *dep.engines.values()}:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=20) as r:
+                if r.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False
+    return True
+
+
+class EmbeddedMasterCM:
+    def __init__(self, log_dir: pathlib.Path, lease_ttl_ms: int) -> None:
+        self.log_dir, self.lease_ttl_ms, self.m = log_dir, lease_ttl_ms, None
+
+    def __enter__(self):
+        from hybridkv.store.embedded_master import EmbeddedMaster
+
+        self.m = EmbeddedMaster(default_kv_lease_ttl_ms=self.lease_ttl_ms, log_dir=str(self.log_dir))
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.m.address
+
+    def __exit__(self, *exc) -> None:
+        self.m.stop()
+
+
+class ProxyCM:
+    """``python -m hybridkv.cli.proxy`` as a child process, healthy when both engines are."""
+
+    def __init__(self, prefill: str, decode: str, log: pathlib.Path) -> None:
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log = log
+        self.cmd = [sys.executable, "-m", "hybridkv.cli.proxy", "--prefill", prefill, "--decode", decode,
+                    "--host", HOST, "--port", str(self.port)]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self):
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxy exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.3)
+        self.__exit__()
+        raise RuntimeError("proxy not healthy after 60 s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+# ------------------------------------------------------------------------ one level
+
+
+@dataclass
+class Record:
+    user: int
+    slot: int
+    generation: int
+    turn: int  # 0-based within its session
+    t_start: float
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_ms: float
+    latency_ms: float
+    output_tokens: int
+    prompt: str = field(repr=False, default="")
+    completion: Completion | None = field(repr=False, default=None)
+
+
+@dataclass
+class LevelResult:
+    config: str
+    users: int
+    duration_s: float
+    wall_s: float
+    requests: int
+    failures: int
+    failure_examples: list[str]
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float | None
+    hit_rate_turn2plus: float | None
+    hit_turns: int
+    later_turns: int
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    ttft_p50_hit_ms: float | None
+    ttft_p90_hit_ms: float | None
+    ttft_p50_later_ms: float | None
+    ttft_p50_miss_ms: float | None
+    output_tokens: int
+    output_tok_s: float
+    engine_metrics: dict[str, dict[str, float]]
+    checked: int
+    differ: int
+    near_ties: int
+    identical_tokens: int
+    check_errors: int
+    check_notes: list[str]
+    note: str = ""
+
+
+def _seed(level: int, slot: int, generation: int) -> int:
+    return (level * 1000 + slot) * 100_000 + generation
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """``/metrics``: vLLM's counters summed over label sets, plus the store connectors' own
+    counters (``vllm:hybridkv_store_*``, ``vllm:mooncake_store_*``) kept per label set."""
+    try:
+        r = Client(url).http.get(url + "/metrics", timeout=30)
+        r.raise_for_status()
+    except Exception:  # noqa: BLE001 - a missing snapshot reads as zero deltas
+        return {}
+    from hybridkv.cli.agentic_demo import parse_prometheus
+
+    out = parse_prometheus(r.text)
+    for line in r.text.splitlines():
+        if line.startswith(("vllm:hybridkv_store_", "vllm:mooncake_store_")) and "_bucket" not in line:
+            key, _, value = line.rpartition(" ")
+            key = _drop_engine_labels(key)
+            try:
+                out["store|" + key] = out.get("store|" + key, 0.0) + float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def _drop_engine_labels(key: str) -> str:
+    if "{" not in key:
+        return key
+    name, _, labels = key.partition("{")
+    keep = [x for x in labels.rstrip("}").split(",") if x and not x.startswith(("engine=", "model_name="))]
+    return name + ("{" + ",".join(keep) + "}" if keep else "")
+
+
+def _metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for key, name in (("local_queries", METRIC_LOCAL_QUERIES), ("local_hits", METRIC_LOCAL_HITS),
+                      ("external_queries", METRIC_STORE_QUERIES), ("external_hits", METRIC_STORE_HITS)):
+        out[key] = (counter(after, name) or 0.0) - (counter(before, name) or 0.0)
+    for key in after:
+        if key.startswith("store|") and (key.endswith("_total") or "_total{" in key or "_sum" in key
+                                         or "_count" in key):
+            d = after[key] - before.get(key, 0.0)
+            if d:
+                out[key[len("store|"):]] = round(d, 4)
+    return out
+
+
+def run_level(dep: Deployment, model: str, users: int, level: int, args: argparse.Namespace) -> LevelResult:
+    records: list[Record] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    before = {role: _metrics(url) for role, url in dep.engines.items()}
+    t0 = time.monotonic()
+    deadline = t0 + args.duration
+
+    def user_loop(user: int) -> None:
+        client = Client(dep.url, timeout_s=args.request_timeout)
+        # This user's share of the fixed set of sessions (global slots u, u + users, ...).
+        slots = list(range(user, args.sessions, users))
+        state = {slot: dict(gen=0, turn=0, prompt="", answer="") for slot in slots}
+        i = 0
+        while time.monotonic() < deadline:
+            slot = slots[i % len(slots)]
+            i += 1
+            s = state[slot]
+            traj = Trajectory(_seed(level, slot, s["gen"]), args.first_prompt_tokens, args.turn_growth_tokens)
+            prompt = traj.prompt(s["turn"], s["prompt"], s["answer"])
+            t_start = time.perf_counter()
+            try:
+                c = client.complete(model, prompt, args.max_tokens)
+                if not c.token_ids or math.isnan(c.ttft_s):
+                    raise RuntimeError("empty completion")
+            except Exception as e:  # noqa: BLE001 - counted as a failure; the session restarts
+                with lock:
+                    failures.append(f"user {user} slot {slot} turn {s['turn'] + 1}: {type(e).__name__}: "
+                                    f"{str(e)[:300]}")
+                state[slot] = dict(gen=s["gen"] + 1, turn=0, prompt="", answer="")
+                time.sleep(1.0)  # a dead server must not turn this loop into a CPU hog
+                continue
+            latency = time.perf_counter() - t_start
+            rec = Record(user, slot, s["gen"], s["turn"], t_start, c.prompt_tokens, c.cached_tokens or 0,
+                         c.ttft_s * 1e3, latency * 1e3, len(c.token_ids), prompt, c)
+            with lock:
+                records.append(rec)
+            if s["turn"] + 1 >= args.turns:
+                state[slot] = dict(gen=s["gen"] + 1, turn=0, prompt="", answer="")
+            else:
+                state[slot] = dict(gen=s["gen"], turn=s["turn"] + 1, prompt=prompt, answer=c.text)
+
+    threads = [threading.Thread(target=user_loop, args=(u,), daemon=True) for u in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    time.sleep(1.0)  # stats land a moment after the last output
+    after = {role: _metrics(url) for role, url in dep.engines.items()}
+    engine_metrics = {role: _metric_deltas(before[role], after[role]) for role in dep.engines}
+
+    # Recompute check on a sample of hit turns (spread over the level), then misses if short.
+    hits = [r for r in records if r.cached_tokens > 0]
+    misses = [r for r in records if r.cached_tokens == 0]
+    sample = _spread(hits, args.check_sample)
+    if len(sample) < args.check_sample:
+        sample += _spread(misses, args.check_sample - len(sample))
+    checker = Client(dep.check_url, timeout_s=args.request_timeout)
+    differ = ties = identical = check_errors = 0
+    notes: list[str] = []
+    for r in sample:
+        try:
+            ref = checker.complete(model, r.prompt, args.max_tokens,
+                                   cache_salt=f"agentic-replay-recompute-{uuid.uuid4().hex}")
+        except Exception as e:  # noqa: BLE001 - not a comparison: counted apart from "differ"
+            check_errors += 1
+            notes.append(f"recompute request failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        cmp = compare(r.completion, ref, args.logprob_tolerance)
+        ok = cmp.matches and not (ref.cached_tokens or 0)
+        differ += not ok
+        ties += cmp.tie_at is not None
+        identical += r.completion.token_ids == ref.token_ids
+        if not ok or cmp.tie_at is not None:
+            notes.append(f"turn {r.turn + 1} (cached {r.cached_tokens}/{r.prompt_tokens}): "
+                         f"{cmp.why or 'recompute was not a miss'}")
+
+    later = [r for r in records if r.turn > 0]
+    hit_later = [r for r in later if r.cached_tokens > 0]
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    lp = sum(r.prompt_tokens for r in later)
+    lc = sum(r.cached_tokens for r in later)
+    out_tokens = sum(r.output_tokens for r in records)
+    ttft = [r.ttft_ms for r in records]
+    return LevelResult(
+        config=dep.name, users=users, duration_s=args.duration, wall_s=round(wall, 2),
+        requests=len(records), failures=len(failures), failure_examples=failures[:5],
+        prompt_tokens=prompt, cached_tokens=cached,
+        hit_rate=cached / prompt if prompt else None,
+        hit_rate_turn2plus=lc / lp if lp else None,
+        hit_turns=len(hit_later), later_turns=len(later),
+        ttft_p50_ms=_pct(ttft, 0.5), ttft_p90_ms=_pct(ttft, 0.9),
+        ttft_p50_hit_ms=_pct([r.ttft_ms for r in hit_later], 0.5),
+        ttft_p90_hit_ms=_pct([r.ttft_ms for r in hit_later], 0.9),
+        ttft_p50_later_ms=_pct([r.ttft_ms for r in later], 0.5),
+        ttft_p50_miss_ms=_pct([r.ttft_ms for r in records if r.cached_tokens == 0], 0.5),
+        output_tokens=out_tokens, output_tok_s=out_tokens / wall if wall else 0.0,
+        engine_metrics=engine_metrics, checked=len(sample) - check_errors, differ=differ, near_ties=ties,
+        identical_tokens=identical, check_errors=check_errors, check_notes=notes[:10],
+    )
+
+
+def _spread(xs: list, k: int) -> list:
+    if k <= 0 or not xs:
+        return []
+    if len(xs) <= k:
+        return list(xs)
+    return [xs[round(i * (len(xs) - 1) / (k - 1))] if k > 1 else xs[len(xs) // 2] for i in range(k)]
+
+
+# ------------------------------------------------------------------------ report
+
+
+def _f(x, spec: str = ".1f", none: str = "n/a") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _ext_share(r: LevelResult, dep_hit_engine: str) -> str:
+    m = r.engine_metrics.get(dep_hit_engine, {})
+    loc, ext = m.get("local_hits", 0.0), m.get("external_hits", 0.0)
+    return f"{int(loc)}/{int(ext)}"
+
+
+HIT_ENGINE = {"none": "engine", "hybrid": "engine", "mooncake": "engine", "pd": "prefill", "pd-store": "prefill"}
+
+TABLE_HEAD = ("| config | users | requests | failures | hit rate | hit rate turns 2+ | local/external hit tokens "
+              "| TTFT p50 ms | TTFT p90 ms | TTFT p50 hit turns ms | TTFT p50 miss ms | out tok/s "
+              "| checked | differ | near-ties |")
+
+
+def table_rows(results: list[LevelResult]) -> list[str]:
+    lines = [TABLE_HEAD, "|" + "---|" * (TABLE_HEAD.count("|") - 1)]
+    for r in results:
+        lines.append(
+            f"| {r.config} | {r.users} | {r.requests} | {r.failures} | {_f(_pc(r.hit_rate))} % "
+            f"| {_f(_pc(r.hit_rate_turn2plus))} % | {_ext_share(r, HIT_ENGINE[r.config])} "
+            f"| {_f(r.ttft_p50_ms)} | {_f(r.ttft_p90_ms)} | {_f(r.ttft_p50_hit_ms)} ({r.hit_turns}/{r.later_turns}) "
+            f"| {_f(r.ttft_p50_miss_ms)} | {r.output_tok_s:.1f} "
+            f"| {r.checked}{f' (+{r.check_errors} failed)' if r.check_errors else ''} | {r.differ} | {r.near_ties} |")
+    return lines
+
+
+def _pc(x):
+    return None if x is None else 100 * x
+
+
+def store_io(r: LevelResult) -> dict[str, float] | None:
+    """Bytes loaded from the store, seconds spent in those loads, failed loads (store configs)."""
+    mib = secs = failed = 0.0
+    seen = False
+    for m in r.engine_metrics.values():
+        for k, v in m.items():
+            if k.startswith("vllm:hybridkv_store_"):
+                seen = True
+                if k == "vllm:hybridkv_store_loaded_bytes_total":
+                    mib += v / 2**20
+                elif k == "vllm:hybridkv_store_load_seconds_total":
+                    secs += v
+                elif k == "vllm:hybridkv_store_failed_loads_total":
+                    failed += v
+            elif k.startswith("vllm:mooncake_store_") and 'operation="load_get"' in k:
+                seen = True
+                if k.startswith("vllm:mooncake_store_operation_bytes_total") and 'status="ok"' in k:
+                    mib += v / 2**20
+                elif k.startswith("vllm:mooncake_store_operation_time_seconds_sum"):
+                    secs += v
+                elif k.startswith("vllm:mooncake_store_operation_failed_keys_total"):
+                    failed += v
+    return {"loaded_mib": round(mib, 1), "load_s": round(secs, 3), "failed": failed} if seen else None
+
+
+def store_rows(results: list[LevelResult]) -> list[str]:
+    lines = ["| config | users | loaded from store MiB | seconds in store loads | failed loads (hybridkv: loads; in-tree: keys) |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        io = store_io(r)
+        if io:
+            lines.append(f"| {r.config} | {r.users} | {io['loaded_mib']} | {io['load_s']} | {int(io['failed'])} |")
+    return lines if len(lines) > 2 else []
+
+
+def targets(results: list[LevelResult]) -> list[str]:
+    by = {(r.config, r.users): r for r in results}
+    lines = []
+    levels = sorted({r.users for r in results})
+    if any(r.config == "hybrid" for r in results) and any(r.config == "mooncake" for r in results):
+        for u in levels:
+            h, m = by.get(("hybrid", u)), by.get(("mooncake", u))
+            if not h or not m:
+                continue
+            hit_ok = (h.hit_rate or 0) >= (m.hit_rate or 0)
+            ratio = (h.ttft_p50_hit_ms / m.ttft_p50_hit_ms
+                     if h.ttft_p50_hit_ms and m.ttft_p50_hit_ms else None)
+            lines.append(
+                f"- {u} user(s): hit rate hybridkv {_f(_pc(h.hit_rate))} % vs in-tree {_f(_pc(m.hit_rate))} % "
+                f"-> {'MET' if hit_ok else 'NOT met'}; TTFT p50 on hit turns hybridkv {_f(h.ttft_p50_hit_ms)} ms "
+                f"vs in-tree {_f(m.ttft_p50_hit_ms)} ms = {_f(ratio, '.2f')}x (target <= 0.80) -> "
+                f"{'MET' if ratio is not None and ratio <= 0.8 else 'NOT met'}")
+    mine = [r for r in results if r.config in ("hybrid", "pd", "pd-store")]
+    d = sum(r.differ for r in mine)
+    c = sum(r.checked for r in mine)
+    lines.append(f"- outputs differing from recompute (hybridkv configs): {d} of {c} checked -> "
+                 f"{('MET' if d == 0 else 'NOT met') if c else 'not measured'}")
+    others = [r for r in results if r.config not in ("hybrid", "pd", "pd-store")]
+    if others:
+        lines.append(f"- (for reference, other configs: {sum(r.differ for r in others)} of "
+                     f"{sum(r.checked for r in others)} checked differ)")
+    return lines
+
+
+def plot(results: list[LevelResult], path: pathlib.Path, model: str = "tiny gemma3") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    panels = [("hit rate (%)", lambda r: _pc(r.hit_rate)),
+              ("TTFT p50, hit turns (ms)", lambda r: r.ttft_p50_hit_ms),
+              ("TTFT p50 / p90, all (ms)", None),
+              ("output tok/s", lambda r: r.output_tok_s)]
+    configs = [c for c in ALL_CONFIGS if any(r.config == c for r in results)]
+    for ax, (title, get) in zip(axes, panels):
+        for c in configs:
+            rs = sorted((r for r in results if r.config == c), key=lambda r: r.users)
+            xs = [r.users for r in rs]
+            if get is None:
+                line, = ax.plot(xs, [r.ttft_p50_ms for r in rs], marker="o", label=c)
+                ax.plot(xs, [r.ttft_p90_ms for r in rs], marker="x", ls="--", color=line.get_color())
+            else:
+                ax.plot(xs, [get(r) for r in rs], marker="o", label=c)
+        ax.set_title(title)
+        ax.set_xlabel("concurrent users")
+        ax.set_xticks(sorted({r.users for r in results}))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"agentic replay, {model} on the vLLM CPU engine (small local KV cache)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return matplotlib.__version__
+
+
+# ------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/agentic_replay.py", description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default=",".join(ALL_CONFIGS))
+    p.add_argument("--users", default="1,2,4")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of traffic per (config, users)")
+    p.add_argument("--kind", default="gemma3")
+    p.add_argument("--model", default=None, help="model folder instead of the tiny --kind")
+    p.add_argument("--sessions", type=int, default=6,
+                   help="agent sessions in flight, split evenly over the users (round robin per user)")
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--first-prompt-tokens", type=int, default=768)
+    p.add_argument("--turn-growth-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--num-gpu-blocks", type=int, default=48, help="--num-gpu-blocks-override of every engine")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--mooncake-local-buffer", default="64MB")
+    p.add_argument("--lease-ttl-ms", type=int, default=30_000)
+    p.add_argument("--check-sample", type=int, default=6, help="turns re-sent as a salted recompute per level")
+    p.add_argument("--logprob-tolerance", type=float, default=DEFAULT_LOGPROB_TOL)
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--out-dir", type=pathlib.Path, default=REPO / "bench" / "results")
+    p.add_argument("--quick", action="store_true", help="smoke run: 10 s per level, 3 checks")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.duration, args.check_sample = 10.0, 3
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in ALL_CONFIGS]
+    if bad:
+        p.error(f"unknown config(s) {bad}; choose from {', '.join(ALL_CONFIGS)}")
+    levels = [int(u) for u in args.users.split(",")]
+    if Trajectory(0, args.first_prompt_tokens, args.turn_growth_tokens).prompt_budget(
+            args.turns, args.max_tokens) > args.max_model_len:
+        p.error("--turns/--first-prompt-tokens/--turn-growth-tokens exceed --max-model-len")
+
+    started = time.monotonic()
+    load_start = os.getloadavg()
+    bench = Bench(args)
+    model_info = bench.model_summary()
+    print(f"model: {model_info}\nlogs: {bench.workdir}", file=sys.stderr)
+    results: list[LevelResult] = []
+    deployments: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    # Single-engine configs are up together and their levels interleaved (users level by users
+    # level, config order rotated), so a change of the shared machine's load hits all of them;
+    # each P/D config (two engines + proxy) runs alone, to bound memory.
+    singles = [c for c in configs if c in SINGLE_ENGINE]
+    groups = ([singles] if singles else []) + [[c] for c in configs if c not in SINGLE_ENGINE]
+    live: dict[str, tuple] = {}  # name -> (context manager, Deployment)
+
+    def up(names: list[str]) -> None:
+        cms = {n: bench.deploy(n) for n in names}
+        got = enter_concurrently(cms, errors)
+        for name, (dep, boot) in got.items():
+            live[name] = (cms[name], dep)
+            info = deployments.setdefault(name, {"restarts": 0})
+            info.update(commands=dep.commands, logs=info.get("logs", []) + dep.logs)
+            info.setdefault("boot_s", []).append(round(boot, 1))
+            errors.pop(name, None)
+            log(f"{name}: up in {boot:.0f} s")
+            try:
+                Client(dep.url).complete(bench.model, "warm up", 2, cache_salt=f"warmup-{uuid.uuid4().hex}")
+            except Exception as e:  # noqa: BLE001 - reported; the levels will show failures
+                log(f"{name}: warm-up failed: {e}")
+
+    def down(name: str) -> None:
+        cm, _ = live.pop(name)
+        try:
+            cm.__exit__(None, None, None)
+        except Exception as e:  # noqa: BLE001
+            log(f"{name}: stop raised {e}")
+
+    def ensure(name: str) -> bool:
+        """Redeploy a config whose processes died (on this shared machine other jobs' clean-ups
+        have killed vLLM servers); the fresh deployment has a fresh master and local cache."""
+        if name in live and healthy(live[name][1]):
+            return True
+        if name in live:
+            log(f"{name}: a server is gone; redeploying")
+            down(name)
+            deployments[name]["restarts"] += 1
+        up([name])
+        return name in live
+
+    try:
+        for group in groups:
+            log(f"starting {', '.join(group)} ...")
+            up(group)
+            names = [n for n in group if n in live]
+            for li, users in enumerate(levels):
+                order = names[li % len(names):] + names[: li % len(names)] if names else []
+                for name in order:
+                    r = None
+                    for attempt in (1, 2):
+                        if not ensure(name):
+                            break
+                        r = run_level(live[name][1], bench.model, users, li + 1, args)
+                        if healthy(live[name][1]):
+                            break
+                        r.note = "a server died during this level"
+                        log(f"{name} x{users}: a server died during the level"
+                            + ("; rerunning it on a fresh deployment" if attempt == 1 else ""))
+                    if r is None:
+                        continue
+                    if attempt == 2:
+                        r.note = (r.note + "; " if r.note else "") + "rerun after a server died"
+                    results.append(r)
+                    log(f"{name} x{users}: {r.requests} req, {r.failures} failed, hit {_f(_pc(r.hit_rate))} %, "
+                        f"TTFT p50 {_f(r.ttft_p50_ms)} ms (hit turns {_f(r.ttft_p50_hit_ms)}), "
+                        f"{r.output_tok_s:.1f} tok/s, differ {r.differ}/{r.checked}, "
+                        "local/external hit tokens " + ", ".join(
+                            f"{role} {int(m['local_hits'])}/{int(m['external_hits'])}"
+                            for role, m in r.engine_metrics.items()))
+            for name in group:
+                if name in live:
+                    down(name)
+    finally:
+        for name in list(live):
+            down(name)
+    results.sort(key=lambda r: (configs.index(r.config), r.users))
+    runtime = time.monotonic() - started
+    load_end = os.getloadavg()
+
+    lines = table_rows(results)
+    print("\n".join(lines))
+    tgt = targets(results)
+    print("\n".join(tgt))
+    print(f"runtime {runtime:.0f} s")
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    mpl_version = plot(results, args.out_dir / "agentic_replay.png",
+                                f"tiny {args.kind}" if not args.model else pathlib.Path(args.model).name) if results else "n/a"
+    cmd = "python bench/agentic_replay.py" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])
+                                               if (argv if argv is not None else sys.argv[1:]) else "")
+    doc = {
+        "command": cmd, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                 "python": platform.python_version(), "loadavg_start": load_start, "loadavg_end": load_end},
+        "matplotlib": mpl_version, "model": model_info,
+        "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+        "deployments": deployments, "errors": errors, "runtime_s": round(runtime, 1),
+        "results": [asdict(r) for r in results], "targets": tgt, "store_rows": store_rows(results),
+    }
+    (args.out_dir / "agentic_replay.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (args.out_dir / "agentic_replay.md").write_text(_markdown(doc, lines, tgt, args))
+    print(f"wrote {args.out_dir / 'agentic_replay.md'}, .json, .png", file=sys.stderr)
+    return 0 if not errors else 1
+
+
+def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
+    m, h, s = doc["model"], doc["host"], doc["settings"]
+    out = [
+        "# Agentic replay: multi-turn agent sessions at 1/2/4 users, connectors side by side",
+        "",
+        f"- command: `{doc['command']}` (runtime {doc['runtime_s']:.0f} s, {doc['date']})",
+        f"- host: {h['machine']}, {h['cpus']} cores, {h['platform']}, Python {h['python']}; load average at "
+        f"start / end: {h['loadavg_start'][0]:.2f} / {h['loadavg_end'][0]:.2f} (shared machine)",
+        f"- model: {m.get('architecture')} tiny `{args.kind}` (hidden {m.get('hidden_size')}, {m.get('layers')} "
+        f"layers {m.get('layer_types')}, sliding window {m.get('sliding_window')}), "
+        f"{m.get('parameters', 0) / 1e6:.1f} M parameters, {m.get('safetensors_mib')} MiB bf16; seeded random "
+        "weights (cli/tiny_models.py)",
+        f"- engines: vLLM CPU, `--num-gpu-blocks-override {s['num_gpu_blocks']}` (a small local KV cache, "
+        f"{s['num_gpu_blocks']} blocks of 128 tokens shared by the sliding and full-attention groups), "
+        f"`--max-num-batched-tokens {s['max_num_batched_tokens']} --max-num-seqs {s['max_num_seqs']} "
+        f"--max-model-len {s['max_model_len']}`, prefix caching on; stores: {SEGMENT} segment per engine, "
+        f"master lease TTL {s['lease_ttl_ms']} ms; in-tree MooncakeStoreConnector: `save_decode_cache: true`, "
+        f"local buffer {s['mooncake_local_buffer']}, tcp, P2PHANDSHAKE",
+        f"- workload: {s['sessions']} agent sessions split over the users, each user round robin over its "
+        f"share, one request at a time; {s['turns']} turns per session "
+        f"(first prompt {s['first_prompt_tokens']} tokens, +answer +{s['turn_growth_tokens']} tokens per turn, "
+        f"{s['max_tokens']} greedy output tokens), then a fresh session; {s['duration']:.0f} s of traffic per "
+        "level; the same seeded trajectories for every config, disjoint seeds per level",
+        f"- checks: per level {s['check_sample']} hit turns (spread over the level) re-sent with a fresh "
+        f"`cache_salt` to the decoding engine; greedy tokens + top-2 logprobs compared (tolerance "
+        f"{s['logprob_tolerance']}, greedy near-ties excused, as in `hybridkv demo`)",
+        f"- plot: `agentic_replay.png` (matplotlib {doc['matplotlib']})",
+        "",
+        "Columns: hit rate = cached / prompt tokens over all requests (turns 2+: excluding each session's "
+        "cold first turn); local/external hit tokens = the hit engine's `vllm:prefix_cache_hits` / "
+        "`vllm:external_prefix_cache_hits` deltas over the level (P/D: the prefill engine); hit turns = "
+        "turns 2+ with cached tokens > 0 (n of turns 2+); TTFT at the first streamed token; out tok/s = "
+        "output tokens / wall time of the level; differ = sampled turns whose output differs from the "
+        "recompute.",
+        "",
+        *table,
+        "",
+        *(["Store reads over each level (the connectors' own counters on /metrics):", "",
+            *doc["store_rows"], ""] if doc["store_rows"] else []),
+        "## Issue targets",
+        "",
+        *tgt,
+        "",
+    ]
+    if doc["errors"]:
+        out += ["## Configs that did not run", ""]
+        out += [f"- {k}: ```{v[-800:]}```" for k, v in doc["errors"].items()]
+        out.append("")
+    notes = [f"- {r['config']} x{r['users']}: " + "; ".join(([r["note"]] if r.get("note") else [])
+                                                          + r["check_notes"])
+             for r in doc["results"] if r["check_notes"] or r.get("note")]
+    restarts = {k: v.get("restarts", 0) for k, v in doc["deployments"].items() if v.get("restarts")}
+    if restarts:
+        out += ["## Redeployments", "",
+                "A server of these configs was found dead between levels (on this shared machine other "
+                "jobs' clean-ups have killed vLLM servers) and the config was redeployed (fresh engine(s), "
+                f"fresh master): {restarts}", ""]
+    fails = [f"- {r['config']} x{r['users']}: " + "; ".join(r["failure_examples"]) for r in doc["results"]
+             if r["failure_examples"]]
+    if notes:
+        out += ["## Check notes", "", *notes, ""]
+    if fails:
+        out += ["## Failures (first 5 per level)", "", *fails, ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
