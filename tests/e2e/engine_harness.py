@@ -190,3 +190,12 @@ def format_table(title: str, rows: list[TurnRow]) -> str:
 def dump_rows(path: str | os.PathLike, title: str, rows: list[TurnRow]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps({"title": title, "rows": [r.as_dict() for r in rows]}) + "\n")
+
+
+def metric(llm, name: str, **labels: str) -> float:
+    """Sum of a counter over its label sets (those matching ``labels``) in the engine's registry."""
+    total = 0.0
+    for m in llm.get_metrics():
+        if m.name == name and all(m.labels.get(k) == v for k, v in labels.items()):
+            total += getattr(m, "value", 0) or 0
+    return total

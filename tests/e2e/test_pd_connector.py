@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.e2e.engine_harness import Completion, Session, completion_from, generate, make_llm, matches, tiny_model
+from tests.e2e.engine_harness import Completion, Session, completion_from, generate, make_llm, matches, metric, tiny_model
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes CPU hosts at exit
@@ -51,7 +51,7 @@ def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8) -> Comple
 
 
 def _external_hits(llm) -> float:
-    return sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+    return metric(llm, "vllm:external_prefix_cache_hits")
 
 
 @pytest.mark.parametrize("kind", list(CASES))

@@ -45,6 +45,7 @@ from tests.e2e.engine_harness import (
     generate,
     make_llm,
     matches,
+    metric,
     reset_local_cache,
     tiny_model,
 )
@@ -108,21 +109,13 @@ def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8,
     return completion_from(out), out.kv_transfer_params
 
 
-def _metric(llm, name: str, **labels: str) -> float:
-    total = 0.0
-    for m in llm.get_metrics():
-        if m.name == name and all(m.labels.get(k) == v for k, v in labels.items()):
-            total += getattr(m, "value", 0) or 0
-    return total
-
-
 def _snapshot(llm) -> dict[str, float]:
     return {
-        "device": _metric(llm, "vllm:prompt_tokens_cached_by_source", source="device"),
-        "host": _metric(llm, "vllm:prompt_tokens_cached_by_source", source="host"),
-        "p2p": _metric(llm, "vllm:prompt_tokens_cached_by_source", source="p2p"),
-        "store_bytes": _metric(llm, "vllm:hybridkv_store_loaded_bytes"),
-        "store_lookups": _metric(llm, "vllm:hybridkv_store_lookups"),
+        "device": metric(llm, "vllm:prompt_tokens_cached_by_source", source="device"),
+        "host": metric(llm, "vllm:prompt_tokens_cached_by_source", source="host"),
+        "p2p": metric(llm, "vllm:prompt_tokens_cached_by_source", source="p2p"),
+        "store_bytes": metric(llm, "vllm:hybridkv_store_loaded_bytes"),
+        "store_lookups": metric(llm, "vllm:hybridkv_store_lookups"),
     }
 
 

@@ -24,21 +24,13 @@ from tests.e2e.engine_harness import (
     generate,
     make_llm,
     matches,
+    metric,
     reset_local_cache,
     store_transfer_config,
     tiny_model,
 )
 
 ALIGN = 128  # gemma3 tiny model: scheduler block
-
-
-def _metric(llm, name: str, **labels: str) -> float:
-    """Sum of a counter over its label sets (those matching ``labels``) in the engine's registry."""
-    total = 0.0
-    for m in llm.get_metrics():
-        if m.name == name and all(m.labels.get(k) == v for k, v in labels.items()):
-            total += getattr(m, "value", 0) or 0
-    return total
 
 
 def test_second_instance_hits_what_the_first_saved_and_name_resolves_without_module_path():
@@ -64,8 +56,8 @@ def test_second_instance_hits_what_the_first_saved_and_name_resolves_without_mod
         assert got.num_cached_tokens >= expected
         assert matches(got, ref)
         assert ref.num_cached_tokens == 0
-        assert _metric(b, "vllm:hybridkv_store_loaded_bytes") > 0
-        assert _metric(b, "vllm:hybridkv_store_hit_tokens") >= expected
+        assert metric(b, "vllm:hybridkv_store_loaded_bytes") > 0
+        assert metric(b, "vllm:hybridkv_store_hit_tokens") >= expected
         for kind in ("lookup", "load"):
             hist = [m for m in b.get_metrics() if m.name == f"vllm:hybridkv_store_{kind}_latency_seconds"]
             assert hist and sum(m.count for m in hist) >= 1, f"no {kind} latency histogram"
@@ -132,10 +124,10 @@ def test_objects_lost_between_lookup_and_load_recompute(tmp_path):
             got = generate(llm, session.prompt)
             ref = generate(llm, session.prompt, cache_salt="lost-recompute")
             print(f"\nobjects lost: cached {got.num_cached_tokens}, "
-                  f"failed loads {_metric(llm, 'vllm:hybridkv_store_failed_loads')}")
+                  f"failed loads {metric(llm, 'vllm:hybridkv_store_failed_loads')}")
             assert matches(got, ref)
-            assert _metric(llm, "vllm:hybridkv_store_lookup_hits") >= 1
-            assert _metric(llm, "vllm:hybridkv_store_failed_loads") >= 1
+            assert metric(llm, "vllm:hybridkv_store_lookup_hits") >= 1
+            assert metric(llm, "vllm:hybridkv_store_failed_loads") >= 1
             del llm
         finally:
             if holder.poll() is None:
@@ -170,7 +162,7 @@ def test_chunked_prefill_and_preemption_under_a_small_cache():
     sessions = [Session(seed=100 + i, first_tokens=1100, growth_tokens=300) for i in range(4)]
     # Long answers: running requests grow by 3 blocks each and the pool runs out.
     first = _generate_many(llm, [s.prompt for s in sessions], max_tokens=300)
-    preemptions = _metric(llm, "vllm:num_preemptions")
+    preemptions = metric(llm, "vllm:num_preemptions")
     for s, c in zip(sessions, first):
         s.extend(c.token_ids)
     reset_local_cache(llm)
@@ -215,10 +207,10 @@ def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_b
             other = generate(llm, Session(seed=15).prompt, cache_salt="hung-other")
             other_ref = generate(llm, Session(seed=15).prompt, cache_salt="hung-other-2")
             print(f"\nnode hung: cached {got.num_cached_tokens}, {elapsed:.1f}s, "
-                  f"failed loads {_metric(llm, 'vllm:hybridkv_store_failed_loads')}")
+                  f"failed loads {metric(llm, 'vllm:hybridkv_store_failed_loads')}")
             assert matches(got, ref)
             assert matches(again, ref) and matches(other, other_ref)
-            assert _metric(llm, "vllm:hybridkv_store_failed_loads") >= 1
+            assert metric(llm, "vllm:hybridkv_store_failed_loads") >= 1
             assert elapsed < 30
             del llm
         finally:
@@ -272,12 +264,12 @@ def test_corrupt_short_and_misplaced_objects_are_detected_and_recompute(tmp_path
                 keys = _session_dense_keys(key_log, seen)
                 victim, other = keys[1], keys[2]
                 assert client.replace_bytes(victim, fault(client.get_bytes(victim), client.get_bytes(other))) == 0
-                failed_before = _metric(llm, "vllm:hybridkv_store_failed_loads")
-                cause_before = _metric(llm, "vllm:hybridkv_store_failures", cause=cause)
+                failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
+                cause_before = metric(llm, "vllm:hybridkv_store_failures", cause=cause)
                 got = generate(llm, session.prompt)
                 ref = generate(llm, session.prompt, cache_salt=f"corrupt-recompute-{i}")
-                failed = _metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
-                counted = _metric(llm, "vllm:hybridkv_store_failures", cause=cause) - cause_before
+                failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
+                counted = metric(llm, "vllm:hybridkv_store_failures", cause=cause) - cause_before
                 print(f"\n{name}: cached {got.num_cached_tokens}, failed loads +{failed}, {cause} +{counted}")
                 assert failed == 1 and counted >= 1, f"{name}: not refused"
                 assert matches(got, ref), f"{name}: output differs from recompute"
