@@ -1,19 +1,19 @@
 """Multi-turn agentic replay at 1/2/4 concurrent users, connectors side by side (issue 5).
 
     .venv/bin/python bench/agentic_replay.py [--duration 40] [--users 1,2,4]
-        [--configs none,hybrid,mooncake,pd,pd-store] [--num-gpu-blocks 128] [--quick]
+        [--configs none,hybrid,mooncake,pd,pd-store] [--num-gpu-blocks 48] [--quick]
 
 One command, real processes: vLLM OpenAI servers on the CPU engine (launched with
 :class:`hybridkv.cli.server.VllmServer`), real ``mooncake_master`` processes
 (:class:`hybridkv.store.embedded_master.EmbeddedMaster`), and for P/D the ``hybridkv proxy``.
 
-Workload. A fixed set of ``--sessions`` agent sessions (default 8) is split evenly over the
+Workload. A fixed set of ``--sessions`` agent sessions (default 6) is split evenly over the
 users; each user is a client thread that serves its sessions round robin, one request at a
 time (an agent juggling sub-tasks). The working set is thus the same at 1, 2 and 4 users and
 larger than the small local KV cache. A session is the seeded
 :class:`hybridkv.cli.agentic_demo.Trajectory` of the demo: turn k's prompt is turn k-1's prompt
 + the model's answer + a new tool-result / user chunk, for ``--turns`` turns, then the slot
-starts a new session with the next seed. Seeds depend only on (level, user, slot, generation),
+starts a new session with the next seed. Seeds depend only on (level, session slot, generation),
 so every config replays the same trajectories; levels use disjoint seeds, so nothing a level
 saved can serve the next one. Requests are the demo's streamed greedy ``/v1/completions``
 calls (:class:`hybridkv.cli.agentic_demo.Client`): TTFT is measured at the first streamed
@@ -38,7 +38,13 @@ both engines through MultiConnector, one master). For P/D, ``usage.cached_tokens
 request is the prefill engine's hit (vLLM copies ``remote_prefill_cached_tokens``), i.e. prompt
 tokens prefill did not compute.
 
-Writes ``bench/results/agentic_replay.{md,json,png}`` (``--out-dir``) and prints the table.
+The single-engine configs are up together and their levels interleaved (order rotated per
+level), so a change of a shared machine's load hits all of them; each P/D config runs alone. A
+config whose server is found dead between levels is redeployed and the level rerun once.
+
+Writes ``bench/results/agentic_replay.{md,json,png}`` (``--out-dir``) after every level (a
+killed run keeps what it measured; SIGTERM stops the servers and masters it started) and
+prints the table at the end.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import os
 import pathlib
 import platform
 import shlex
-import statistics
+import signal
 import subprocess
 import sys
 import tempfile
@@ -748,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     singles = [c for c in configs if c in SINGLE_ENGINE]
     groups = ([singles] if singles else []) + [[c] for c in configs if c not in SINGLE_ENGINE]
     live: dict[str, tuple] = {}  # name -> (context manager, Deployment)
+    write_report = make_reporter(args, argv, configs, started, load_start, model_info, deployments, errors)
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
     def up(names: list[str]) -> None:
         cms = {n: bench.deploy(n) for n in names}
@@ -806,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
                     if attempt == 2:
                         r.note = (r.note + "; " if r.note else "") + "rerun after a server died"
                     results.append(r)
+                    write_report(results, final=False)  # a killed run keeps what it measured
                     log(f"{name} x{users}: {r.requests} req, {r.failures} failed, hit {_f(_pc(r.hit_rate))} %, "
                         f"TTFT p50 {_f(r.ttft_p50_ms)} ms (hit turns {_f(r.ttft_p50_hit_ms)}), "
                         f"{r.output_tok_s:.1f} tok/s, differ {r.differ}/{r.checked}, "
@@ -815,37 +824,55 @@ def main(argv: list[str] | None = None) -> int:
             for name in group:
                 if name in live:
                     down(name)
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({e}); stopping what this run started, writing the partial report")
+        errors["(run)"] = f"interrupted: {e}; results are partial"
     finally:
         for name in list(live):
             down(name)
-    results.sort(key=lambda r: (configs.index(r.config), r.users))
-    runtime = time.monotonic() - started
-    load_end = os.getloadavg()
+    return write_report(results, final=True)
 
-    lines = table_rows(results)
-    print("\n".join(lines))
-    tgt = targets(results)
-    print("\n".join(tgt))
-    print(f"runtime {runtime:.0f} s")
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    mpl_version = plot(results, args.out_dir / "agentic_replay.png",
-                                f"tiny {args.kind}" if not args.model else pathlib.Path(args.model).name) if results else "n/a"
-    cmd = "python bench/agentic_replay.py" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])
-                                               if (argv if argv is not None else sys.argv[1:]) else "")
-    doc = {
-        "command": cmd, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                 "python": platform.python_version(), "loadavg_start": load_start, "loadavg_end": load_end},
-        "matplotlib": mpl_version, "model": model_info,
-        "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-        "deployments": deployments, "errors": errors, "runtime_s": round(runtime, 1),
-        "results": [asdict(r) for r in results], "targets": tgt, "store_rows": store_rows(results),
-    }
-    (args.out_dir / "agentic_replay.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    (args.out_dir / "agentic_replay.md").write_text(_markdown(doc, lines, tgt, args))
-    print(f"wrote {args.out_dir / 'agentic_replay.md'}, .json, .png", file=sys.stderr)
-    return 0 if not errors else 1
+def _on_sigterm(signum, frame) -> None:  # noqa: ARG001
+    # Turn a SIGTERM into an exception in the main thread: the deployments' exits then stop
+    # the servers and masters this run started, and the partial report is written.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def make_reporter(args, argv, configs, started, load_start, model_info, deployments, errors):
+    def write_report(results: list[LevelResult], final: bool) -> int:
+        results = sorted(results, key=lambda r: (configs.index(r.config), r.users))
+        runtime = time.monotonic() - started
+        lines = table_rows(results)
+        tgt = targets(results)
+        if final:
+            print("\n".join(lines))
+            print("\n".join(tgt))
+            print(f"runtime {runtime:.0f} s")
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        mpl_version = (plot(results, args.out_dir / "agentic_replay.png",
+                            f"tiny {args.kind}" if not args.model else pathlib.Path(args.model).name)
+                       if results else "n/a")
+        given = argv if argv is not None else sys.argv[1:]
+        cmd = "python bench/agentic_replay.py" + (" " + shlex.join(given) if given else "")
+        doc = {
+            "command": cmd, "complete": final and "(run)" not in errors,
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                     "python": platform.python_version(), "loadavg_start": load_start,
+                     "loadavg_end": os.getloadavg()},
+            "matplotlib": mpl_version, "model": model_info,
+            "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+            "deployments": deployments, "errors": errors, "runtime_s": round(runtime, 1),
+            "results": [asdict(r) for r in results], "targets": tgt, "store_rows": store_rows(results),
+        }
+        (args.out_dir / "agentic_replay.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        (args.out_dir / "agentic_replay.md").write_text(_markdown(doc, lines, tgt, args))
+        if final:
+            print(f"wrote {args.out_dir / 'agentic_replay.md'}, .json, .png", file=sys.stderr)
+        return 0 if not errors else 1
+
+    return write_report
 
 
 def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
@@ -853,7 +880,8 @@ def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
     out = [
         "# Agentic replay: multi-turn agent sessions at 1/2/4 users, connectors side by side",
         "",
-        f"- command: `{doc['command']}` (runtime {doc['runtime_s']:.0f} s, {doc['date']})",
+        f"- command: `{doc['command']}` (runtime {doc['runtime_s']:.0f} s, {doc['date']})"
+        + ("" if doc["complete"] else " -- PARTIAL: the run did not finish"),
         f"- host: {h['machine']}, {h['cpus']} cores, {h['platform']}, Python {h['python']}; load average at "
         f"start / end: {h['loadavg_start'][0]:.2f} / {h['loadavg_end'][0]:.2f} (shared machine)",
         f"- model: {m.get('architecture')} tiny `{args.kind}` (hidden {m.get('hidden_size')}, {m.get('layers')} "
