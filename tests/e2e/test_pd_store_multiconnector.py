@@ -58,7 +58,8 @@ NAMESPACE = "pd-store-multi"
 LEASE_S = 60.0  # prefill's P/D lease; a release must come long before it
 # vLLM's scheduler adds remote_prefill_cached_tokens to any do_remote_prefill answer.
 PD_PARAM_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host",
-                 "remote_port", "remote_block_ids", "remote_num_tokens", "remote_prefill_cached_tokens"}
+                 "remote_port", "remote_block_ids", "remote_num_tokens", "remote_lease_expires_at",
+                 "remote_prefill_cached_tokens"}
 
 
 def _store_child(master_address: str) -> dict:
