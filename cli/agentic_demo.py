@@ -714,9 +714,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                 # states live every 256 tokens (see HybridStoreConnector's startup warning).
                 extra += ["--block-size", "256"]
             if args.pd:
-                from hybridkv.cli.pd_stack import PDStack
-
-                from hybridkv.cli.pd_stack import pd_transfer_config
+                from hybridkv.cli.pd_stack import PDStack, pd_transfer_config
 
                 prefill_cfg = pd_transfer_config("kv_producer")
                 prefill_cfg["kv_connector_extra_config"] = {"lease_s": args.pd_lease_s}

@@ -6,8 +6,10 @@ addressing rule of ``block_layout`` (never re-derived here), one batched READ
 per request instead of one per block or group, a wait that cannot hang on a
 dead peer, and NIXL's untyped exceptions turned into :class:`TransferError`
 with the peer and the size named. The lease (when prefill may free its blocks)
-stays in the connector; this module only carries the notification that tells
-prefill decode is done (:meth:`PDTransport.get_notifs`).
+stays in the connector, which releases it over its own gRPC side channel
+(``pd_handshake.release_blocks``); the NIXL notification API here
+(:meth:`PDTransport.get_notifs`, ``notif=``) is no longer used by the connector:
+polling it on every prefill engine step did not prevent the server-mode READ stall.
 
 Facts this relies on (NIXL 1.5.1, UCX backend, checked on this CPU machine):
 
