@@ -27,6 +27,7 @@ from hybridkv.connector.block_layout import layer_specs
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
+from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.connector.store_config import ConfigError, refuse_unknown_keys
 
 if TYPE_CHECKING:
@@ -101,11 +102,12 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
                 align = math.lcm(align, group.kv_cache_spec.block_size)
             self._scheduler = PDScheduler(engine_id, bool(mamba), self._cfg.lease_s, mamba, align)
         else:
-            self._worker = PDWorker(
-                PDWorkerSettings(engine_id, 0, 1, self._cfg.handshake_host, self._cfg.handshake_port,
-                                 self._cfg.handshake_timeout_s, self._cfg.read_timeout_s),
-                kv_cache_config,
-            )
+            with unpinned():  # its read thread must not share the engine's pinned core
+                self._worker = PDWorker(
+                    PDWorkerSettings(engine_id, 0, 1, self._cfg.handshake_host, self._cfg.handshake_port,
+                                     self._cfg.handshake_timeout_s, self._cfg.read_timeout_s),
+                    kv_cache_config,
+                )
 
     # ----------------------------------------------------------------- scheduler
     @property
@@ -159,7 +161,10 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
     # -------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        # The NIXL/UCX and gRPC threads started here inherit this thread's CPU affinity;
+        # pinned to the engine's busy core, the decode's handshake missed its 5 s timeout.
+        with unpinned():
+            self._worker.register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self):  # noqa: ANN201 - vLLM's signature
         return self._worker.handshake_metadata() if self._worker is not None else None

@@ -28,6 +28,7 @@ from hybridkv.connector.store_metadata import StoreConnectorMetadata
 from hybridkv.connector.store_scheduler import StoreScheduler
 from hybridkv.connector.store_stats import HybridStorePromMetrics, HybridStoreStats
 from hybridkv.connector.store_worker import StoreWorker
+from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.session import ClientSettings, embedded_master_address, release_all, shared_client
 
 if TYPE_CHECKING:
@@ -121,7 +122,8 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_rank=get_tensor_model_parallel_rank(),
                 pp_rank=get_pp_group().rank_in_group,
             )
-            self._worker = StoreWorker(self._cfg, kv_cache_config, schema, client)
+            with unpinned():  # its job threads must not share the engine's pinned core
+                self._worker = StoreWorker(self._cfg, kv_cache_config, schema, client)
         logger.info("hybridkv HybridStoreConnector (%s) on master %s", role.name, address)
 
     # ----------------------------------------------------------------- scheduler
@@ -192,7 +194,8 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # -------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        with unpinned():  # threads started here (staging, Mooncake) stay off the engine's core
+            self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from hybridkv.store.cpu_affinity import unpinned
+
 __all__ = ["EmbeddedMaster", "MasterError", "find_master_binary", "INSTALL_HINT"]
 
 INSTALL_HINT = (
@@ -169,13 +171,16 @@ class EmbeddedMaster:
             try:
                 # Own process group: a Ctrl-C in the terminal must not kill the master before
                 # the clients that still reference it are closed.
-                self._proc = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=self._log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+                # Unpinned: started from a vLLM CPU worker it would inherit the core the
+                # forward pass spins on and starve (see cpu_affinity).
+                with unpinned():
+                    self._proc = subprocess.Popen(
+                        cmd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=self._log_file,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
             except OSError as e:
                 self._close_log()
                 raise MasterError(f"could not execute {binary}: {e}; {INSTALL_HINT}") from e

@@ -94,6 +94,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
 from typing import Any, Callable, Sequence, TypeVar
 
+from hybridkv.store.cpu_affinity import unpinned
+
 __all__ = [
     "MooncakeBackend",
     "StoreError",
@@ -315,12 +317,15 @@ class MooncakeBackend:
             ) from e
 
         self._store = MooncakeDistributedStore()
-        self._pool = _DaemonPool(workers, name=f"mooncake-{port}")
         setup_timeout = max(self.timeout_s or 0.0, 30.0) if self.timeout_s else None
-        rc = self._bounded(
-            "setup", self._store.setup, local_hostname, metadata_server, self.global_segment_size,
-            self.local_buffer_size, protocol, rdma_devices, master_address, timeout=setup_timeout,
-        )
+        # The call threads, and the transfer threads Mooncake starts inside setup(), inherit
+        # the creating thread's CPU affinity: keep them off the engine's pinned cores.
+        with unpinned():
+            self._pool = _DaemonPool(workers, name=f"mooncake-{port}")
+            rc = self._bounded(
+                "setup", self._store.setup, local_hostname, metadata_server, self.global_segment_size,
+                self.local_buffer_size, protocol, rdma_devices, master_address, timeout=setup_timeout,
+            )
         if rc != 0:
             self._pool.shutdown()
             self._closed = True

@@ -21,16 +21,16 @@ def test_demo_serves_store_hits_that_match_recompute(tmp_path):
 def test_demo_pd_through_the_proxy_matches_recompute(tmp_path):
     """`hybridkv demo --pd`: two real vLLM servers with HybridPDConnector and the real
     `hybridkv proxy` subprocess in front; every turn is streamed through the proxy and must
-    equal a recompute on the decode instance under a fresh cache_salt.
+    equal a recompute on the decode instance under a fresh cache_salt, and its KV must have
+    come over NIXL: the decode side pulled the whole hand-over and neither side logged a
+    lease expiry or a refused/failed READ.
 
-    What is NOT asserted: that the KV arrived over NIXL. Between two vLLM *servers* on this
-    machine a decode READ has been measured to complete only when the prefill side's lease
-    expires (the offline two-engine tests in test_pd_connector.py do transfer); the decode
-    side then refuses the late bytes (they may come from reused blocks) and recomputes.
-    A short lease keeps that case quick; the turn table printed shows which happened.
+    The lease is long (60 s) on purpose: before the two engines got disjoint cores
+    (PDStack.split_cpus), decode legs on this machine stalled until the lease expired and
+    then recomputed; with a short lease that failure hid behind matching output.
     """
     out = tmp_path / "demo-pd.json"
-    rc = main(["demo", "--pd", "--pd-lease-s", "15", "--turns", "3", "--cache-dir", str(tmp_path / "cache"),
+    rc = main(["demo", "--pd", "--pd-lease-s", "60", "--turns", "3", "--cache-dir", str(tmp_path / "cache"),
                "--json-out", str(out)])
     doc = json.loads(out.read_text())
     turns = doc["turns"]
@@ -41,5 +41,12 @@ def test_demo_pd_through_the_proxy_matches_recompute(tmp_path):
     assert rc == 0 and len(turns) == 3
     assert all(t["matches_recompute"] for t in turns)
     for t in turns:
-        # Whatever decode got from prefill is at most the hand-over (last 128 boundary < prompt).
-        assert t["store_hit_tokens"] <= (t["prompt_tokens"] - 1) // 128 * 128, t
+        # The hand-over: every full 128-token block before the last prompt token.
+        assert t["hit_source"] == "prefill" and t["store_hit_tokens"] == (t["prompt_tokens"] - 1) // 128 * 128, t
+    logs = list((tmp_path / "cache" / "logs").glob("pd-*/*.log"))
+    assert {p.name for p in logs} >= {"prefill.log", "decode.log"}
+    for log in logs:
+        text = log.read_text(errors="replace")
+        for sign in ("pd_lease_expired", "pd_read_outlived_lease", "[pd_read:", "[pd_refused]", "[pd_release:",
+                     "P/D handshake with"):
+            assert sign not in text, f"{log.name}: {sign}"
