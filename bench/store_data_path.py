@@ -218,7 +218,6 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
         raw_buf = np.empty(max_objects * OBJECT_BYTES, dtype=np.uint8)
         client.register(raw_buf.ctypes.data, raw_buf.nbytes)
         layer_tensors = [kv_caches[n] for n in kvc.kv_cache_groups[0].layer_names]
-        layer_bits = [t.view(torch.int16) for t in layer_tensors]
         job_ids = iter(range(1, 1 << 30))
 
         def remove_all() -> None:

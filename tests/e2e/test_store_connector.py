@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from hybridkv.store.object_trailer import seal
 from tests.e2e.engine_harness import (
@@ -51,12 +50,6 @@ CASES = {
 def checkpoint(prev_len: int, align: int) -> int:
     """The previous prompt's last reachable checkpoint (vLLM's own definition)."""
     return get_mamba_prefill_checkpoint_position(prev_len, align, False)
-
-
-@pytest.fixture(scope="module")
-def master():
-    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as m:
-        yield m
 
 
 def _record(title: str, rows: list[TurnRow]) -> None:

@@ -43,12 +43,10 @@ import math
 import re
 from pathlib import Path
 
-import pytest
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
 from hybridkv.cli.tiny_models import write_tiny_model
-from hybridkv.store.embedded_master import EmbeddedMaster
 from tests.e2e.engine_harness import (
     MODEL_CACHE,
     generate,
@@ -94,12 +92,6 @@ def _kv_cache_layout(worker) -> dict:  # noqa: ANN001 - a vLLM worker; runs insi
 
 def _layer_index(layer_name: str) -> int:
     return int(re.search(r"layers\.(\d+)\.", layer_name).group(1))
-
-
-@pytest.fixture(scope="module")
-def master():
-    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as m:
-        yield m
 
 
 def test_eagle_drafter_three_turns_hit_the_store_and_match_recompute(master, tmp_path, monkeypatch):
