@@ -77,26 +77,26 @@ def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
     )
 
 
-def _refuse_partial_mamba_decode(vllm_config: "VllmConfig", kv_role: str | None, mamba: tuple[int, ...],
-                                 kv_cache_config: "KVCacheConfig") -> None:
-    """A decode instance with Mamba/linear-attention groups and sub-block prefix hits is refused.
+def _refuse_partial_mamba(vllm_config: "VllmConfig", mamba: tuple[int, ...], kv_cache_config: "KVCacheConfig") -> None:
+    """P/D with Mamba/linear-attention groups and sub-block prefix hits is refused.
 
-    Why: the prefill side hands over ONE recurrent state, at the block boundary it stopped
-    at. With ``--prefix-match-unit`` below the block size, vLLM 0.32 moved the decode's
-    resume point 64 tokens below (local hit + offered tokens) after the lookup, so that
-    state was applied at the wrong position: tests/e2e showed a turn whose output differed
-    from recompute (qwen3-next, unit 64). A silent wrong answer, so refused at startup.
+    Why: with ``--prefix-match-unit 64`` on both instances, a qwen3-next P/D turn's output
+    differed from its recompute (tests/e2e; the READ plan itself looked right: decode's local
+    block-aligned hit + the offered tokens = the hand-over, and the recurrent state read was
+    prefill's state at the hand-over). Not root-caused (the prefill side computed that state
+    from its own sub-block prefix hit), so both roles refuse until it is: a silent wrong
+    answer is worse than a startup error.
     """
     unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
-    if not mamba or kv_role == "kv_producer" or unit is None:
+    if not mamba or unit is None:
         return
     block = min(kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size for g in mamba)
     if unit < block:
         raise ConfigError(
-            f"HybridPDConnector on a decode instance (kv_role={kv_role!r}) does not support "
-            f"--prefix-match-unit {unit} (below the Mamba/linear-attention block size {block}) in this "
-            "version: the recurrent state handed over by prefill would be applied at the wrong position. "
-            "Fix: drop --prefix-match-unit on the decode instance (the prefill instance may keep it)."
+            f"HybridPDConnector does not support --prefix-match-unit {unit} (below the "
+            f"Mamba/linear-attention block size {block}) in this version: a P/D turn's output "
+            "differed from recompute with it. Fix: drop --prefix-match-unit on both P/D instances "
+            "(HybridStoreConnector supports it)."
         )
 
 
@@ -117,7 +117,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             )
         engine_id = str(ktc.engine_id)
         mamba = _mamba_group_ids(kv_cache_config)
-        _refuse_partial_mamba_decode(vllm_config, ktc.kv_role, mamba, kv_cache_config)
+        _refuse_partial_mamba(vllm_config, mamba, kv_cache_config)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

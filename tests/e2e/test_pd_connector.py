@@ -20,8 +20,8 @@ from tests.e2e.engine_harness import Completion, Session, completion_from, gener
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes CPU hosts at exit
 
-# case -> (tiny model, engine args). Partial mode (--prefix-match-unit) on a decode instance
-# of a Mamba model is refused at startup (see the test below); vLLM 0.32 applies the unit to
+# case -> (tiny model, engine args). Partial mode (--prefix-match-unit) on a P/D instance of
+# a Mamba model is refused at startup (see the test below); vLLM 0.32 applies the unit to
 # Mamba-align groups only, so on gemma3 it would change nothing.
 CASES = {
     "gemma3": ("gemma3", {}),
@@ -138,10 +138,9 @@ def test_pd_planted_fault_in_the_prefill_blocks_is_caught_by_the_recompute_check
     del prefill, decode
 
 
-def test_partial_hits_on_a_mamba_decode_instance_are_refused_at_startup(capfd):
-    """qwen3-next P/D with --prefix-match-unit 64 on decode gave a turn whose output differed
-    from recompute (the handed-over recurrent state landed at the wrong position): refused at
-    startup, naming the flag and the fix."""
+def test_partial_hits_on_a_mamba_pd_instance_are_refused_at_startup(capfd):
+    """qwen3-next P/D with --prefix-match-unit 64 on both instances gave a turn whose output
+    differed from recompute (not root-caused): refused at startup, naming the flag and the fix."""
     model = tiny_model("qwen3next")
     with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the connector's ConfigError
         make_llm(model, pd_config("kv_consumer"), block_size=256, prefix_match_unit=64)
