@@ -77,26 +77,26 @@ def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
     )
 
 
-def _refuse_partial_mamba(vllm_config: "VllmConfig", mamba: tuple[int, ...], kv_cache_config: "KVCacheConfig") -> None:
-    """P/D with Mamba/linear-attention groups and sub-block prefix hits is refused.
+def _refuse_partial_mamba_prefill(vllm_config: "VllmConfig", kv_role: str | None, mamba: tuple[int, ...],
+                                  kv_cache_config: "KVCacheConfig") -> None:
+    """A P/D prefill instance of a Mamba/linear-attention model refuses sub-block prefix hits.
 
-    Why: with ``--prefix-match-unit 64`` on both instances, a qwen3-next P/D turn's output
-    differed from its recompute (tests/e2e; the READ plan itself looked right: decode's local
-    block-aligned hit + the offered tokens = the hand-over, and the recurrent state read was
-    prefill's state at the hand-over). Not root-caused (the prefill side computed that state
-    from its own sub-block prefix hit), so both roles refuse until it is: a silent wrong
-    answer is worse than a startup error.
+    Why: with ``--prefix-match-unit 64`` on the PREFILL instance, qwen3-next P/D turns
+    differed from recompute (4 of 8 turns; 0 of 8 with the unit on decode only). The prefill
+    truncates the prompt to the hand-over and resumes from its own sub-block prefix hit; the
+    recurrent state it then hands over is wrong. Not root-caused, so refused at startup
+    rather than answering wrong. Decode instances (``kv_consumer``) may use the flag.
     """
     unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
-    if not mamba or unit is None:
+    if not mamba or unit is None or kv_role == "kv_consumer":
         return
     block = min(kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size for g in mamba)
     if unit < block:
         raise ConfigError(
-            f"HybridPDConnector does not support --prefix-match-unit {unit} (below the "
-            f"Mamba/linear-attention block size {block}) in this version: a P/D turn's output "
-            "differed from recompute with it. Fix: drop --prefix-match-unit on both P/D instances "
-            "(HybridStoreConnector supports it)."
+            f"HybridPDConnector with kv_role={kv_role!r} (a prefill instance) does not support "
+            f"--prefix-match-unit {unit} (below the Mamba/linear-attention block size {block}) in this "
+            "version: the recurrent state it hands over was wrong in tests. Fix: drop "
+            "--prefix-match-unit on the prefill instance (the decode instance may keep it)."
         )
 
 
@@ -117,7 +117,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             )
         engine_id = str(ktc.engine_id)
         mamba = _mamba_group_ids(kv_cache_config)
-        _refuse_partial_mamba(vllm_config, mamba, kv_cache_config)
+        _refuse_partial_mamba_prefill(vllm_config, ktc.kv_role, mamba, kv_cache_config)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

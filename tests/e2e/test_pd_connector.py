@@ -20,12 +20,14 @@ from tests.e2e.engine_harness import Completion, Session, completion_from, gener
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes CPU hosts at exit
 
-# case -> (tiny model, engine args). Partial mode (--prefix-match-unit) on a P/D instance of
-# a Mamba model is refused at startup (see the test below); vLLM 0.32 applies the unit to
-# Mamba-align groups only, so on gemma3 it would change nothing.
+# case -> (tiny model, prefill engine args, decode engine args). Partial mode
+# (--prefix-match-unit) works on the decode instance; on the prefill instance of a Mamba
+# model it is refused at startup (test below). vLLM 0.32 applies the unit to Mamba-align
+# groups only, so on gemma3 it would change nothing.
 CASES = {
-    "gemma3": ("gemma3", {}),
-    "qwen3next": ("qwen3next", {"block_size": 256}),
+    "gemma3": ("gemma3", {}, {}),
+    "qwen3next": ("qwen3next", {"block_size": 256}, {"block_size": 256}),
+    "qwen3next-decode-partial": ("qwen3next", {"block_size": 256}, {"block_size": 256, "prefix_match_unit": 64}),
 }
 
 
@@ -62,11 +64,11 @@ def _external_hits(llm) -> float:
 
 @pytest.mark.parametrize("kind", list(CASES))
 def test_pd_three_turns_match_recompute(kind):
-    model_kind, engine_args = CASES[kind]
+    model_kind, prefill_args, decode_args = CASES[kind]
     model = tiny_model(model_kind)
-    prefill = make_llm(model, pd_config("kv_producer"), **engine_args)
+    prefill = make_llm(model, pd_config("kv_producer"), **prefill_args)
     # The decode side resolves the connector by the name hybridkv registers (no module path).
-    decode = make_llm(model, pd_config("kv_consumer", module_path=False), disable_log_stats=False, **engine_args)
+    decode = make_llm(model, pd_config("kv_consumer", module_path=False), disable_log_stats=False, **decode_args)
     session = Session(seed=21)
     rows = []
     for turn in range(1, 4):
@@ -78,7 +80,9 @@ def test_pd_three_turns_match_recompute(kind):
         ref = generate(decode, session.prompt, cache_salt=f"pd-recompute-{kind}-{turn}")
         rows.append((turn, len(session.prompt), got.num_cached_tokens, int(pulled), matches(got, ref)))
         session.extend(got.token_ids)
-    print(f"\nP/D {kind}: turn, prompt, decode local hit, tokens pulled from prefill, matches_recompute")
+    # usage's cached tokens: vLLM reports the PREFILL side's own prefix hit there
+    # (remote_prefill_cached_tokens), not decode's.
+    print(f"\nP/D {kind}: turn, prompt, prefill-side cached (usage), tokens pulled from prefill, matches_recompute")
     for r in rows:
         print("  ", *r)
     prev = 0
@@ -138,14 +142,15 @@ def test_pd_planted_fault_in_the_prefill_blocks_is_caught_by_the_recompute_check
     del prefill, decode
 
 
-def test_partial_hits_on_a_mamba_pd_instance_are_refused_at_startup(capfd):
-    """qwen3-next P/D with --prefix-match-unit 64 on both instances gave a turn whose output
-    differed from recompute (not root-caused): refused at startup, naming the flag and the fix."""
+def test_partial_hits_on_a_mamba_prefill_instance_are_refused_at_startup(capfd):
+    """qwen3-next with --prefix-match-unit 64 on the prefill instance handed over wrong
+    recurrent states (4 of 8 turns differed from recompute; not root-caused): refused at
+    startup, naming the flag and the fix."""
     model = tiny_model("qwen3next")
     with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the connector's ConfigError
-        make_llm(model, pd_config("kv_consumer"), block_size=256, prefix_match_unit=64)
+        make_llm(model, pd_config("kv_producer"), block_size=256, prefix_match_unit=64)
     out, err = capfd.readouterr()
-    assert "--prefix-match-unit 64" in out + err and "drop --prefix-match-unit" in out + err
+    assert "--prefix-match-unit 64" in out + err and "drop --prefix-match-unit on the prefill" in out + err
 
 
 def _children() -> set[int]:
