@@ -89,7 +89,7 @@ from hybridkv.cli.agentic_demo import (  # noqa: E402
     counter,
 )
 from hybridkv.cli.server import HOST, VllmServer, free_port  # noqa: E402
-from hybridkv.cli.pd_stack import split_cpus  # noqa: E402
+from hybridkv.cli.pd_stack import disjoint_core_envs  # noqa: E402
 
 ALL_CONFIGS = ("none", "hybrid", "mooncake", "pd", "pd-store")
 LABELS = {
@@ -235,8 +235,7 @@ class Bench:
                           "kv_connector_extra_config": {"connectors": [
                               self._store_child(master.address), {**pd_child, "kv_role": "kv_both"}]}}
             # Disjoint cores, as PDStack does: on shared cores the two engines starve each other.
-            split = split_cpus() if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else None
-            pre_env, dec_env = ({"VLLM_CPU_OMP_THREADS_BIND": c} for c in split) if split else (None, None)
+            pre_env, dec_env = disjoint_core_envs()
             pre = self._server(f"{name}-prefill", pre_kv, pre_env)
             dec = self._server(f"{name}-decode", dec_kv, dec_env)
             self._start_all([pre, dec])

@@ -269,30 +269,26 @@ def run(repeats: int) -> tuple[list[dict], dict]:
             hits: dict[str, set] = {"hybridkv": set(), "hybridkv proposed": set(), "in-tree": set(),
                                     "in-tree worker": set()}
 
-            def h_unit() -> None:
-                sched._recent_lookups.clear()  # a first lookup: nothing remembered for this request
+            def first_lookup(scheduler, spy, tag: str, label: str) -> None:
+                """One first lookup, split at the spied exists call into keys / exists / hit."""
+                scheduler._recent_lookups.clear()  # nothing remembered for this request
                 t0 = time.perf_counter()
-                ext, _ = sched.get_num_new_matched_tokens(req, 0)
+                ext, _ = scheduler.get_num_new_matched_tokens(req, 0)
                 t1 = time.perf_counter()
-                t["h_first"].append(t1 - t0)
-                t["h_keys"].append(h_spy.t_in - t0)
-                t["h_exists"].append(h_spy.t_out - h_spy.t_in)
-                t["h_hit"].append(t1 - h_spy.t_out)
-                hits["hybridkv"].add(ext)
+                t[f"{tag}_first"].append(t1 - t0)
+                t[f"{tag}_keys"].append(spy.t_in - t0)
+                t[f"{tag}_exists"].append(spy.t_out - spy.t_in)
+                t[f"{tag}_hit"].append(t1 - spy.t_out)
+                hits[label].add(ext)
+
+            def h_unit() -> None:
+                first_lookup(sched, h_spy, "h", "hybridkv")
                 t0 = time.perf_counter()
                 sched.get_num_new_matched_tokens(req, 0)
                 t["h_repeat"].append(time.perf_counter() - t0)
 
             def hp_unit() -> None:
-                sched_p._recent_lookups.clear()
-                t0 = time.perf_counter()
-                ext, _ = sched_p.get_num_new_matched_tokens(req, 0)
-                t1 = time.perf_counter()
-                t["hp_first"].append(t1 - t0)
-                t["hp_keys"].append(hp_spy.t_in - t0)
-                t["hp_exists"].append(hp_spy.t_out - hp_spy.t_in)
-                t["hp_hit"].append(t1 - hp_spy.t_out)
-                hits["hybridkv proposed"].add(ext)
+                first_lookup(sched_p, hp_spy, "hp", "hybridkv proposed")
 
             def h_floor() -> None:
                 t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from hybridkv.cli.server import HOST, ServerStartError, VllmServer, free_port, wait_healthy
-from hybridkv.store.cpu_affinity import usable_cpus
+from hybridkv.store.cpu_affinity import format_cpu_list, usable_cpus
 
 PD_MODULE = "hybridkv.connector"
 
@@ -28,6 +28,9 @@ def pd_transfer_config(role: str, module_path: bool = True) -> dict:
     if module_path:
         cfg["kv_connector_module_path"] = PD_MODULE
     return cfg
+
+
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def split_cpus(cpus: set[int] | None = None) -> tuple[str, str] | None:
@@ -43,21 +46,16 @@ def split_cpus(cpus: set[int] | None = None) -> tuple[str, str] | None:
     if len(ordered) < 2:
         return None
     half = len(ordered) // 2
-    return _cpu_list(ordered[:half]), _cpu_list(ordered[half:])
+    return format_cpu_list(ordered[:half]), format_cpu_list(ordered[half:])
 
 
-def _cpu_list(cpus: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the format VLLM_CPU_OMP_THREADS_BIND takes)."""
-    parts: list[str] = []
-    start = prev = cpus[0]
-    for c in list(cpus[1:]) + [None]:
-        if c is not None and c == prev + 1:
-            prev = c
-            continue
-        parts.append(f"{start}-{prev}" if prev != start else str(start))
-        if c is not None:
-            start = prev = c
-    return ",".join(parts)
+def disjoint_core_envs() -> tuple[dict[str, str], dict[str, str]]:
+    """Extra environment for the prefill and the decode server: disjoint cores, unless the
+    user chose a binding (``VLLM_CPU_OMP_THREADS_BIND`` set) or there is one core."""
+    split = None if OMP_BIND_ENV in os.environ else split_cpus()
+    if split is None:
+        return {}, {}
+    return {OMP_BIND_ENV: split[0]}, {OMP_BIND_ENV: split[1]}
 
 
 class PDStack:
@@ -80,9 +78,9 @@ class PDStack:
                                   log_path=log_dir / "prefill.log", **common)
         self.decode = VllmServer(model, kv_transfer_config=decode_config or pd_transfer_config("kv_consumer"),
                                  log_path=log_dir / "decode.log", **common)
-        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and (split := split_cpus()) is not None:
-            self.prefill.extra_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", split[0])
-            self.decode.extra_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", split[1])
+        for server, env in zip((self.prefill, self.decode), disjoint_core_envs()):
+            for name, value in env.items():
+                server.extra_env.setdefault(name, value)
         self.proxy_port = free_port()
         self.proxy_log = log_dir / "proxy.log"
         self._proxy: subprocess.Popen | None = None

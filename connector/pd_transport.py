@@ -54,7 +54,6 @@ from typing import Literal
 import numpy as np
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout
-from hybridkv.store.cpu_affinity import unpinned
 
 _MEM = "DRAM"
 
@@ -95,13 +94,6 @@ def _make_agent(name: str, backends: Sequence[str], progress_delay_us: int):
     delay, and the backends are created through the public ``create_backend``.
     """
     bindings, nixl_agent, nixl_agent_config, _ = _nixl()
-    # The progress thread and UCX's threads inherit the creating thread's CPU affinity:
-    # created from a vLLM CPU worker they would share the pinned core the engine spins on.
-    with unpinned():
-        return _make_agent_here(name, backends, progress_delay_us, bindings, nixl_agent, nixl_agent_config)
-
-
-def _make_agent_here(name, backends, progress_delay_us, bindings, nixl_agent, nixl_agent_config):
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
     cfg = bindings.nixlAgentConfig()
     cfg.useProgThread = True  # without it a READ stalls until the target calls into NIXL

@@ -68,7 +68,7 @@ class PDWorker:
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._leases: dict[str, float] = {}
-        self._read_notified: set[str] = set()
+        self._decode_released: set[str] = set()
         self._released: set[str] = set()  # reads whose target blocks nothing writes into anymore
         self._jobs: queue.Queue[ReadJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run_reads, name="hybridkv-pd-read", daemon=True)
@@ -147,7 +147,7 @@ class PDWorker:
     def _released_by_decode(self, request_ids: list[str]) -> None:
         """Prefill side, on a gRPC thread: decode is done with these requests' blocks."""
         with self._lock:
-            self._read_notified.update(request_ids)
+            self._decode_released.update(request_ids)
 
     def _release(self, req_id: str) -> None:
         with self._lock:
@@ -231,13 +231,13 @@ class PDWorker:
             self._recv_done, self._recv_failed = set(), set()
             now = time.time()
             for req_id, expires in list(self._leases.items()):
-                if req_id in self._read_notified or now >= expires:
-                    if req_id not in self._read_notified:
+                if req_id in self._decode_released or now >= expires:
+                    if req_id not in self._decode_released:
                         warn_once(logger, "pd_lease_expired", "lease of %s expired before the decode side read it",
                                   req_id)
                     sending.add(req_id)
                     del self._leases[req_id]
-                    self._read_notified.discard(req_id)
+                    self._decode_released.discard(req_id)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)
 
     def take_released(self) -> set[str]:

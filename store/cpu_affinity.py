@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 logger = logging.getLogger("vllm." + __name__)
@@ -37,6 +37,20 @@ def parse_cpu_list(text: str) -> set[int]:
         lo, _, hi = part.partition("-")
         cpus.update(range(int(lo), int(hi or lo) + 1))
     return cpus
+
+
+def format_cpu_list(cpus: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: the inverse of :func:`parse_cpu_list` (sorted input)."""
+    parts: list[str] = []
+    start = prev = cpus[0]
+    for c in list(cpus[1:]) + [None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(f"{start}-{prev}" if prev != start else str(start))
+        if c is not None:
+            start = prev = c
+    return ",".join(parts)
 
 
 def usable_cpus() -> set[int]:
