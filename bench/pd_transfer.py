@@ -1,6 +1,6 @@
 """P/D transfer: PDTransport.read_blocks against a raw NIXL READ of the same descriptors.
 
-    .venv/bin/python bench/pd_transfer.py [--repeats N] [--quick] [--out FILE]
+    .venv/bin/python bench/pd_transfer.py [--repeats N] [--quick] [--out FILE] [--plot-only]
 
 Two processes on loopback (UCX, ``UCX_NET_DEVICES=lo``; UCX picks cma on one
 host unless ``UCX_TLS`` says otherwise). The prefill process builds a KV cache
@@ -21,13 +21,15 @@ GB/s = bytes of the batch / wall time from call to completion. Also reported:
 the descriptor build alone and an in-process memcpy of the batch's bytes
 (scattered blocks, numpy) for scale. Moved bytes are checked against the
 pattern once per case (a wrong byte aborts the run). Prints a table and writes
-Markdown to bench/results/pd_transfer.md (or --out).
+Markdown to bench/results/pd_transfer.md (or --out), every repeat to the .json and a
+plot to the .png next to it; ``--plot-only`` re-renders .md and .png from that .json.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -276,7 +278,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="3 cases, 5 repeats")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pd_transfer.md")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="no run: re-render the .md and .png from the .json next to --out")
     args = ap.parse_args()
+    if args.plot_only:
+        write_outputs(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+        return
     cases, repeats = (QUICK, 5) if args.quick else (CASES, args.repeats)
 
     load0 = os.getloadavg()
@@ -310,19 +317,81 @@ def main() -> None:
     cmd = "python bench/pd_transfer.py" + (" --quick" if args.quick else "") + (
         f" --repeats {args.repeats}" if args.repeats != 15 and not args.quick else ""
     )
+    doc = {
+        "meta": {
+            "command": cmd,
+            "host": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; Python "
+            f"{platform.python_version()}; nixl-cu12 {version('nixl-cu12')}",
+            "load0": load0[0],
+            "load1": load1[0],
+            "ucx": {k: os.environ.get(k) for k in ("UCX_NET_DEVICES", "UCX_MODULES", "UCX_TLS")},
+            "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            "repeats": repeats,
+            "warmup": args.warmup,
+            "progress_delay_us": PROGRESS_DELAY_US,
+            "idle_agent_cpu_pct": {str(k): v for k, v in idle.items()},
+        },
+        "rows": rows,
+    }
+    write_outputs(doc, args.out)
+
+
+def plot(rows: list[dict], path: Path) -> str:
+    """GB/s per case, both paths: median bar, p25-p75 whisker, every repeat as a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    width = 0.38
+    for j, (key, label, color) in enumerate((("ours", "hybridkv read_blocks", "tab:blue"),
+                                             ("raw", "raw NIXL READ", "tab:gray"))):
+        xs = [i + (j - 0.5) * width for i in range(len(rows))]
+        meds = [statistics.median(r[key]) for r in rows]
+        lo = [m - q(r[key], 0.25) for m, r in zip(meds, rows)]
+        hi = [q(r[key], 0.75) - m for m, r in zip(meds, rows)]
+        ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, color=color, label=label)
+        for x, r in zip(xs, rows):
+            ax.scatter([x] * len(r[key]), r[key], s=6, color="k", zorder=3)
+    ax.scatter(range(len(rows)), [r["memcpy"] for r in rows], marker="_", s=300, color="tab:red",
+               label="in-process memcpy (scale)", zorder=4)
+    for i, r in enumerate(rows):
+        ax.annotate(f"x{r['ratio']:.2f}", (i, max(max(r["ours"]), max(r["raw"]))), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], fontsize=8)
+    ax.set_ylabel("GB/s (batch bytes / call -> completion)")
+    ax.set_title("P/D transfer on one host (UCX loopback): hybridkv PDTransport.read_blocks vs raw NIXL READ\n"
+                 "median, whisker p25-p75, dots = repeats, label = ratio (raw time / hybridkv time)", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return matplotlib.__version__
+
+
+def write_outputs(doc: dict, out: Path) -> None:
+    """Markdown (``out``), JSON and PNG next to it (same stem)."""
+    m, rows = doc["meta"], doc["rows"]
+    idle = m["idle_agent_cpu_pct"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png, js = out.with_suffix(".png"), out.with_suffix(".json")
+    doc["meta"]["matplotlib"] = plot(rows, png)
+    js.write_text(json.dumps(doc, indent=2) + "\n")
+    ucx = m["ucx"]
     lines = [
         "# P/D transfer: PDTransport.read_blocks vs raw NIXL READ",
         "",
-        f"- command: `{cmd}`",
-        f"- host: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; Python "
-        f"{platform.python_version()}; nixl-cu12 {version('nixl-cu12')}",
-        f"- load average at start / end: {load0[0]:.2f} / {load1[0]:.2f} (a shared machine: other work was running)",
-        f"- UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}, UCX_MODULES={os.environ.get('UCX_MODULES')}, "
-        f"UCX_TLS={os.environ.get('UCX_TLS', '(unset: UCX picks cma on one host)')}",
-        f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- command: `{m['command']}` (re-render without a run: `python bench/pd_transfer.py --plot-only`)",
+        f"- host: {m['host']}",
+        f"- load average at start / end: {m['load0']:.2f} / {m['load1']:.2f} (a shared machine: other work was running)",
+        f"- UCX_NET_DEVICES={ucx['UCX_NET_DEVICES']}, UCX_MODULES={ucx['UCX_MODULES']}, "
+        f"UCX_TLS={ucx['UCX_TLS'] or '(unset: UCX picks cma on one host)'}",
+        f"- date: {m['date']}",
         f"- two processes (prefill: KV cache + PDTransport + handshake server; decode: PDTransport + a "
         f"second raw nixl_agent on the same memory). One full-attention group, KV allocated by vLLM's "
-        f"allocate_kv_cache; {repeats} timed repeats after {args.warmup} warm-up, the two paths alternated; "
+        f"allocate_kv_cache; {m['repeats']} timed repeats after {m['warmup']} warm-up, the two paths alternated; "
         "fresh random scattered remote and local block ids every read.",
         "- GB/s = batch bytes / wall time from call to completion, `median [p25-p75]`. hybridkv = "
         "`read_blocks(..., notif)` + `wait` (block ids -> descriptors -> one READ). raw = "
@@ -331,10 +400,12 @@ def main() -> None:
         "alone (included in hybridkv's time). memcpy = numpy copy of the same scattered blocks "
         "inside one process. handshake = gRPC GetAgentInfo round trip incl. validation.",
         "- correctness: both paths' moved bytes were checked against the prefill pattern once per case.",
-        f"- agents: progress thread with a {PROGRESS_DELAY_US} us delay (PDTransport's default; the raw "
+        f"- agents: progress thread with a {m['progress_delay_us']} us delay (PDTransport's default; the raw "
         "agent is built the same way). Idle CPU of one agent, % of a core, by delay: "
         + ", ".join(f"{k} us: {v:.0f} %" for k, v in idle.items())
         + " (0 us = the stock `nixl_agent`, which hard-codes it).",
+        f"- files: `{out.name}` (this table), `{js.name}` (every repeat), `{png.name}` (plot, matplotlib "
+        f"{m['matplotlib']}).",
         "",
         "| case | layers | block/layer | blocks | MiB/read | descs | hybridkv GB/s | raw NIXL GB/s | ratio | build us | memcpy GB/s | handshake ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -345,9 +416,9 @@ def main() -> None:
             f"{r['descs']} | {fmt(r['ours'])} | {fmt(r['raw'])} | **{r['ratio']:.2f}** | {r['build_us']:.0f} | "
             f"{r['memcpy']:.2f} | {r['handshake_ms']:.1f} |"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-len(rows) - 2:]))
+    print(f"wrote {out}, {js.name}, {png.name}")
 
 
 if __name__ == "__main__":

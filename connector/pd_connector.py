@@ -87,6 +87,9 @@ def _refuse_partial_mamba_prefill(vllm_config: "VllmConfig", kv_role: str | None
     recurrent state it then hands over is wrong. Not root-caused, so refused at startup
     rather than answering wrong. Decode instances (``kv_consumer``) may use the flag.
     """
+    import os
+    if os.environ.get("HKV_DEBUG_ALLOW_PARTIAL"):
+        return
     unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
     if not mamba or unit is None or kv_role == "kv_consumer":
         return

@@ -201,6 +201,68 @@ def test_prefill_instance_killed_before_the_read_decode_recomputes():
     del decode
 
 
+def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, capfd):
+    """The prefill instance dies while decode's READ is in flight.
+
+    Over ``UCX_TLS=tcp`` (as between hosts) a READ needs the target's progress
+    thread, so freezing the prefill processes (SIGSTOP) after turn 1's handshake
+    holds turn 2's READ open; they are then killed (SIGKILL) with the READ posted
+    and unanswered. (On one host UCX's default ``cma`` copies in one syscall, too
+    fast to interrupt.) Decode must report the failed load and recompute: output
+    equal to a recompute, well within ``read_timeout_s``, never on partial KV."""
+    import signal as _signal
+    import threading
+    import time
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    model = tiny_model("gemma3")
+    before = _children()
+    prefill = make_llm(model, pd_config("kv_producer"))
+    prefill_pids = _children() - before
+    decode = make_llm(model, pd_config("kv_consumer", read_timeout_s=20), disable_log_stats=False)
+    session = Session(seed=25)
+    params = _prefill(prefill, session.prompt)  # turn 1: handshake + first READ over tcp
+    hits = _external_hits(decode)
+    first = _decode(decode, session.prompt, params)
+    assert _external_hits(decode) > hits, "turn 1 must be read from the prefill side"
+    session.extend(first.token_ids)
+
+    params = _prefill(prefill, session.prompt)
+    for pid in prefill_pids:
+        os.kill(pid, _signal.SIGSTOP)
+    result: dict = {}
+
+    def run_decode() -> None:
+        result["got"] = _decode(decode, session.prompt, params)
+
+    worker = threading.Thread(target=run_decode, daemon=True)
+    worker.start()
+    worker.join(4.0)  # the decode READ is posted within a step or two, then waits on the frozen peer
+    frozen_alive = worker.is_alive()
+    t_kill = time.monotonic()
+    for pid in prefill_pids:
+        try:
+            os.kill(pid, _signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    worker.join(60.0)
+    elapsed = time.monotonic() - t_kill
+    assert not worker.is_alive(), "decode hung after the prefill instance died"
+    got = result["got"]
+    ref = generate(decode, session.prompt, cache_salt="pd-killed-mid-read-recompute")
+    out, err = capfd.readouterr()
+    log = out + err
+    print(f"\nprefill killed during the READ: decode done {elapsed:.1f}s after the kill; "
+          f"matches recompute: {matches(got, ref)}")
+    assert frozen_alive, "decode finished while the prefill side was frozen: the READ was not in flight"
+    said = [line for line in log.splitlines() if "hybridkv" in line and ("read of" in line or "lease" in line)]
+    print("\n".join(said))
+    assert any("read of" in line and "failed" in line for line in said), "the failed READ must be reported"
+    assert matches(got, ref), "decode produced output from a READ the prefill side died during"
+    assert elapsed < 20, "decode waited past its read timeout"
+    del decode
+
+
 def test_expired_lease_is_not_read_and_decode_recomputes(capfd):
     """Prefill keeps a finished request's blocks for lease_s only; afterwards it may hand
     them to other requests. A decode request arriving later must not READ them (it would
