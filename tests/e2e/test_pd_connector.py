@@ -232,10 +232,10 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
         os.kill(pid, _signal.SIGSTOP)
     result: dict = {}
 
-    def run_decode() -> None:
-        result["got"] = _decode(decode, session.prompt, params)
+    def run_decode(llm) -> None:  # noqa: ANN001
+        result["got"] = _decode(llm, session.prompt, params)
 
-    worker = threading.Thread(target=run_decode, daemon=True)
+    worker = threading.Thread(target=run_decode, args=(decode,), daemon=True)
     worker.start()
     worker.join(4.0)  # the decode READ is posted within a step or two, then waits on the frozen peer
     frozen_alive = worker.is_alive()
