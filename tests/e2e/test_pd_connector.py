@@ -263,6 +263,41 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
     del decode
 
 
+def test_with_policy_fail_a_failed_read_fails_only_that_request(capfd):
+    """``kv_load_failure_policy=fail``: the request whose READ failed (prefill killed)
+    ends with finish_reason 'error' and no tokens, never output computed on partial KV,
+    and the decode engine goes on serving."""
+    import signal as _signal
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model = tiny_model("gemma3")
+    before = _children()
+    prefill = make_llm(model, pd_config("kv_producer"))
+    prefill_pids = _children() - before
+    decode_cfg = pd_config("kv_consumer") | {"kv_load_failure_policy": "fail"}
+    decode = make_llm(model, decode_cfg, disable_log_stats=False)
+    session = Session(seed=26)
+    params = _prefill(prefill, session.prompt)
+    for pid in prefill_pids:
+        try:
+            os.kill(pid, _signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sp = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False, ignore_eos=True,
+                        extra_args={"kv_transfer_params": params})
+    out = decode.generate([TokensPrompt(prompt_token_ids=session.prompt)], sp, use_tqdm=False)[0]
+    log = "".join(capfd.readouterr())
+    print(f"\npolicy fail: finish_reason={out.outputs[0].finish_reason!r}, tokens={len(out.outputs[0].token_ids)}")
+    assert out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids
+    # (killed before any handshake: the handshake is what fails, and says where and why)
+    assert "handshake with 127.0.0.1" in log and "unreachable" in log, "the failed load must be reported"
+    after = generate(decode, session.prompt, cache_salt="pd-fail-policy-next")  # the engine still serves
+    assert len(after.token_ids) == 8
+    del decode
+
+
 def test_expired_lease_is_not_read_and_decode_recomputes(capfd):
     """Prefill keeps a finished request's blocks for lease_s only; afterwards it may hand
     them to other requests. A decode request arriving later must not READ them (it would
