@@ -23,12 +23,23 @@ The rule here, over per-group hits ``h``:
   guard already catches that case, so the answer equals vLLM's exactly).
 
 With a single dense group all of this reduces to vLLM's current answer.
+
+A diverged hit is only worth reporting if the connector can extend it: vLLM
+0.32 asks the connector ONCE, with the diverged length, and if the answer is 0
+falls back to the convergent hit and loads nothing. When the store held exactly
+the diverged length (an agent's turn 2: the local cache kept the full-attention
+blocks but evicted the window tail; the store holds both), that threw away a
+whole hit that the store could have served from the convergent length (seen:
+5 of 126 later turns with no hit in the agentic replay, while the in-tree
+connector, which never reports diverged hits, hit all of them). So the
+installed lookup asks ``extends(request, length)`` first and falls back to the
+convergent hit itself when the answer is no; vLLM then asks from there.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,14 +82,21 @@ def reconcile_dense_hits(
     return ReconciledHit(fallback=False, reported_tokens=reported, diverged=diverged)
 
 
+# (request, block-aligned local length) -> can the connector load beyond it?
+Extends = Callable[["Request", int], bool]
+
+
 def reconciled_computed_blocks_for_connector(
-    manager: "KVCacheManager", geometry: GroupGeometry, request: "Request"
+    manager: "KVCacheManager", geometry: GroupGeometry, request: "Request", extends: Extends | None = None
 ) -> tuple["KVCacheBlocks", int, int, bool]:
     """Drop-in for ``KVCacheManager.get_computed_blocks_for_connector``.
 
     Same return contract: (blocks, local computed tokens, shared-prefix
     boundary, hit_diverged). Per-group hits come from vLLM's own
     ``find_longest_cache_hit_per_group``; only the choice of reference differs.
+    With ``extends``, a diverged hit the connector cannot extend is replaced by
+    the convergent one (vLLM would fall back to it anyway, but without asking
+    the connector again).
     """
     coordinator = manager.coordinator
     if not (
@@ -106,13 +124,18 @@ def reconciled_computed_blocks_for_connector(
         [g.downward_closed and g.prefix_cacheable for g in geometry.groups],
         result.reported_tokens,
     )
+    if result.diverged and extends is not None:
+        # The scheduler passes the connector the hit cut to its block size.
+        aligned = result.reported_tokens - result.reported_tokens % geometry.scheduler_block_size
+        if not extends(request, aligned):
+            return *manager.get_computed_blocks(request), False
     blocks = manager.create_kv_cache_blocks(computed)
     # Per-group lookups do not detect an uncached shared prefix (boundary 0),
     # exactly as vLLM's version.
     return blocks, result.reported_tokens, 0, result.diverged
 
 
-def install_reconciled_lookup(manager: "KVCacheManager") -> GroupGeometry:
+def install_reconciled_lookup(manager: "KVCacheManager", extends: Extends | None = None) -> GroupGeometry:
     """Replace ``get_computed_blocks_for_connector`` on THIS manager only.
 
     Called from a hybridkv connector's ``bind_kv_cache_manager``; the scheduler
@@ -123,7 +146,7 @@ def install_reconciled_lookup(manager: "KVCacheManager") -> GroupGeometry:
     geometry = GroupGeometry.from_kv_cache_manager(manager)
 
     def _lookup(self: "KVCacheManager", request: "Request"):
-        return reconciled_computed_blocks_for_connector(self, geometry, request)
+        return reconciled_computed_blocks_for_connector(self, geometry, request, extends)
 
     manager.get_computed_blocks_for_connector = types.MethodType(_lookup, manager)
     return geometry

@@ -141,7 +141,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self._scheduler is not None
-        self._scheduler.bind(kv_cache_manager)
+        self._scheduler.bind(kv_cache_manager, loads=self._loads_enabled)
 
     def on_new_request(self, request: "Request") -> None:
         if self._scheduler is not None:

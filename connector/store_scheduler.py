@@ -91,10 +91,10 @@ class StoreScheduler:
         self._stats = HybridStoreStats()
 
     # ----------------------------------------------------------------- binding
-    def bind(self, manager: "KVCacheManager") -> None:
+    def bind(self, manager: "KVCacheManager", loads: bool = True) -> None:
         """Read the geometry off the live manager and install the dense reference."""
         self._manager = manager
-        self._geometry = install_reconciled_lookup(manager)
+        self._geometry = install_reconciled_lookup(manager, self._extends if loads else None)
         self._mirror = StoreMirror(self._geometry)
         logger.info("hybridkv store: KV cache groups %s", self._geometry.describe())
 
@@ -105,6 +105,11 @@ class StoreScheduler:
     # ------------------------------------------------------------------ lookup
     def on_new_request(self, request: "Request") -> None:
         self._requests[request.request_id] = request
+
+    def _extends(self, request: "Request", num_computed_tokens: int) -> bool:
+        """Can the store load beyond this (diverged) local hit? The answer is kept, so
+        the scheduler's own call right after costs no second round trip."""
+        return self.get_num_new_matched_tokens(request, num_computed_tokens)[0] > 0
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """External tokens beyond the block-aligned local hit; side-effect free on the store."""
