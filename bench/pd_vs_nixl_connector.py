@@ -277,7 +277,9 @@ def idle_cpu(prefill, decode, seconds: float = 3.0) -> dict:  # noqa: ANN001
     busy = {}
     for role in procs:
         a, b = th0[role]["threads"], th1[role]["threads"]
-        busy[role] = sorted(((b[t][0], round(100 * (b[t][1] - a[t][1]) / tick / seconds), b[t][2])
+        main = th1[role]["pid"]
+        busy[role] = sorted(((b[t][0] + (" (main thread)" if t == main else " (tid %d)" % t),
+                              round(100 * (b[t][1] - a[t][1]) / tick / seconds), b[t][2])
                              for t in b if t in a and b[t][1] - a[t][1] > 0.05 * tick * seconds),
                             key=lambda x: -x[1])
     return {"pct": {r: round(100 * (t1[r] - t0[r]) / seconds) for r in procs}, "busy_worker_threads": busy,
@@ -298,7 +300,8 @@ def run_pair(kind: str, model: str, prompts: list[tuple[int, list[int]]], warm: 
     startup_s = time.perf_counter() - t0
     try:
         decode.collective_rpc(_w_install, args=(kind,))
-        hits = lambda: metric(decode, "vllm:external_prefix_cache_hits")  # noqa: E731
+        def hits(llm=decode) -> float:  # noqa: ANN001
+            return metric(llm, "vllm:external_prefix_cache_hits")
         # warm-up (handshake) + correctness: decode output vs a recompute under a fresh salt
         params = _prefill(prefill, warm)
         h0 = hits()
@@ -352,7 +355,7 @@ def med(xs: list[float]) -> str:
 
 def summarise(doc: dict) -> list[dict]:
     rows = []
-    for length in doc["lengths"]:
+    for length in dict.fromkeys(doc["lengths"]):  # unique, in order
         row: dict = {"prompt": length}
         per = {}
         for kind in CONNECTORS:
@@ -506,7 +509,33 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
         *tab,
         "",
     ]
-    notes = doc.get("notes") or []
+    notes = [
+        "NixlConnector does run on the CPU engine: vllm/distributed/kv_transfer/kv_connector/v1/nixl/utils.py:18-29 "
+        "maps device `cpu` to kv buffer `cpu`, nixl/base_worker.py:717-724 registers it as NIXL `DRAM`, and the handshake "
+        "is a ZMQ side channel served by the scheduler (nixl/base_scheduler.py:76-79, VLLM_NIXL_SIDE_CHANNEL_HOST/PORT "
+        "+ data-parallel index; each engine of a pair needs its own port). It declares SupportsHMA (nixl/connector.py) "
+        "with per-group regions, so hybrid models are meant to work too; this benchmark uses one full-attention group "
+        "so that both connectors move the same blocks (gemma3 was not tried).",
+        "On CPU NixlConnector's worker pins its calling thread to the last core of each NUMA node "
+        "(nixl/base_worker.py:702-714, `os.sched_setaffinity(0, [max core])`): on this 1-node 2-core host that is core 1 "
+        "for BOTH engines, so the prefill engine's compute thread leaves its `VLLM_CPU_OMP_THREADS_BIND=0` core and "
+        "shares core 1 with the decode engine (see 'affinity after start' above). Its NIXL agent is a stock "
+        "`nixl_agent` with the progress thread on (nixl/base_worker.py:634-645; the stock agent's thread polls "
+        "without delay, see connector/pd_transport.py `_make_agent`), which spins a core per engine "
+        "while idle (the 99 % threads above). Both are why NixlConnector's prefill takes about twice as long here; "
+        "they are properties of vLLM's connector on a small CPU host, not of the transfer.",
+        "Partial last block: hybridkv hands over whole blocks only (`handover_tokens`), NixlConnector also reads the "
+        "prefill engine's partial last block. For 2049/3073-token prompts (k*128+1) both pull the same whole blocks "
+        "and decode computes 1 token; for 3000 tokens hybridkv pulls 2944 and decode recomputes 56 tokens, which is "
+        "what its ~2x decode leg at 3000 measures. NixlConnector's bytes include the partial block (17 vs 16 blocks at "
+        "2049).",
+        "descs are not comparable: hybridkv's is the number of (block, layer) rows it passes to `initialize_xfer`; "
+        "NixlConnector's is NIXL telemetry `descCount` of prepped per-layer descriptor lists, which NIXL merges when "
+        "the blocks are contiguous on both sides (fresh engines: they are).",
+        "On one host UCX uses cma: the copy happens inside the post (post time == transfer time for both connectors), "
+        "on the decode worker's thread, so the transfer competes with whatever else runs on the decode core.",
+        *(doc.get("notes") or []),
+    ]
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     (out_dir / "pd_vs_nixl_connector.md").write_text("\n".join(lines))
@@ -516,7 +545,8 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--lengths", default="2000,3000,4000")
+    ap.add_argument("--lengths", default="2049,2049,3073,3073,3000",
+                    help="prompt tokens, one fresh prompt per entry per round (k*128+1: whole blocks + 1)")
     ap.add_argument("--connectors", default="hybridkv,nixl")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--from-json", type=Path, default=None, help="rewrite md/png from a saved JSON, no engines")
