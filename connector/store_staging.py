@@ -11,43 +11,29 @@ which runs this exact path on the CPU engine in tests.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout
 from hybridkv.connector.block_staging import BlockStager
+from hybridkv.store.call_pool import CallPool
 
 _MAX_DEVICE_STAGING = 256 << 20
 
 
-class StagerPool:
-    """Stagers of one group and direction.
-
-    A store call that timed out may still read or write its stager's host slots,
-    so a stager goes back to the pool only when its call has ended; meanwhile the
-    next batch gets a fresh one.
-    """
+class StagerPool(CallPool[BlockStager]):
+    """Stagers of one group and direction (see :class:`~hybridkv.store.call_pool.CallPool`)."""
 
     def __init__(self, make: Callable[[], BlockStager]) -> None:
-        self._make = make
-        self._free: list[BlockStager] = []
-        self._lock = threading.Lock()
         self.slots = 0
-        self.release(self.acquire())  # build (and register) the first one now, at startup
 
-    def acquire(self) -> BlockStager:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        stager = self._make()
-        self.slots = stager.max_blocks
-        return stager
+        def make_counted() -> BlockStager:
+            stager = make()
+            self.slots = stager.max_blocks
+            return stager
 
-    def release(self, stager: BlockStager) -> None:
-        with self._lock:
-            self._free.append(stager)
+        super().__init__(make_counted, prebuild=True)
 
 
 def group_tensors(layout: GroupLayout, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -40,7 +40,8 @@ from hybridkv.store.mooncake_backend import (
     StoreError,
     code_name,
 )
-from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, TrailerArenas, checksum_parts
+from hybridkv.store.call_pool import CallPool
+from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, checksum_parts
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -106,7 +107,7 @@ class StoreWorker:
         self._done_saves: Counter[int] = Counter()
         self._released_loads: Counter[int] = Counter()
         self._stats = HybridStoreStats()
-        self._arenas = TrailerArenas(cfg.max_batch_blocks, client.register)
+        self._arenas: CallPool[TrailerArena] = CallPool(lambda: TrailerArena(cfg.max_batch_blocks, client.register))
         self._staging: dict[int, dict[str, StagerPool]] | None = None
         self._on_cuda = False
 

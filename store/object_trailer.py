@@ -18,7 +18,6 @@ transfer threads.
 from __future__ import annotations
 
 import ctypes
-import threading
 import zlib
 from collections.abc import Callable, Sequence
 from functools import lru_cache
@@ -80,27 +79,3 @@ class TrailerArena:
 
     def holds(self, slot: int, crc: int) -> bool:
         return int(self.words[2 * slot]) == MAGIC and int(self.words[2 * slot + 1]) == crc
-
-
-class TrailerArenas:
-    """A pool, because a timed-out store call cannot be cancelled.
-
-    An abandoned call may still read or write its arena; the next call must not
-    share it, so an arena returns to the pool only once its call has really ended.
-    """
-
-    def __init__(self, slots: int, register: Callable[[int, int], None]) -> None:
-        self._slots = slots
-        self._register = register
-        self._free: list[TrailerArena] = []
-        self._lock = threading.Lock()
-
-    def acquire(self) -> TrailerArena:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return TrailerArena(self._slots, self._register)
-
-    def release(self, arena: TrailerArena) -> None:
-        with self._lock:
-            self._free.append(arena)

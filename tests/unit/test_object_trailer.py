@@ -7,11 +7,11 @@ import ctypes
 import numpy as np
 import pytest
 
+from hybridkv.store.call_pool import CallPool
 from hybridkv.store.object_trailer import (
     MAGIC,
     TRAILER_BYTES,
     TrailerArena,
-    TrailerArenas,
     checksum_bytes,
     checksum_parts,
     seal,
@@ -55,7 +55,7 @@ def test_arena_slots_are_registered_written_and_checked():
 
 
 def test_pool_never_hands_out_an_arena_twice_before_release():
-    pool = TrailerArenas(2, lambda a, n: None)
+    pool = CallPool(lambda: TrailerArena(2, lambda a, n: None))
     a, b = pool.acquire(), pool.acquire()
     assert a is not b
     pool.release(a)
