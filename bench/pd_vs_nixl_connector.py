@@ -48,7 +48,6 @@ import contextlib
 import datetime as dt
 import gc
 import json
-import math
 import os
 import platform
 import random
@@ -70,7 +69,7 @@ sys.path.insert(0, str(ROOT))  # tests.e2e helpers (make_llm, _prefill, _decode)
 CONNECTORS = ("hybridkv", "nixl")
 LABEL = {"hybridkv": "HybridPDConnector", "nixl": "NixlConnector"}
 VOCAB = 2048
-MODEL_CFG = dict(layers=4, hidden=256, heads=8, kv_heads=8, head_dim=128, inter=512)
+MODEL_CFG = dict(layers=4, hidden=256, heads=8, kv_heads=8, head_dim=128, inter=512)  # cli/tiny_models "qwen3"
 KV_BYTES_PER_TOKEN = MODEL_CFG["layers"] * 2 * MODEL_CFG["kv_heads"] * MODEL_CFG["head_dim"] * 2
 NIXL_PORTS = {"prefill": 5611, "decode": 5621}
 MAX_TOKENS = 2
@@ -78,69 +77,11 @@ MAX_TOKENS = 2
 
 # ----------------------------------------------------------------------------- model
 def write_model(out: Path) -> Path:
-    """A tiny Qwen3 (full attention only) with the repo's weight recipe (hybridkv.cli.tiny_models)."""
-    import torch
-    from safetensors.torch import save_file
+    """The repo's tiny dense Qwen3 (``hybridkv tiny-model qwen3``): full attention only, so
+    both connectors move the same blocks."""
+    from hybridkv.cli.tiny_models import write_tiny_model
 
-    from hybridkv.cli.tiny_models import _QK_GAIN, _linear, _output_rows, _plain_norm, _tensor_seed
-
-    c = MODEL_CFG
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": VOCAB,
-        "hidden_size": c["hidden"],
-        "intermediate_size": c["inter"],
-        "num_hidden_layers": c["layers"],
-        "num_attention_heads": c["heads"],
-        "num_key_value_heads": c["kv_heads"],
-        "head_dim": c["head_dim"],
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "max_position_embeddings": 8192,
-        "rope_theta": 10000.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": c["layers"],
-        "tie_word_embeddings": False,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-    }
-    stamp = json.dumps(config, sort_keys=True)
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / ".stamp").is_file() \
-            and (out / ".stamp").read_text() == stamp:
-        return out
-    h, d, nq, nkv = c["hidden"], c["head_dim"], c["heads"], c["kv_heads"]
-    t = {"model.embed_tokens.weight": _output_rows(VOCAB, h, 1.0), "lm_head.weight": _output_rows(VOCAB, h, 1.0 / math.sqrt(h)),
-         "model.norm.weight": _plain_norm(h)}
-    for i in range(c["layers"]):
-        p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
-        t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
-        t[p + "self_attn.q_norm.weight"] = _plain_norm(d, _QK_GAIN)
-        t[p + "self_attn.k_norm.weight"] = _plain_norm(d, _QK_GAIN)
-        t[p + "input_layernorm.weight"] = _plain_norm(h)
-        t[p + "post_attention_layernorm.weight"] = _plain_norm(h)
-        t[p + "mlp.gate_proj.weight"] = _linear(c["inter"], h)
-        t[p + "mlp.up_proj.weight"] = _linear(c["inter"], h)
-        t[p + "mlp.down_proj.weight"] = _linear(h, c["inter"])
-    tensors = {}
-    for name, (shape, fill) in sorted(t.items()):
-        g = torch.Generator().manual_seed(_tensor_seed(0, name))
-        tensors[name] = fill(g, shape).to(torch.bfloat16).contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / ".stamp").write_text(stamp)
-    return out
+    return write_tiny_model("qwen3", out)
 
 
 # ------------------------------------------------------------- runs inside the decode worker
@@ -468,7 +409,7 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
         f"- command: `{m['command']}`",
         f"- date: {m['date']}; host: {m['host']}; vLLM {m['vllm']}, nixl {m['nixl']}, matplotlib {doc['matplotlib']}",
         f"- load average (1 min) before / after: {m['load0']:.2f} / {m['load1']:.2f} (shared 2-core machine)",
-        f"- model: tiny `Qwen3ForCausalLM` written by the script (pure full attention, {MODEL_CFG['layers']} layers, "
+        f"- model: tiny `Qwen3ForCausalLM` (`hybridkv tiny-model qwen3`: pure full attention, {MODEL_CFG['layers']} layers, "
         f"{MODEL_CFG['kv_heads']} KV heads x {MODEL_CFG['head_dim']}, bf16: {KV_BYTES_PER_TOKEN // 1024} KiB KV per "
         f"token, one KV-cache group), `max_model_len` {m['max_model_len']}, prefix caching on, enforce_eager",
         f"- engines: per connector a kv_producer (`VLLM_CPU_OMP_THREADS_BIND=0`) and a kv_consumer (`=1`), in one "

@@ -456,11 +456,69 @@ def _eagle_llama_tensors(cfg: dict) -> dict[str, _Init]:
     return t
 
 
+# ------------------------------------------------------------------------- qwen3 (dense)
+def _qwen3_config() -> dict:
+    """Full attention only (one KV-cache group, 16 KiB of KV per token): the common ground
+    with connectors that are not hybrid-aware (bench/pd_vs_nixl_connector.py)."""
+    layers = 4
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": _VOCAB,
+        "hidden_size": _HIDDEN,
+        "intermediate_size": 512,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": layers,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def _qwen3_tensors(cfg: dict) -> dict[str, _Init]:
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    nq, nkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    t: dict[str, _Init] = {
+        "model.embed_tokens.weight": _output_rows(cfg["vocab_size"], h, 1.0),
+        "lm_head.weight": _output_rows(cfg["vocab_size"], h, 1.0 / math.sqrt(h)),
+        "model.norm.weight": _plain_norm(h),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
+        t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
+        t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
+        t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
+        t[p + "self_attn.q_norm.weight"] = _plain_norm(d, _QK_GAIN)
+        t[p + "self_attn.k_norm.weight"] = _plain_norm(d, _QK_GAIN)
+        t[p + "input_layernorm.weight"] = _plain_norm(h)
+        t[p + "post_attention_layernorm.weight"] = _plain_norm(h)
+        t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
+        t[p + "mlp.up_proj.weight"] = _linear(inter, h)
+        t[p + "mlp.down_proj.weight"] = _linear(h, inter)
+    return t
+
+
 _Builder = tuple[Callable[[], dict], Callable[[dict], dict[str, _Init]]]
 _BUILDERS: dict[str, _Builder] = {
     "gemma3": (_gemma3_config, _gemma3_tensors),
     "qwen3next": (_qwen3next_config, _qwen3next_tensors),
     "gemma4": (_gemma4_config, _gemma4_tensors),
+    "qwen3": (_qwen3_config, _qwen3_tensors),
 }
 # Speculative-decoding heads: written like the targets, served only next to theirs.
 _DRAFTERS: dict[str, _Builder] = {
