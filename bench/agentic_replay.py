@@ -27,7 +27,7 @@ hits into local and external tokens, from each engine's ``/metrics``, shows how 
 Per level (config, users): the users run for ``--duration`` seconds (no new request after it;
 running ones finish); then a sample of hit turns (``--check-sample``) is re-sent with a fresh
 ``cache_salt`` (so it can hit nothing anywhere) to the engine that decoded it, and greedy tokens
-+ top-2 logprobs are compared with :func:`hybridkv.cli.agentic_demo.compare` (the demo's
++ top-5 logprobs are compared with :func:`hybridkv.cli.agentic_demo.compare` (the demo's
 near-tie-aware check).
 
 Configs: ``none`` (no connector), ``hybrid`` (HybridStoreConnector on its own master),
@@ -904,7 +904,7 @@ def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
         f"{s['max_tokens']} greedy output tokens), then a fresh session; {s['duration']:.0f} s of traffic per "
         "level; the same seeded trajectories for every config, disjoint seeds per level",
         f"- checks: per level {s['check_sample']} hit turns (spread over the level) re-sent with a fresh "
-        f"`cache_salt` to the decoding engine; greedy tokens + top-2 logprobs compared (tolerance "
+        f"`cache_salt` to the decoding engine; greedy tokens + top-5 logprobs compared (tolerance "
         f"{s['logprob_tolerance']}, greedy near-ties excused, as in `hybridkv demo`)",
         f"- plot: `agentic_replay.png` (matplotlib {doc['matplotlib']})",
         "",

@@ -13,7 +13,7 @@ block's hash, so no local or stored block can match) and the greedy token ids an
 logprobs must agree within a tolerance. The recompute itself must report 0 cached tokens.
 bf16 prefill over a different split (cached prefix + new tokens vs all at once) moves
 logits by an ulp or two, which can flip a greedy near-tie: measured here with vLLM's own
-local prefix cache, 1 turn in 16. So the top-2 logprobs are requested and a first
+local prefix cache, 1 turn in 16. So the top-5 logprobs are requested and a first
 divergence where each run's token is the other's runner-up within the tolerance counts as a
 near-tie, not a mismatch (the tokens after it are not compared: their contexts differ).
 
@@ -61,8 +61,11 @@ DEFAULT_MAX_MODEL_LEN = 4096
 # O(3), a bf16 ulp there is 0.016). 0.05 flagged correct turns (about 1 in 60); a one-token
 # change of the prompt still fails this tolerance in most cases.
 DEFAULT_LOGPROB_TOL = 0.1
-# Top-k logprobs per output position: 2, so a greedy flip can be told apart from a near-tie.
-_TOP_LOGPROBS = 2
+# Top-k logprobs per output position, so a greedy flip can be told apart from a near-tie.
+# 5, not 2: bf16 logits of the tiny models tie exactly (gap 0.0000) often enough that a
+# three-way tie came up in the P/D replay (2 of ~100 checked turns): the recompute's token
+# was third in the served run, outside a top-2, and the tie could not be told from a flip.
+_TOP_LOGPROBS = 5
 # Re-tokenising a sampled answer can take more tokens than were sampled (a byte-level token
 # decodes to U+FFFD, which encodes to 3 bytes); the length budget assumes at most this many.
 _ANSWER_RETOKENIZE_FACTOR = 4
@@ -209,7 +212,7 @@ class Client:
     def complete(
         self, model: str, prompt: str, max_tokens: int, cache_salt: str | None = None
     ) -> Completion:
-        """Greedy streamed completion with top-2 logprobs, token ids and usage."""
+        """Greedy streamed completion with top-5 logprobs, token ids and usage."""
         body: dict = {
             "model": model,
             "prompt": prompt,

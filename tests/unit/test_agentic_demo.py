@@ -176,6 +176,19 @@ def test_compare_excuses_only_a_real_near_tie():
     assert not flip.matches and math.isinf(flip.max_logprob_diff)
 
 
+def test_compare_excuses_a_three_way_tie_only_when_the_other_token_is_listed_close():
+    """Served run: x, then z, then the recompute's y one bf16 ulp down (third); recompute:
+    y and x tied exactly. A near-tie, visible only when the top-k reaches the third entry."""
+    served = Completion(token_ids=[5, 6], token_logprobs=[-1.0, -2.0],
+                        top_logprobs=[{5: -1.0}, {6: -2.0, 8: -2.0, 7: -2.0156}])
+    recompute = Completion(token_ids=[5, 7], token_logprobs=[-1.0, -2.0],
+                           top_logprobs=[{5: -1.0}, {7: -2.0, 6: -2.0, 8: -2.0156}])
+    tie = compare(served, recompute, tol=0.1)
+    assert tie.matches and tie.tie_at == 1
+    top2 = Completion(token_ids=[5, 6], token_logprobs=[-1.0, -2.0], top_logprobs=[{5: -1.0}, {6: -2.0, 8: -2.0}])
+    assert not compare(top2, recompute, tol=0.1).matches  # what a top-2 request saw
+
+
 def test_compare_length_mismatch_fails():
     a = _completion([5, 6], [-1.0, -2.0])
     b = _completion([5], [-1.0])
