@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybridkv.connector.block_copies import block_copy_views, redo_block_copies
 from hybridkv.connector.block_layout import layer_specs
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
@@ -77,32 +78,6 @@ def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
     )
 
 
-def _refuse_partial_mamba_prefill(vllm_config: "VllmConfig", kv_role: str | None, mamba: tuple[int, ...],
-                                  kv_cache_config: "KVCacheConfig") -> None:
-    """A P/D prefill instance of a Mamba/linear-attention model refuses sub-block prefix hits.
-
-    Why: with ``--prefix-match-unit 64`` on the PREFILL instance, qwen3-next P/D turns
-    differed from recompute (4 of 8 turns; 0 of 8 with the unit on decode only). The prefill
-    truncates the prompt to the hand-over and resumes from its own sub-block prefix hit; the
-    recurrent state it then hands over is wrong. Not root-caused, so refused at startup
-    rather than answering wrong. Decode instances (``kv_consumer``) may use the flag.
-    """
-    import os
-    if os.environ.get("HKV_DEBUG_ALLOW_PARTIAL"):
-        return
-    unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
-    if not mamba or unit is None or kv_role == "kv_consumer":
-        return
-    block = min(kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size for g in mamba)
-    if unit < block:
-        raise ConfigError(
-            f"HybridPDConnector with kv_role={kv_role!r} (a prefill instance) does not support "
-            f"--prefix-match-unit {unit} (below the Mamba/linear-attention block size {block}) in this "
-            "version: the recurrent state it hands over was wrong in tests. Fix: drop "
-            "--prefix-match-unit on the prefill instance (the decode instance may keep it)."
-        )
-
-
 class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
     """Decode pulls every transfer-enabled group's blocks from prefill with NIXL READs."""
 
@@ -120,9 +95,9 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             )
         engine_id = str(ktc.engine_id)
         mamba = _mamba_group_ids(kv_cache_config)
-        _refuse_partial_mamba_prefill(vllm_config, ktc.kv_role, mamba, kv_cache_config)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
+        self._copy_views: list[torch.Tensor] = []
         if role == KVConnectorRole.SCHEDULER:
             align = 1
             for group in kv_cache_config.kv_cache_groups:
@@ -192,6 +167,12 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         # pinned to the engine's busy core, the decode's handshake missed its 5 s timeout.
         with unpinned():
             self._worker.register_kv_caches(kv_caches)
+        self._copy_views = block_copy_views(kv_caches, self._kv_cache_config.num_blocks)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Called by the model runner after vLLM's own block copies and before the forward.
+        super().bind_connector_metadata(connector_metadata)
+        redo_block_copies(self._copy_views, getattr(connector_metadata, "block_copies", ()))
 
     def get_handshake_metadata(self):  # noqa: ANN201 - vLLM's signature
         return self._worker.handshake_metadata() if self._worker is not None else None

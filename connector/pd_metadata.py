@@ -45,6 +45,9 @@ class Lease:
 class PDConnectorMetadata(KVConnectorMetadata):
     reads: list[ReadJob] = field(default_factory=list)
     leases: list[Lease] = field(default_factory=list)
+    # vLLM's copy-on-write (src, dst) block pairs of this step, redone in full by the
+    # workers (connector/block_copies.py)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

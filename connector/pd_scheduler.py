@@ -25,6 +25,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.connector.block_copies import step_block_copies
 from hybridkv.connector.pd_metadata import Lease, PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata, ReadJob
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+
 
 REQUIRED_REMOTE = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
 
@@ -117,10 +119,6 @@ class PDScheduler:
                            request.request_id)
             return False, None
         remote = [list(group) for group in block_ids]
-        import os
-        if os.environ.get("HKV_DEBUG_ALLOW_PARTIAL"):
-            print(f"HKVDBG finish {request.request_id} prompt={request.num_prompt_tokens} computed={request.num_computed_tokens} "
-                  "groups=" + str([[b for b in g] for g in remote[:1]]) + " mamba=" + str([remote[g] for g in sorted(self._mamba)]), flush=True)
         if not any(any(group) for group in remote):
             return False, None
         expires = time.time() + self._lease_s
@@ -142,10 +140,6 @@ class PDScheduler:
     # ---------------------------------------------------------------- decode
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        import os
-        if os.environ.get("HKV_DEBUG_ALLOW_PARTIAL") and params and params.get("do_remote_decode"):
-            print(f"HKVDBG lookup {request.request_id} prompt={request.num_prompt_tokens} num_tokens={request.num_tokens} "
-                  f"local_hit={num_computed_tokens} nhashes={len(request.block_hashes)}", flush=True)
         if not params or not params.get("do_remote_prefill") or params.get("_hkv_read"):
             return 0, False
         if any(k not in params for k in REQUIRED_REMOTE):
@@ -158,9 +152,6 @@ class PDScheduler:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        import os
-        if os.environ.get("HKV_DEBUG_ALLOW_PARTIAL") and params and params.get("do_remote_decode"):
-            print(f"HKVDBG alloc {request.request_id} mamba=" + str([(b.block_id, b.block_hash is not None) for b in blocks.blocks[0]]), flush=True)
         if not params or not params.get("do_remote_prefill") or params.get("_hkv_read"):
             return
         params["_hkv_read"] = True  # one transfer per request
@@ -217,6 +208,7 @@ class PDScheduler:
         return bool(self._pins)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PDConnectorMetadata:
-        meta = PDConnectorMetadata(reads=self._reads, leases=self._leases)
+        meta = PDConnectorMetadata(reads=self._reads, leases=self._leases,
+                                   block_copies=step_block_copies(scheduler_output))
         self._reads, self._leases = [], []
         return meta

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybridkv.connector.block_copies import block_copy_views, redo_block_copies
 from hybridkv.connector.block_layout import layer_specs
 from hybridkv.connector.store_config import ConfigError, StoreConnectorConfig
 from hybridkv.connector.store_keys import store_key_schema
@@ -98,6 +99,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         client = shared_client(address, settings)
         self._scheduler: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
+        self._copy_views: list["torch.Tensor"] = []  # see register_kv_caches
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute":
                 logger.warning(
@@ -196,6 +198,12 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         with unpinned():  # threads started here (staging, Mooncake) stay off the engine's core
             self._worker.register_kv_caches(kv_caches)
+        self._copy_views = block_copy_views(kv_caches, self._kv_cache_config.num_blocks)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # The model runner calls this after vLLM's own (partial) block copies, before the forward.
+        super().bind_connector_metadata(connector_metadata)
+        redo_block_copies(self._copy_views, getattr(connector_metadata, "block_copies", ()))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

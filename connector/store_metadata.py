@@ -57,6 +57,9 @@ class SaveJob:
 class StoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    # vLLM's copy-on-write (src, dst) block pairs of this step, redone in full by the
+    # workers (connector/block_copies.py)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

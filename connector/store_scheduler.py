@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import get_block_hash
 
+from hybridkv.connector.block_copies import step_block_copies
 from hybridkv.connector.dense_reference import install_reconciled_lookup
 from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.store_config import StoreConnectorConfig
@@ -223,7 +224,7 @@ class StoreScheduler:
 
     # -------------------------------------------------------------------- saves
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StoreConnectorMetadata:
-        meta = StoreConnectorMetadata(loads=self._loads)
+        meta = StoreConnectorMetadata(loads=self._loads, block_copies=step_block_copies(scheduler_output))
         self._loads = []
         state = scheduler_output.kv_connector_block_state
         if self._mirror is None or self._client is None or state is None:

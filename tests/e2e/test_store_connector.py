@@ -110,3 +110,28 @@ def test_three_turns_hit_the_store_and_match_recompute(case, master, tmp_path):
     finally:
         del llm
 
+
+
+def test_local_sub_block_hits_of_a_hybrid_model_match_recompute(master):
+    """The local cache is KEPT between turns, so qwen3-next with --prefix-match-unit 64
+    resumes from its own sub-block hits (e.g. 960 = 3 x 256 + 192). vLLM 0.32 gives the
+    request a copy of the hit's last block but copies only the first of the layer views
+    that share that page (connector/block_copies.py); the connector's worker redoes the
+    copy. Without it 5 of the 6 sub-block-hit turns here differed from recompute."""
+    llm = make_llm(
+        tiny_model("qwen3next"),
+        store_transfer_config({"master_address": master.address, "namespace": "local-sub-block"}),
+        prefix_match_unit=64,
+        block_size=256,
+    )
+    try:
+        rows = []
+        for seed in (31, 32):
+            got, _ = run_turns(llm, 4, lambda prev, cur: checkpoint(prev, 64), reset=False, seed=seed)
+            rows += got
+        _record("qwen3next partial 64, local cache kept (local sub-block hits)", rows)
+        assert any(r.cached % 256 for r in rows), "no turn resumed from a sub-block hit"
+        differ = [r.turn for r in rows if not r.matches_recompute]
+        assert not differ, f"turns {differ} (of 2 sessions x 4) differ from recompute"
+    finally:
+        del llm

@@ -1,0 +1,59 @@
+"""Redo vLLM 0.32's copy-on-write block copies in full, in every layer.
+
+Why: a sub-block prefix hit (``--prefix-match-unit`` below the block size)
+makes vLLM give the request a private copy of the hit's last block in every
+group (``SingleTypeKVCacheManager._apply_cow``, Mamba align's
+``allocate_new_blocks``); the scheduler sends the pairs as
+``kv_cache_block_copies`` and the worker runs ``copy_kv_cache_blocks_inplace``
+(``v1/worker/utils.py``), which copies each ``data_ptr`` ONCE. In a hybrid
+model a full-attention layer and a Mamba/linear-attention layer share one
+allocation at the same base address with different views, so only the first
+view's bytes of each block are copied (tiny qwen3-next: the GDN view's 35,840
+of 131,072 bytes) and the attention layer's K/V of the hit's partial block stay
+whatever the new block held: every turn resumed from a sub-block hit computes
+from a wrong prefix (measured: 4 of 8 turns wrong on one engine with no
+connector; P/D with unit 64 on prefill: 1-2 of 4-8 right, 12 of 12 with this).
+A hybridkv connector's worker therefore redoes each copy over every distinct
+layer view before the forward. Redoing is idempotent: nothing writes these
+blocks between vLLM's copy and this one. The real fix belongs in vLLM (dedup by
+view, not by address).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def block_copy_views(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
+    """One ``[num_blocks, ...]`` view per distinct layer view (address, block stride, block bytes)."""
+    views, seen = [], set()
+    for t in kv_caches.values():
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % num_blocks:
+            continue
+        key = (t.device, t.data_ptr(), t.stride(0), t[0].numel() * t.element_size(), t.shape[0])
+        if key in seen:
+            continue
+        seen.add(key)
+        views.append(t.unflatten(0, (num_blocks, t.shape[0] // num_blocks)))
+    return views
+
+
+def step_block_copies(scheduler_output: Any) -> list[tuple[int, int]]:
+    """This step's (src, dst) block pairs, for the connector metadata (scheduler side)."""
+    copies = getattr(scheduler_output, "kv_cache_block_copies", None) or ()
+    return [(int(c.src_block_id), int(c.dst_block_id)) for c in copies]
+
+
+def redo_block_copies(views: Sequence[torch.Tensor], copies: Sequence[tuple[int, int]]) -> None:
+    """Copy whole blocks ``src -> dst`` in every view (worker side, before the forward)."""
+    if not copies or not views:
+        return
+    src = torch.tensor([c[0] for c in copies], dtype=torch.long)
+    dst = torch.tensor([c[1] for c in copies], dtype=torch.long)
+    for v in views:
+        if v.device.type != "cpu":
+            src, dst = src.to(v.device), dst.to(v.device)
+        v[dst] = v[src]
