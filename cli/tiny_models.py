@@ -119,6 +119,21 @@ def _plain_norm(dim: int, gain: float = 1.0) -> _Init:
 # ---------------------------------------------------------------------------- gemma3
 
 
+def _attention_and_mlp(t: dict[str, _Init], p: str, h: int, nq: int, nkv: int, d: int, inter: int,
+                       qk_norm: _Init | None) -> None:
+    """One decoder layer's attention and gated-MLP projections (Llama/Gemma/Qwen names)."""
+    t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
+    t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
+    t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
+    t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
+    if qk_norm is not None:
+        t[p + "self_attn.q_norm.weight"] = qk_norm
+        t[p + "self_attn.k_norm.weight"] = qk_norm
+    t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
+    t[p + "mlp.up_proj.weight"] = _linear(inter, h)
+    t[p + "mlp.down_proj.weight"] = _linear(h, inter)
+
+
 def _gemma3_config() -> dict:
     head_dim = 64
     layer_types = ["sliding_attention", "full_attention"] * 2
@@ -173,15 +188,7 @@ def _gemma3_tensors(cfg: dict) -> dict[str, _Init]:
     }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
-        t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
-        t[p + "self_attn.q_norm.weight"] = _gemma_norm(d, _QK_GAIN)
-        t[p + "self_attn.k_norm.weight"] = _gemma_norm(d, _QK_GAIN)
-        t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
-        t[p + "mlp.up_proj.weight"] = _linear(inter, h)
-        t[p + "mlp.down_proj.weight"] = _linear(h, inter)
+        _attention_and_mlp(t, p, h, nq, nkv, d, inter, _gemma_norm(d, _QK_GAIN))
         for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
             t[p + f"{norm}_layernorm.weight"] = _gemma_norm(h)
     return t
@@ -383,15 +390,7 @@ def _gemma4_tensors(cfg: dict) -> dict[str, _Init]:
         # same temperature as the other kinds, for either head size.
         qk_gain = _QK_GAIN / d**0.25
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
-        t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
-        t[p + "self_attn.q_norm.weight"] = _plain_norm(d, qk_gain)
-        t[p + "self_attn.k_norm.weight"] = _plain_norm(d, qk_gain)
-        t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
-        t[p + "mlp.up_proj.weight"] = _linear(inter, h)
-        t[p + "mlp.down_proj.weight"] = _linear(h, inter)
+        _attention_and_mlp(t, p, h, nq, nkv, d, inter, _plain_norm(d, qk_gain))
         for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
             t[p + f"{norm}_layernorm.weight"] = _plain_norm(h)
         t[p + "layer_scalar"] = ((1,), _const(1.0))
@@ -443,16 +442,10 @@ def _eagle_llama_tensors(cfg: dict) -> dict[str, _Init]:
     t: dict[str, _Init] = {"fc.weight": _linear(h, 2 * h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
-        t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
+        _attention_and_mlp(t, p, h, nq, nkv, d, inter, None)
         if i > 0:
             t[p + "input_layernorm.weight"] = _plain_norm(h)
         t[p + "post_attention_layernorm.weight"] = _plain_norm(h)
-        t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
-        t[p + "mlp.up_proj.weight"] = _linear(inter, h)
-        t[p + "mlp.down_proj.weight"] = _linear(h, inter)
     return t
 
 
@@ -499,17 +492,9 @@ def _qwen3_tensors(cfg: dict) -> dict[str, _Init]:
     }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
-        t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.v_proj.weight"] = _linear(nkv * d, h)
-        t[p + "self_attn.o_proj.weight"] = _linear(h, nq * d)
-        t[p + "self_attn.q_norm.weight"] = _plain_norm(d, _QK_GAIN)
-        t[p + "self_attn.k_norm.weight"] = _plain_norm(d, _QK_GAIN)
+        _attention_and_mlp(t, p, h, nq, nkv, d, inter, _plain_norm(d, _QK_GAIN))
         t[p + "input_layernorm.weight"] = _plain_norm(h)
         t[p + "post_attention_layernorm.weight"] = _plain_norm(h)
-        t[p + "mlp.gate_proj.weight"] = _linear(inter, h)
-        t[p + "mlp.up_proj.weight"] = _linear(inter, h)
-        t[p + "mlp.down_proj.weight"] = _linear(h, inter)
     return t
 
 
