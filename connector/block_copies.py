@@ -22,9 +22,19 @@ view, not by address).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class BlockCopiesMetadata(KVConnectorMetadata):
+    """Base of each hybridkv connector's step metadata: vLLM's copy-on-write (src, dst)
+    block pairs of this step, for the workers to redo in full."""
+
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def block_copy_views(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+from hybridkv.connector.block_copies import BlockCopiesMetadata
 
 
 @dataclass
@@ -42,12 +43,9 @@ class Lease:
 
 
 @dataclass
-class PDConnectorMetadata(KVConnectorMetadata):
+class PDConnectorMetadata(BlockCopiesMetadata):
     reads: list[ReadJob] = field(default_factory=list)
     leases: list[Lease] = field(default_factory=list)
-    # vLLM's copy-on-write (src, dst) block pairs of this step, redone in full by the
-    # workers (connector/block_copies.py)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

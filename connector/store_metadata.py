@@ -10,9 +10,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+from hybridkv.connector.block_copies import BlockCopiesMetadata
 
 
 @dataclass
@@ -54,12 +55,9 @@ class SaveJob:
 
 
 @dataclass
-class StoreConnectorMetadata(KVConnectorMetadata):
+class StoreConnectorMetadata(BlockCopiesMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
-    # vLLM's copy-on-write (src, dst) block pairs of this step, redone in full by the
-    # workers (connector/block_copies.py)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
