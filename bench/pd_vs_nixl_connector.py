@@ -285,11 +285,6 @@ def run_pair(kind: str, model: str, prompts: list[tuple[int, list[int]]], warm: 
 
 
 # ----------------------------------------------------------------------------- report
-def q(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
-
-
 def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.{2 if statistics.median(xs) < 10 else 1}f} [{min(xs):.{2 if min(xs) < 10 else 1}f}-{max(xs):.{2 if max(xs) < 10 else 1}f}]"
 

@@ -77,6 +77,14 @@ _QK_GAIN = 2.0
 # a 1000-token prompt changed 0/16 greedy tokens). At 0.25 the context wins (13/16).
 _QWEN_EMBED_STD = 0.25
 _SPECIAL_TOKENS = (0, 1, 2)  # pad, eos, bos
+# Keys every kind's config.json carries alike.
+_COMMON_CONFIG = {
+    "pad_token_id": _SPECIAL_TOKENS[0],
+    "eos_token_id": _SPECIAL_TOKENS[1],
+    "bos_token_id": _SPECIAL_TOKENS[2],
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+}
 
 # A recipe for one tensor: shape and how to fill it.
 _Init = tuple[tuple[int, ...], Callable[[torch.Generator, tuple[int, ...]], torch.Tensor]]
@@ -167,11 +175,7 @@ def _gemma3_config() -> dict:
         # residual stream, makes every random model predict its last token forever.
         "tie_word_embeddings": False,
         "use_bidirectional_attention": False,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
+        **_COMMON_CONFIG,
     }
 
 
@@ -242,11 +246,7 @@ def _qwen3next_config() -> dict:
         "tie_word_embeddings": False,
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
+        **_COMMON_CONFIG,
     }
 
 
@@ -367,11 +367,7 @@ def _gemma4_config() -> dict:
         },
         "tie_word_embeddings": False,
         "use_bidirectional_attention": None,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
+        **_COMMON_CONFIG,
     }
 
 
@@ -425,11 +421,7 @@ def _eagle_gemma3_config() -> dict:
         "max_position_embeddings": _MAX_LEN,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "tie_word_embeddings": False,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
+        **_COMMON_CONFIG,
     }
 
 
@@ -474,11 +466,7 @@ def _qwen3_config() -> dict:
         "sliding_window": None,
         "max_window_layers": layers,
         "tie_word_embeddings": False,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
+        **_COMMON_CONFIG,
     }
 
 

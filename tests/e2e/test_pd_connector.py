@@ -150,6 +150,21 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def _start_prefill(model: str):  # noqa: ANN202
+    """A prefill engine and the pids of its processes (engine core, worker: NIXL agent, handshake server)."""
+    before = _children()
+    llm = make_llm(model, pd_config("kv_producer"))
+    return llm, _children() - before
+
+
+def _signal_all(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def test_layout_mismatch_is_refused_at_handshake_and_decode_recomputes(capfd):
     """Prefill at --block-size 128, decode at 256: the handshake names the field; no wrong KV is read."""
     model = tiny_model("gemma3")
@@ -169,17 +184,11 @@ def test_prefill_instance_killed_before_the_read_decode_recomputes():
     import signal as _signal
 
     model = tiny_model("gemma3")
-    before = _children()
-    prefill = make_llm(model, pd_config("kv_producer"))
-    prefill_pids = _children() - before
+    prefill, prefill_pids = _start_prefill(model)
     decode = make_llm(model, pd_config("kv_consumer"), disable_log_stats=False)
     session = Session(seed=23)
     params = _prefill(prefill, session.prompt)
-    for pid in prefill_pids:  # the prefill engine core and its worker (NIXL agent, handshake server)
-        try:
-            os.kill(pid, _signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _signal_all(prefill_pids, _signal.SIGKILL)
     import time
 
     t0 = time.monotonic()
@@ -207,9 +216,7 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
 
     monkeypatch.setenv("UCX_TLS", "tcp")
     model = tiny_model("gemma3")
-    before = _children()
-    prefill = make_llm(model, pd_config("kv_producer"))
-    prefill_pids = _children() - before
+    prefill, prefill_pids = _start_prefill(model)
     decode = make_llm(model, pd_config("kv_consumer", read_timeout_s=20), disable_log_stats=False)
     session = Session(seed=25)
     params = _prefill(prefill, session.prompt)  # turn 1: handshake + first READ over tcp
@@ -219,8 +226,7 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
     session.extend(first.token_ids)
 
     params = _prefill(prefill, session.prompt)
-    for pid in prefill_pids:
-        os.kill(pid, _signal.SIGSTOP)
+    _signal_all(prefill_pids, _signal.SIGSTOP)
     result: dict = {}
 
     def run_decode(llm) -> None:  # noqa: ANN001
@@ -231,11 +237,7 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
     worker.join(4.0)  # the decode READ is posted within a step or two, then waits on the frozen peer
     frozen_alive = worker.is_alive()
     t_kill = time.monotonic()
-    for pid in prefill_pids:
-        try:
-            os.kill(pid, _signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _signal_all(prefill_pids, _signal.SIGKILL)
     worker.join(60.0)
     elapsed = time.monotonic() - t_kill
     assert not worker.is_alive(), "decode hung after the prefill instance died"
@@ -264,18 +266,12 @@ def test_with_policy_fail_a_failed_read_fails_only_that_request(capfd):
     from vllm.inputs import TokensPrompt
 
     model = tiny_model("gemma3")
-    before = _children()
-    prefill = make_llm(model, pd_config("kv_producer"))
-    prefill_pids = _children() - before
+    prefill, prefill_pids = _start_prefill(model)
     decode_cfg = pd_config("kv_consumer") | {"kv_load_failure_policy": "fail"}
     decode = make_llm(model, decode_cfg, disable_log_stats=False)
     session = Session(seed=26)
     params = _prefill(prefill, session.prompt)
-    for pid in prefill_pids:
-        try:
-            os.kill(pid, _signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _signal_all(prefill_pids, _signal.SIGKILL)
     sp = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False, ignore_eos=True,
                         extra_args={"kv_transfer_params": params})
     out = decode.generate([TokensPrompt(prompt_token_ids=session.prompt)], sp, use_tqdm=False)[0]
