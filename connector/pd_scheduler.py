@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
-
 REQUIRED_REMOTE = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
 
 

@@ -108,8 +108,9 @@ class StoreScheduler:
         self._requests[request.request_id] = request
 
     def _extends(self, request: "Request", num_computed_tokens: int) -> bool:
-        """Can the store load beyond this (diverged) local hit? The answer is kept, so
-        the scheduler's own call right after costs no second round trip."""
+        """Can the store load beyond this (diverged) local hit? A yes is kept, so the
+        scheduler's own call right after costs no second round trip; after a no, vLLM asks
+        again from the convergent hit (a second lookup, counted in the lookup metrics)."""
         return self.get_num_new_matched_tokens(request, num_computed_tokens)[0] > 0
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
