@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from hybridkv.cli.server import HOST, ServerStartError, VllmServer, free_port, wait_healthy
+from hybridkv.connector.pd_auth import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
 from hybridkv.store.cpu_affinity import format_cpu_list, usable_cpus
 
 PD_MODULE = "hybridkv.connector"
@@ -81,6 +82,18 @@ class PDStack:
         for server, env in zip((self.prefill, self.decode), disjoint_core_envs()):
             for name, value in env.items():
                 server.extra_env.setdefault(name, value)
+        # One deployment secret for the pair (signs kv_transfer_params and the side channel),
+        # fresh per stack, unless the caller configured one.
+        self.secret_file: pathlib.Path | None = None
+        configured = any(
+            (cfg or {}).get("kv_connector_extra_config", {}).get("auth_secret_file")
+            or (cfg or {}).get("kv_connector_extra_config", {}).get("allow_unauthenticated")
+            for cfg in (prefill_config, decode_config)
+        )
+        if not configured and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
+            self.secret_file = write_secret_file(log_dir / "pd-secret")
+            for server in (self.prefill, self.decode):
+                server.extra_env.setdefault(SECRET_FILE_ENV, str(self.secret_file))
         self.proxy_port = free_port()
         self.proxy_log = log_dir / "proxy.log"
         self._proxy: subprocess.Popen | None = None

@@ -36,6 +36,10 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     req = copy.deepcopy(body)
     req["kv_transfer_params"] = dict(PREFILL_PARAMS)
     req["max_tokens"] = 1
+    # One prefill per prompt, whatever n the client asked for: the decode leg samples n.
+    # (The decode side reads a lease once; its other children recompute.)
+    req["n"] = 1
+    req.pop("best_of", None)
     if "max_completion_tokens" in req:
         req["max_completion_tokens"] = 1
     req["stream"] = False

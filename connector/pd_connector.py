@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.connector.block_copies import block_copy_views, redo_block_copies
 from hybridkv.connector.block_layout import layer_specs
+from hybridkv.connector.pd_auth import load_key
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
@@ -54,6 +55,11 @@ class PDConnectorConfig:
     handshake_timeout_s: float = 5.0
     # Bound on one request's read (decode side); past it the request recomputes or fails.
     read_timeout_s: float = 30.0
+    # The deployment secret signing kv_transfer_params and the side channel's RPCs (the
+    # same file on prefill and decode); see pd_auth for the environment alternatives.
+    auth_secret_file: str | None = None
+    # Run without a secret: any API client can forge kv_transfer_params. Never the default.
+    allow_unauthenticated: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
@@ -67,6 +73,10 @@ class PDConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config.handshake_port={port!r}: expected 0 (any free port) or a port")
         if not isinstance(extra.get("handshake_host", ""), str):
             raise ConfigError("kv_connector_extra_config.handshake_host: expected a host name or address")
+        if not isinstance(extra.get("auth_secret_file", "") or "", str):
+            raise ConfigError("kv_connector_extra_config.auth_secret_file: expected a file path")
+        if not isinstance(extra.get("allow_unauthenticated", False), bool):
+            raise ConfigError("kv_connector_extra_config.allow_unauthenticated: expected true or false")
         return cls(**extra)
 
 
@@ -95,6 +105,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             )
         engine_id = str(ktc.engine_id)
         mamba = _mamba_group_ids(kv_cache_config)
+        key = load_key(self._cfg.auth_secret_file, self._cfg.allow_unauthenticated)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         self._copy_views: list[torch.Tensor] = []
@@ -102,12 +113,19 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             align = 1
             for group in kv_cache_config.kv_cache_groups:
                 align = math.lcm(align, group.kv_cache_spec.block_size)
-            self._scheduler = PDScheduler(engine_id, bool(mamba), self._cfg.lease_s, mamba, align)
+            self._scheduler = PDScheduler(
+                engine_id, bool(mamba), self._cfg.lease_s, mamba, align,
+                can_prefill=ktc.is_kv_producer, can_decode=ktc.is_kv_consumer,
+                group_block_sizes=tuple(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups),
+                num_blocks=kv_cache_config.num_blocks, key=key,
+                fail_on_refusal=ktc.kv_load_failure_policy == "fail",
+            )
         else:
             with unpinned():  # its read thread must not share the engine's pinned core
                 self._worker = PDWorker(
                     PDWorkerSettings(engine_id, 0, 1, self._cfg.handshake_host, self._cfg.handshake_port,
-                                     self._cfg.handshake_timeout_s, self._cfg.read_timeout_s),
+                                     self._cfg.handshake_timeout_s, self._cfg.read_timeout_s,
+                                     serve_handshake=ktc.is_kv_producer, key=key),
                     kv_cache_config,
                 )
 

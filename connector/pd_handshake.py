@@ -9,8 +9,15 @@ size, dtype or head layout would "work" at the NIXL level and silently move
 the wrong bytes, so compatibility is checked here, once per peer, and a
 mismatch is refused with the field, both values and the fix named.
 
-One gRPC service, one unary method, JSON bodies (no protoc step):
-``/hybridkv.pd.Handshake/GetAgentInfo``. The prefill worker of each TP rank
+One gRPC service, JSON bodies (no protoc step): ``GetAgentInfo``, ``ClaimLease``
+(decode takes a finished request's lease, once, and learns how long the prefill side
+still holds the blocks: seconds on the PREFILL side's monotonic clock, so no two hosts'
+clocks are compared) and ``ReleaseBlocks``. With a deployment key every call carries
+``hkv-mac`` metadata, an HMAC over the method and the body (which holds a fresh
+nonce), and every answer a trailing ``hkv-mac`` over the method, the request and the
+answer: a caller without the secret is refused before its body is parsed, and a
+server without it cannot answer (no forged layout, no forged claim). Only prefill
+instances serve it. The prefill worker of each TP rank
 runs a :class:`HandshakeServer`; the decode worker of the same rank calls
 :func:`fetch_agent_info`. Refusal happens on the decode side
 (:func:`fetch_agent_info` validates every answer); the server also checks the
@@ -21,8 +28,10 @@ message, so the prefill log shows why a peer was turned away.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -32,24 +41,54 @@ import grpc
 import numpy as np
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout
+from hybridkv.connector.pd_auth import PURPOSE_RPC_ANSWER, PURPOSE_RPC_REQUEST, DeploymentKey
 
 logger = logging.getLogger(__name__)
 
 # Bump on any change of the JSON schema or of what a field means.
 # 2: ReleaseBlocks (decode tells prefill a request's blocks are done with).
-HANDSHAKE_VERSION = 2
+# 3: ClaimLease, MACs on every call and answer (hkv-mac metadata), a nonce in every body.
+HANDSHAKE_VERSION = 3
 
 SERVICE = "hybridkv.pd.Handshake"
 METHOD = "GetAgentInfo"
 _FULL_METHOD = f"/{SERVICE}/{METHOD}"
 RELEASE_METHOD = "ReleaseBlocks"
 _FULL_RELEASE_METHOD = f"/{SERVICE}/{RELEASE_METHOD}"
+CLAIM_METHOD = "ClaimLease"
+_FULL_CLAIM_METHOD = f"/{SERVICE}/{CLAIM_METHOD}"
+MAC_METADATA = "hkv-mac"
 # No HTTP proxy on the side channel: peers are addressed directly.
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
 
 class HandshakeError(RuntimeError):
     """The peer could not be reached, answered garbage, or runs an incompatible KV cache."""
+
+
+class LeaseRefused(HandshakeError):
+    """The prefill side will not let this READ happen (unknown, already claimed, expired)."""
+
+
+def _digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def request_mac(key: DeploymentKey, method: str, body: bytes) -> str:
+    """The MAC a caller sends with ``body`` (which carries a fresh nonce)."""
+    return key.mac(PURPOSE_RPC_REQUEST, method, _digest(body))
+
+
+def answer_mac(key: DeploymentKey, method: str, body: bytes, answer: bytes) -> str:
+    """The MAC a server returns: bound to the request (and so to its nonce)."""
+    return key.mac(PURPOSE_RPC_ANSWER, method, _digest(body), _digest(answer))
+
+
+def _metadata_value(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    for k, v in metadata or ():
+        if k == MAC_METADATA:
+            return v if isinstance(v, str) else None
+    return None
 
 
 # --------------------------------------------------------------------------- layout description
@@ -391,9 +430,15 @@ class HandshakeServer:
         port: int = 0,
         max_workers: int = 2,
         on_release: Callable[[list[str]], None] | None = None,
+        on_claim: Callable[[str, str], float] | None = None,
+        key: DeploymentKey | None = None,
     ):
+        """``on_claim(request_id, lease_id)`` returns the seconds the blocks are still held
+        or raises :class:`LeaseRefused`; ``key`` None: an unauthenticated deployment."""
         self._info = info
         self._on_release = on_release
+        self._on_claim = on_claim
+        self._key = key
         self._body = json.dumps(info.to_json()).encode()
         self._host = host
         self._requested_port = port
@@ -401,17 +446,14 @@ class HandshakeServer:
         # No SO_REUSEPORT (gRPC's default): a second worker configured with the same port must
         # fail to start, not silently share the port and answer for the other rank.
         self._server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
-        handler = grpc.unary_unary_rpc_method_handler(
-            self._get_agent_info,
-            request_deserializer=lambda b: b,
-            response_serializer=lambda b: b,
-        )
-        release = grpc.unary_unary_rpc_method_handler(
-            self._release_blocks, request_deserializer=lambda b: b, response_serializer=lambda b: b
-        )
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler, RELEASE_METHOD: release}),)
-        )
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(
+                self._authenticated(name, fn), request_deserializer=lambda b: b, response_serializer=lambda b: b
+            )
+            for name, fn in ((METHOD, self._get_agent_info), (RELEASE_METHOD, self._release_blocks),
+                             (CLAIM_METHOD, self._claim_lease))
+        }
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.port: int | None = None
 
     @property
@@ -445,6 +487,24 @@ class HandshakeServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def _authenticated(self, method: str, fn: Callable[[bytes, grpc.ServicerContext], bytes]):
+        """Refuse a call without this deployment's MAC before its body is parsed; MAC the answer."""
+
+        def handler(body: bytes, context: grpc.ServicerContext) -> bytes:
+            if self._key is not None:
+                if not self._key.verify(_metadata_value(context.invocation_metadata()), PURPOSE_RPC_REQUEST,
+                                        method, _digest(body)):
+                    message = (f"P/D side channel: {method} from {context.peer()} refused: no valid {MAC_METADATA} "
+                               "(a caller without this deployment's secret, or another auth_secret_file)")
+                    logger.warning("%s", message)
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            answer = fn(body, context)
+            if self._key is not None:
+                context.set_trailing_metadata(((MAC_METADATA, answer_mac(self._key, method, body, answer)),))
+            return answer
+
+        return handler
 
     def _get_agent_info(self, body: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -484,6 +544,24 @@ class HandshakeServer:
             self._on_release(ids)
         return b"{}"
 
+    def _claim_lease(self, body: bytes, context: grpc.ServicerContext) -> bytes:
+        """Decode is about to READ a request's blocks: take its lease (once) and say for how
+        many more seconds, on this host's monotonic clock, the blocks stay untouched."""
+        try:
+            obj = json.loads(body)
+            rid, lid = obj["request_id"], obj["lease_id"]
+            if not isinstance(rid, str) or not isinstance(lid, str):
+                raise TypeError("request_id and lease_id must be strings")
+        except (ValueError, KeyError, TypeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ClaimLease request: {e!r}")
+        if self._on_claim is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this instance holds no leases")
+        try:
+            remaining = self._on_claim(rid, lid)
+        except LeaseRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return json.dumps({"request_id": rid, "remaining_s": remaining}).encode()
+
     @staticmethod
     def _refuse(context: grpc.ServicerContext, message: str) -> None:
         """Log on the prefill side (the operator looks there too) and answer FAILED_PRECONDITION."""
@@ -494,28 +572,63 @@ class HandshakeServer:
 # --------------------------------------------------------------------------- client
 
 
-def release_blocks(address: str, request_ids: Sequence[str], timeout_s: float) -> None:
+def _call(address: str, method: str, obj: dict[str, Any], timeout_s: float, key: DeploymentKey | None) -> bytes:
+    """One authenticated unary call: a nonce in the body, the MAC in the metadata, the
+    answer's MAC checked (raises :class:`HandshakeError` if it is missing or wrong)."""
+    body = json.dumps({**obj, "nonce": secrets.token_hex(16)}).encode()
+    metadata = () if key is None else ((MAC_METADATA, request_mac(key, method, body)),)
+    with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+        answer, call = channel.unary_unary(
+            f"/{SERVICE}/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        ).with_call(body, timeout=timeout_s, metadata=metadata)
+    if key is not None and not key.verify(_metadata_value(call.trailing_metadata()), PURPOSE_RPC_ANSWER,
+                                          method, _digest(body), _digest(answer)):
+        raise HandshakeError(
+            f"P/D side channel: the {method} answer of {address} carries no valid {MAC_METADATA}: it does not "
+            "hold this deployment's secret (another auth_secret_file, or not a hybridkv prefill worker)"
+        )
+    return answer
+
+
+def release_blocks(address: str, request_ids: Sequence[str], timeout_s: float,
+                   key: DeploymentKey | None = None) -> None:
     """Tell the prefill worker at ``address`` it may free these requests' blocks now."""
-    body = json.dumps({"request_ids": list(request_ids)}).encode()
     try:
-        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
-            channel.unary_unary(
-                _FULL_RELEASE_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
-            )(body, timeout=timeout_s)
+        _call(address, RELEASE_METHOD, {"request_ids": list(request_ids)}, timeout_s, key)
     except grpc.RpcError as e:
         raise HandshakeError(f"P/D release on {address} failed: {e.code().name}: {e.details()}") from None
 
 
-def request_agent_info(address: str, request: AgentInfoRequest, timeout_s: float) -> AgentInfo:
+def claim_lease(address: str, request_id: str, lease_id: str, timeout_s: float,
+                key: DeploymentKey | None = None) -> float:
+    """Take the prefill side's lease on ``request_id``'s blocks before reading them.
+
+    Returns the seconds the prefill side still holds them, measured there; the caller
+    subtracts them from ITS OWN clock reading taken before this call. Raises
+    :class:`LeaseRefused` (unknown, claimed already, expired) or :class:`HandshakeError`.
+    """
+    try:
+        raw = _call(address, CLAIM_METHOD, {"request_id": request_id, "lease_id": lease_id}, timeout_s, key)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            raise LeaseRefused(f"{e.details()} (prefill worker at {address})") from None
+        raise HandshakeError(f"P/D lease claim on {address} failed: {e.code().name}: {e.details()}") from None
+    try:
+        obj = json.loads(raw)
+        remaining = obj["remaining_s"]
+        if obj["request_id"] != request_id or isinstance(remaining, bool) or not isinstance(remaining, (int, float)):
+            raise TypeError(f"answer {obj!r}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise HandshakeError(f"P/D lease claim on {address}: malformed answer ({e!r})") from None
+    return float(remaining)
+
+
+def request_agent_info(address: str, request: AgentInfoRequest, timeout_s: float,
+                       key: DeploymentKey | None = None) -> AgentInfo:
     """One GetAgentInfo round trip, decoded; only the version is checked (it decides
     how to parse). :func:`fetch_agent_info` adds the layout checks."""
-    body = json.dumps(request.to_json()).encode()
     try:
-        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
-            call = channel.unary_unary(
-                _FULL_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
-            )
-            raw = call(body, timeout=timeout_s)
+        raw = _call(address, METHOD, request.to_json(), timeout_s, key)
     except grpc.RpcError as e:
         code, details = e.code(), e.details()
         if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -585,6 +698,7 @@ def fetch_agent_info(
     tp_rank: int,
     timeout_s: float = 5.0,
     prefill_engine_id: str | None = None,
+    key: DeploymentKey | None = None,
 ) -> AgentInfo:
     """Decode side: ask ``address`` for its agent and layout, and refuse any incompatibility.
 
@@ -597,6 +711,7 @@ def fetch_agent_info(
         address,
         AgentInfoRequest(engine_id=engine_id, tp_rank=tp_rank, expected=local.without_addresses()),
         timeout_s,
+        key,
     )
     check_agent_info(info, local, address=address, tp_rank=tp_rank, prefill_engine_id=prefill_engine_id)
     return info
@@ -610,7 +725,12 @@ __all__ = [
     "HandshakeError",
     "HandshakeServer",
     "LayoutDescriptor",
+    "LeaseRefused",
+    "answer_mac",
     "check_agent_info",
+    "claim_lease",
+    "release_blocks",
+    "request_mac",
     "Mismatch",
     "fetch_agent_info",
     "find_mismatches",

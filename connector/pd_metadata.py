@@ -32,14 +32,19 @@ class ReadJob:
     # Nothing to read (decode's own prefix cache or another connector, e.g. the store
     # under MultiConnector, supplies the prefix): only tell prefill to drop its lease.
     release_only: bool = False
-    # Prefill's wall-clock time (epoch s) when it frees these blocks; a READ must end before.
-    lease_expires_at: float | None = None
+    # The prefill side's lease on these blocks: claimed (once) before the READ, whose
+    # answer says how long the READ may take on the prefill side's own clock.
+    lease_id: str = ""
 
 
 @dataclass
 class Lease:
+    """Hold a finished request's blocks for ``ttl_s`` (counted on the prefill worker's
+    monotonic clock from when it learns of the lease; no other host's clock is used)."""
+
     req_id: str
-    expires_at: float  # time.time() on the prefill host
+    lease_id: str
+    ttl_s: float
 
 
 @dataclass

@@ -22,11 +22,22 @@ external hit covering the whole prompt.
 from __future__ import annotations
 
 import logging
-import time
+import secrets
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.connector.block_copies import step_block_copies
+from hybridkv.connector.pd_auth import DeploymentKey
 from hybridkv.connector.pd_metadata import Lease, PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata, ReadJob
+from hybridkv.connector.pd_params import (
+    LocalLayout,
+    ParsedParams,
+    PromptView,
+    Refused,
+    RemoteDecode,
+    RemotePrefill,
+    issue_remote_prefill,
+    parse_kv_transfer_params,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -34,8 +45,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
-
-REQUIRED_REMOTE = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
 
 
 def pair_from_end(remote: list[int], local: list[int]) -> tuple[list[int], list[int]]:
@@ -59,23 +68,64 @@ def pair_by_position(remote: list[int], local_blocks) -> tuple[list[int], list[i
 
 
 class PDScheduler:
+    """Both roles' scheduler side. Requests' ``kv_transfer_params`` are parsed once
+    (``pd_params``) into ``self._params``; nothing here reads the raw dict, and the
+    connector's own per-request state lives here, never in the client's dict."""
+
     def __init__(
         self, engine_id: str, has_recurrent_state: bool, lease_s: float, mamba_group_ids: tuple[int, ...],
-        align_tokens: int,
+        align_tokens: int, *, can_prefill: bool = True, can_decode: bool = True,
+        group_block_sizes: tuple[int, ...] = (), num_blocks: int = 0, key: DeploymentKey | None = None,
+        fail_on_refusal: bool = False,
     ) -> None:
         self._engine_id = engine_id
         self._recurrent = has_recurrent_state
         self._align = align_tokens
         self._lease_s = lease_s
         self._mamba = set(mamba_group_ids)
+        self._can_prefill, self._can_decode = can_prefill, can_decode
+        self._group_block_sizes, self._num_blocks = group_block_sizes, num_blocks
+        self._key = key
+        # kv_load_failure_policy=fail: a refused set fails its request (through a refused
+        # load) instead of recomputing silently.
+        self._fail_on_refusal = fail_on_refusal
         self._handshake: PDHandshakeMetadata | None = None
         self._reads: list[ReadJob] = []
         self._leases: list[Lease] = []
         self._block_pool: Any = None
         self._pins: dict[str, list[Any]] = {}  # decode: read targets, until the READ is over
+        self._params: dict[str, ParsedParams] = {}
+        self._truncated: set[str] = set()  # prefill: prompt already cut to the handover boundary
+        self._read_started: set[str] = set()  # decode: one transfer per request
 
     def bind_block_pool(self, block_pool: Any) -> None:
         self._block_pool = block_pool
+
+    # ------------------------------------------------------------- parameters
+    def local_layout(self) -> LocalLayout:
+        hash_bs = getattr(self._block_pool, "hash_block_size", None) or self._align
+        return LocalLayout(self._can_prefill, self._can_decode, self._group_block_sizes, self._num_blocks, hash_bs)
+
+    def params(self, request: "Request") -> ParsedParams:
+        """The request's validated ``kv_transfer_params`` (parsed on first use, then cached)."""
+        rid = request.request_id
+        if rid not in self._params:
+            parsed = parse_kv_transfer_params(
+                request.kv_transfer_params,
+                PromptView(request.num_prompt_tokens, request.block_hashes),
+                self.local_layout(),
+                self._key,
+            )
+            if isinstance(parsed, Refused):
+                action = "failing it" if self._fail_on_refusal else "recomputing"
+                logger.warning("hybridkv P/D: request %s refused: %s (%s)", rid, parsed, action)
+            self._params[rid] = parsed
+        return self._params[rid]
+
+    def _forget(self, req_id: str) -> None:
+        self._params.pop(req_id, None)
+        self._truncated.discard(req_id)
+        self._read_started.discard(req_id)
 
     # ------------------------------------------------------------- handshake
     def set_handshake(self, metadata: dict[int, Any]) -> None:
@@ -85,8 +135,7 @@ class PDScheduler:
 
     # --------------------------------------------------------------- prefill
     def on_new_request(self, request: "Request") -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or params.get("_hkv_truncated"):
+        if not isinstance(self.params(request), RemoteDecode) or request.request_id in self._truncated:
             return
         keep = self.handover_tokens(request.num_prompt_tokens)
         drop = request.num_prompt_tokens - keep
@@ -96,7 +145,7 @@ class PDScheduler:
             del request._all_token_ids[-drop:]
             request.num_prompt_tokens = keep
             request.max_tokens = 1
-            params["_hkv_truncated"] = True
+            self._truncated.add(request.request_id)
 
     def handover_tokens(self, num_prompt_tokens: int) -> int:
         """Tokens whose KV moves prefill -> decode: the last scheduler-block boundary
@@ -108,8 +157,9 @@ class PDScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode"):
+        parsed = self.params(request)
+        self._forget(request.request_id)
+        if not isinstance(parsed, RemoteDecode):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: nothing to hand over
@@ -120,51 +170,58 @@ class PDScheduler:
         remote = [list(group) for group in block_ids]
         if not any(any(group) for group in remote):
             return False, None
-        expires = time.time() + self._lease_s
-        self._leases.append(Lease(request.request_id, expires))
-        return True, {
-            # After this the prefill side frees (and may reuse) the blocks: a later READ
-            # would copy another request's KV, so decode refuses to read past it.
-            "remote_lease_expires_at": expires,
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self._engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": self._handshake.host,
-            "remote_port": self._handshake.port,
-            "remote_block_ids": remote,
-            "remote_num_tokens": request.num_computed_tokens,
-        }
+        hash_bs = self.local_layout().hash_block_size
+        # Sign only what this request hashed (a prompt's last partial block has no hash).
+        num_tokens = min(request.num_computed_tokens, len(request.block_hashes) * hash_bs)
+        lease = Lease(request.request_id, secrets.token_hex(16), self._lease_s)
+        self._leases.append(lease)
+        # After lease_s the prefill side frees (and may reuse) the blocks; decode claims the
+        # lease before its READ and learns then how long it has (prefill's clock only).
+        return True, issue_remote_prefill(
+            RemotePrefill(
+                engine_id=self._engine_id, request_id=request.request_id, host=self._handshake.host,
+                port=self._handshake.port, block_ids=tuple(tuple(g) for g in remote), num_tokens=num_tokens,
+                lease_id=lease.lease_id,
+            ),
+            self._key, request.block_hashes, hash_bs,
+        )
 
     # ---------------------------------------------------------------- decode
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or params.get("_hkv_read"):
+        parsed = self.params(request)
+        if request.request_id in self._read_started:
             return 0, False
-        if any(k not in params for k in REQUIRED_REMOTE):
-            logger.warning("hybridkv P/D: request %s has incomplete kv_transfer_params %s; recomputing",
-                           request.request_id, sorted(params))
+        if isinstance(parsed, Refused) and self._fail_on_refusal and self._can_decode:
+            # Offer what a valid set would cover: the refused load then fails the request.
+            count = self.handover_tokens(request.num_prompt_tokens) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+        if not isinstance(parsed, RemotePrefill):
             return 0, False
-        target = min(int(params.get("remote_num_tokens") or 0), self.handover_tokens(request.num_prompt_tokens))
+        target = min(parsed.num_tokens, self.handover_tokens(request.num_prompt_tokens))
         count = target - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or params.get("_hkv_read"):
+        parsed = self.params(request)
+        if request.request_id in self._read_started:
             return
-        params["_hkv_read"] = True  # one transfer per request
-        if any(k not in params for k in REQUIRED_REMOTE):
-            return  # warned at lookup; nothing to read and no peer to tell
+        if isinstance(parsed, Refused):
+            if num_external_tokens > 0:  # fail policy: the worker reports this load failed
+                self._read_started.add(request.request_id)
+                self._reads.append(ReadJob(request.request_id, "", "", "", 0, [], [], refused=str(parsed)))
+            return
+        if not isinstance(parsed, RemotePrefill):
+            return
+        self._read_started.add(request.request_id)
         job = ReadJob(
             req_id=request.request_id,
-            remote_req_id=params["remote_request_id"],
-            remote_engine_id=params["remote_engine_id"],
-            remote_host=params["remote_host"],
-            remote_port=int(params["remote_port"]),
+            remote_req_id=parsed.request_id,
+            remote_engine_id=parsed.engine_id,
+            remote_host=parsed.host,
+            remote_port=parsed.port,
             remote_block_ids=[],
             local_block_ids=[],
-            lease_expires_at=params.get("remote_lease_expires_at"),
+            lease_id=parsed.lease_id,
         )
         if num_external_tokens == 0:
             # The local prefix cache covers it, or another connector was chosen (the store
@@ -174,7 +231,7 @@ class PDScheduler:
             job.release_only = True
             self._reads.append(job)
             return
-        remote_groups = params["remote_block_ids"]
+        remote_groups = parsed.block_ids
         if len(remote_groups) != len(blocks.blocks):
             job.refused = f"prefill has {len(remote_groups)} KV cache groups, decode {len(blocks.blocks)}"
         else:
@@ -184,7 +241,7 @@ class PDScheduler:
                     local = [b.block_id for b in group if not b.is_null and b.block_hash is None]
                     r, l_ = pair_from_end([b for b in remote if b][-1:], local[-1:])
                 else:
-                    r, l_ = pair_by_position(remote, group)
+                    r, l_ = pair_by_position(list(remote), group)
                 job.remote_block_ids.append(r)
                 job.local_block_ids.append(l_)
             if self._block_pool is not None:

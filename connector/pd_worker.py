@@ -11,6 +11,13 @@ handshake once per peer (refusing a layout mismatch there), then pull each
 request's blocks with one batched READ on a background thread; a failed or
 timed-out read is reported per request (``failed_recving``), so vLLM recomputes
 or fails it according to ``kv_load_failure_policy`` and never runs on partial KV.
+
+Leases: the prefill worker counts a lease's TTL on its own monotonic clock from when
+it learns of it. Before a READ, decode claims the lease over the side channel; a
+lease is claimed once (so n > 1 children or a replayed request cannot READ blocks
+another child already released), and the answer says how many seconds the blocks
+stay held; decode subtracts them from its own monotonic reading taken before the
+claim. No host compares another host's clock. Decode-only workers serve no handshake.
 """
 
 from __future__ import annotations
@@ -28,19 +35,26 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from hybridkv.connector.block_layout import KVLayout, layout_rows
 from hybridkv.connector.log_once import warn_once
+from hybridkv.connector.pd_auth import DeploymentKey
 from hybridkv.connector.pd_handshake import (
     AgentInfo,
     HandshakeError,
     HandshakeServer,
     LayoutDescriptor,
+    LeaseRefused,
+    claim_lease,
     fetch_agent_info,
     release_blocks,
 )
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
 from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
 
-# Wall clocks of two hosts may disagree by this much (NTP): a READ must end this early.
-LEASE_CLOCK_MARGIN_S = 1.0
+# A READ must end this long before the prefill side's lease does (monotonic clocks of
+# two hosts differ in rate by ppm; this also covers the post-READ check's granularity).
+LEASE_MARGIN_S = 0.25
+# A claim can arrive before the prefill worker's next step hands it the lease (the
+# scheduler issued the params at finish): wait this long for it.
+CLAIM_WAIT_S = 2.0
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -54,6 +68,15 @@ class PDWorkerSettings:
     port: int
     handshake_timeout_s: float
     read_timeout_s: float
+    serve_handshake: bool = True  # prefill-capable roles only
+    key: DeploymentKey | None = None
+
+
+@dataclass
+class _Lease:
+    lease_id: str
+    expires: float  # time.monotonic() on this (prefill) host
+    claimed: bool = False
 
 
 class PDWorker:
@@ -65,9 +88,10 @@ class PDWorker:
         self._local: LayoutDescriptor | None = None
         self._peers: dict[tuple[str, int], str] = {}
         self._lock = threading.Lock()
+        self._lease_known = threading.Condition(self._lock)
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
-        self._leases: dict[str, float] = {}
+        self._leases: dict[str, _Lease] = {}
         self._decode_released: set[str] = set()
         self._released: set[str] = set()  # reads whose target blocks nothing writes into anymore
         self._jobs: queue.Queue[ReadJob | None] = queue.Queue()
@@ -93,9 +117,14 @@ class PDWorker:
             agent_metadata=self._transport.metadata(),
             layout=self._local,
         )
-        self._server = HandshakeServer(info, host=self._s.host, port=self._s.port, on_release=self._released_by_decode)
+        if not self._s.serve_handshake:
+            logger.info("hybridkv P/D: NIXL agent %s (decode only: no handshake service)", name)
+            return
+        self._server = HandshakeServer(info, host=self._s.host, port=self._s.port, on_release=self._released_by_decode,
+                                       on_claim=self._claim, key=self._s.key)
         port = self._server.start()
-        logger.info("hybridkv P/D: NIXL agent %s, handshake on %s:%d", name, self._s.host, port)
+        logger.info("hybridkv P/D: NIXL agent %s, handshake on %s:%d (%s)", name, self._s.host, port,
+                    "authenticated" if self._s.key is not None else "UNAUTHENTICATED")
 
     def handshake_metadata(self) -> PDHandshakeMetadata | None:
         if self._server is None:
@@ -107,10 +136,12 @@ class PDWorker:
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         for job in meta.reads:
             self._jobs.put(job)
-        now = time.time()
-        with self._lock:
-            for lease in meta.leases:
-                self._leases[lease.req_id] = lease.expires_at if lease.expires_at > now else now
+        if meta.leases:
+            now = time.monotonic()
+            with self._lock:
+                for lease in meta.leases:
+                    self._leases[lease.req_id] = _Lease(lease.lease_id, now + lease.ttl_s)
+                self._lease_known.notify_all()
 
     def _run_reads(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -138,7 +169,8 @@ class PDWorker:
         Over the gRPC side channel. Best effort: if the peer cannot be reached, its lease
         expires on its own."""
         try:
-            release_blocks(f"{job.remote_host}:{job.remote_port}", [job.remote_req_id], self._s.handshake_timeout_s)
+            release_blocks(f"{job.remote_host}:{job.remote_port}", [job.remote_req_id], self._s.handshake_timeout_s,
+                           self._s.key)
         except Exception as e:  # noqa: BLE001 - runs on the read thread, which must survive
             warn_once(logger, f"pd_release:{type(e).__name__}",
                       "could not release %s on %s:%d (its lease expires instead): %s",
@@ -148,6 +180,23 @@ class PDWorker:
         """Prefill side, on a gRPC thread: decode is done with these requests' blocks."""
         with self._lock:
             self._decode_released.update(request_ids)
+
+    def _claim(self, req_id: str, lease_id: str) -> float:
+        """Prefill side, on a gRPC thread: decode is about to READ ``req_id``'s blocks.
+        Returns the seconds they stay held; one claim per lease."""
+        with self._lease_known:
+            self._lease_known.wait_for(lambda: req_id in self._leases, timeout=CLAIM_WAIT_S)
+            lease = self._leases.get(req_id)
+            if lease is None or lease.lease_id != lease_id:
+                raise LeaseRefused(f"request {req_id}: no such lease (never issued, released, or expired)")
+            if lease.claimed:
+                raise LeaseRefused(f"request {req_id}: the lease was claimed already; a lease is read once "
+                                   "(n > 1 or a replayed request), so this one recomputes")
+            remaining = lease.expires - time.monotonic()
+            if remaining <= LEASE_MARGIN_S:
+                raise LeaseRefused(f"request {req_id}: the lease on its blocks has expired")
+            lease.claimed = True
+            return remaining
 
     def _release(self, req_id: str) -> None:
         with self._lock:
@@ -175,24 +224,26 @@ class PDWorker:
             warn_once(logger, "pd_refused", "request %s cannot be read: %s", job.req_id, job.refused)
             return False, None
         assert self._transport is not None and self._local is not None
-        timeout_s = self._s.read_timeout_s
-        if job.lease_expires_at is not None:
+        handle = None
+        try:
+            peer = self._peer(job)
             # The READ must END before prefill may reuse the blocks; a READ that times out
             # counts as failed (the request recomputes), so bounding it is enough.
-            timeout_s = min(timeout_s, job.lease_expires_at - LEASE_CLOCK_MARGIN_S - time.time())
+            t0 = time.monotonic()  # before the claim: the prefill side measures later
+            remaining = claim_lease(f"{job.remote_host}:{job.remote_port}", job.remote_req_id, job.lease_id,
+                                    self._s.handshake_timeout_s, self._s.key)
+            deadline = t0 + remaining - LEASE_MARGIN_S
+            timeout_s = min(self._s.read_timeout_s, deadline - time.monotonic())
             if timeout_s <= 0:
                 warn_once(logger, "pd_lease_expired_before_read",
                           "request %s: the prefill side's lease on its blocks has expired (lease_s too short "
                           "for the decode queue?); recomputing instead of reading possibly reused blocks",
                           job.req_id)
                 return False, None
-        handle = None
-        try:
-            peer = self._peer(job)
             handle = self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids)
             self._transport.wait(handle, timeout_s)
             self._transport.release(handle)
-            if job.lease_expires_at is not None and time.time() > job.lease_expires_at - LEASE_CLOCK_MARGIN_S:
+            if time.monotonic() > deadline:
                 # The post itself can block (UCX copies inside transfer()), past the bound
                 # above: bytes that arrived after the lease may come from reused blocks.
                 warn_once(logger, "pd_read_outlived_lease",
@@ -201,6 +252,9 @@ class PDWorker:
                 return False, None
             self._send_release(job)
             return True, None
+        except LeaseRefused as e:
+            logger.warning("hybridkv P/D: request %s not read, recomputing: %s", job.req_id, e)
+            return False, None
         except HandshakeError as e:
             logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters
             return False, None
@@ -217,7 +271,7 @@ class PDWorker:
             info = fetch_agent_info(
                 f"{job.remote_host}:{job.remote_port}", self._local, engine_id=self._s.engine_id,
                 tp_rank=self._s.tp_rank, timeout_s=self._s.handshake_timeout_s,
-                prefill_engine_id=job.remote_engine_id,
+                prefill_engine_id=job.remote_engine_id, key=self._s.key,
             )
             peer = self._transport.add_peer(info.agent_metadata, info.layout.group_layouts())
             self._peers[key] = peer
@@ -229,9 +283,9 @@ class PDWorker:
         with self._lock:
             recv, failed = self._recv_done, self._recv_failed
             self._recv_done, self._recv_failed = set(), set()
-            now = time.time()
-            for req_id, expires in list(self._leases.items()):
-                if req_id in self._decode_released or now >= expires:
+            now = time.monotonic()
+            for req_id, lease in list(self._leases.items()):
+                if req_id in self._decode_released or now >= lease.expires:
                     if req_id not in self._decode_released:
                         warn_once(logger, "pd_lease_expired", "lease of %s expired before the decode side read it",
                                   req_id)
