@@ -38,10 +38,16 @@ class BlockCopiesMetadata(KVConnectorMetadata):
 
 
 def block_copy_views(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
-    """One ``[num_blocks, ...]`` view per distinct layer view (address, block stride, block bytes)."""
+    """One ``[num_blocks, ...]`` view per distinct layer view (address, block stride, block bytes).
+
+    A view split into kernel blocks (dim 0 = ``num_blocks * k``) becomes
+    ``[num_blocks, k, ...]``, so ``v[b]`` is the whole manager block (vLLM's
+    ``group_kernel_blocks``; ``block_layout`` addresses the same rows). Flat
+    buffers (specs without per-layer views) are not block-addressed: skipped.
+    """
     views, seen = [], set()
     for t in kv_caches.values():
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % num_blocks:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[0] % num_blocks:
             continue
         key = (t.device, t.data_ptr(), t.stride(0), t[0].numel() * t.element_size(), t.shape[0])
         if key in seen:

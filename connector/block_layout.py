@@ -1,52 +1,233 @@
-"""Where each group's blocks live in the worker's KV cache memory.
+"""Where each group's blocks live in the worker's KV cache memory, in MANAGER blocks.
 
 One store object (or one P/D transfer unit) is "block ``b`` of group ``g``": the
-bytes of block ``b`` in every layer of the group, in the group's layer order.
-This module is the single answer to "which bytes are block b of group g", used
-by every transport (store saves/loads, P/D reads), so they cannot disagree.
+bytes of manager block ``b`` in every layer of the group, in the group's layer
+order. This module is the single answer to "which bytes are block b of group g",
+used by every transport (store zero-copy saves/loads, the staged path's
+:class:`~hybridkv.connector.block_staging.BlockStager`, P/D reads), so they
+cannot disagree.
 
-vLLM 0.32 hands the connector one view per layer whose dim 0 is the block id
-(attention ``[num_blocks, 2, block_size, heads*dim]``, Mamba ``[num_blocks, 1, 1,
-page_bytes]`` int8), all views overlaying one int8 allocation. A layer's block
-must be contiguous (``view[b]``); a layout where it is not is refused at
-registration with the layout named, because splitting blocks per head would
-multiply the descriptors of every transfer.
+vLLM hands the connector one view per layer (``allocate_kv_cache``), all views
+overlaying one int8 allocation: attention ``[B, H, N, C]``, Mamba ``[B, 1, 1,
+page_bytes]`` int8. When an attention backend needs blocks smaller than the
+manager's (GPU kernels take 16/32/64 tokens under a 64..1920-token manager
+block), ``B`` is the number of KERNEL blocks, ``num_blocks * k``, and manager
+block ``b`` is kernel rows ``b*k .. b*k+k-1`` (vLLM's own
+``group_kernel_blocks`` regroups them the same way). Mamba views in the same
+pages are never split. So per layer view:
+
+* ``k = dim0 / num_blocks`` must be an integer;
+* one kernel row must be one dense span of memory (any dim order: LBHNC and
+  LBNHC both are); a row split into per-head pieces (LHBNC, BHLNC) is refused,
+  because every transfer would then need a descriptor per head;
+* rows one row apart (``stride(0)`` = row bytes, what vLLM's split produces):
+  manager block ``b`` is ONE region of ``k`` rows at ``base + b*k*stride(0)``;
+  rows further apart (padding or other layers between them): ``k`` regions per
+  block. Overlapping rows are refused.
+
+:func:`block_geometry` derives this from shapes, strides and pointers only
+(no copies, any device); :class:`KVLayout` applies it to every layer of every
+group, and the stager builds its row views from the same function.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+_FIX = (
+    "start vLLM with a layer-compact, block-contiguous KV cache layout "
+    "(VLLM_KV_CACHE_LAYOUT unset, LBHNC or LBNHC)"
+)
 
 
-class LayoutError(RuntimeError):
-    """The KV cache tensors cannot be addressed block by block."""
+class LayoutError(RuntimeError, ValueError):
+    """The KV cache tensors cannot be addressed manager block by manager block."""
+
+
+@dataclass(frozen=True)
+class BlockGeometry:
+    """Where manager block ``b`` of one layer view lies.
+
+    Region ``i`` of block ``b`` is ``offsets[i] + b * stride`` bytes after the
+    view's first byte (``data_ptr``), ``sizes[i]`` bytes long. The byte order of
+    a block is region order (ascending address).
+    """
+
+    stride: int  # bytes between consecutive manager blocks
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    storage_offset: int  # bytes from the storage's first byte to the view's
+    kernel_rows: int  # kernel blocks per manager block (1: not split)
+    block_format: str  # how a block's logical elements map to its bytes (see _block_format)
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.sizes)
+
+
+def _dense_bytes(shape: Sequence[int], strides: Sequence[int], elem: int) -> int | None:
+    """Bytes of a tensor that is one dense span in SOME dim order, else None."""
+    dims = sorted((st * elem, sz) for sz, st in zip(shape, strides) if sz != 1)
+    expected = elem
+    for st, sz in dims:
+        if st != expected:
+            return None
+        expected = st * sz
+    return expected
+
+
+def _block_format(t: torch.Tensor, k: int) -> str:
+    """The logical -> byte map of one manager block, in a canonical form.
+
+    Two engines can exchange a block byte for byte only if their maps agree;
+    equal block bytes are not enough (a 64-token block split into 4 kernel
+    rows of 16 under LBHNC orders heads and tokens differently from an
+    unsplit one, under LBNHC it does not). vLLM's 4-D views ``[B, H, N, C]``
+    are described as ``[H, k*N, C]`` (token ``t`` of the block = kernel row
+    ``t // N``, position ``t % N``); other views as ``[k, ...]``. The
+    description is ``elem|size:stride_bytes,...`` after dropping size-1 dims
+    and merging dims that are contiguous in sequence, which is unique for a
+    given map.
+    """
+    es = t.element_size()
+    row = list(zip(t.shape[1:], (s * es for s in t.stride()[1:])))
+    kdim = (k, t.stride(0) * es)
+    dims = [row[0], kdim, *row[1:]] if t.dim() == 4 else [kdim, *row]
+    merged: list[tuple[int, int]] = []
+    for sz, st in dims:
+        if sz == 1:
+            continue
+        if merged and merged[-1][1] == sz * st:
+            psz, _ = merged.pop()
+            merged.append((psz * sz, st))
+        else:
+            merged.append((sz, st))
+    return f"{t.dtype}|" + ",".join(f"{sz}:{st}" for sz, st in merged)
+
+
+def block_geometry(
+    t: torch.Tensor, num_blocks: int, name: str = "", layout: str | None = None
+) -> BlockGeometry:
+    """Manager-block geometry of one layer view (dim 0 = ``num_blocks * k`` kernel rows).
+
+    Raises :class:`LayoutError` naming the layer, the KV cache layout (vLLM's
+    resolved ``kv_cache_layout``, when given), its shape/strides and the fix
+    when the view cannot be addressed by manager block.
+    """
+    what = f"layer {name}" if name else "layer"
+    if layout:
+        what += f" (KV cache layout {layout})"
+    if not isinstance(t, torch.Tensor):
+        raise LayoutError(f"{what}: KV cache is a {type(t).__name__}, expected one tensor per layer")
+    if t.dim() < 2:
+        raise LayoutError(
+            f"{what}: KV cache is a flat {tuple(t.shape)} buffer (a spec without per-layer "
+            "views lays out its own memory); hybridkv cannot address its blocks"
+        )
+    if num_blocks < 1:
+        raise LayoutError(f"{what}: the KV cache has {num_blocks} blocks")
+    rows = int(t.shape[0])
+    if rows < num_blocks or rows % num_blocks:
+        raise LayoutError(
+            f"{what}: dim 0 has {rows} entries, not a multiple of the KV cache's {num_blocks} "
+            f"blocks (shape {tuple(t.shape)}); hybridkv needs block-outermost views whose dim 0 "
+            "is the manager block or its kernel blocks, as vLLM's allocate_kv_cache makes them"
+        )
+    k = rows // num_blocks
+    es = t.element_size()
+    row_bytes = _dense_bytes(t.shape[1:], t.stride()[1:], es)
+    if row_bytes is None:
+        raise LayoutError(
+            f"{what}: one block is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}: "
+            f"a kernel row is split per head); {_FIX}"
+        )
+    row_stride = t.stride(0) * es
+    if rows > 1 and row_stride < row_bytes:
+        raise LayoutError(
+            f"{what}: blocks overlap (dim 0 stride {row_stride} B < {row_bytes} B per block; "
+            f"shape {tuple(t.shape)}, stride {t.stride()}); {_FIX}"
+        )
+    if k == 1:
+        offsets, sizes = (0,), (row_bytes,)
+        stride = row_stride if num_blocks > 1 else row_bytes
+    elif row_stride == row_bytes:  # kernel rows back to back: the manager block is one span
+        offsets, sizes = (0,), (k * row_bytes,)
+        stride = k * row_stride
+    else:  # something between kernel rows: one region per row
+        offsets, sizes = tuple(j * row_stride for j in range(k)), (row_bytes,) * k
+        stride = k * row_stride
+    return BlockGeometry(
+        stride=stride,
+        offsets=offsets,
+        sizes=sizes,
+        storage_offset=t.storage_offset() * es,
+        kernel_rows=k,
+        block_format=_block_format(t, k),
+    )
+
+
+def view_key(t: torch.Tensor) -> tuple:
+    """Identity of a layer view: a layer that reuses another's KV cache has the same key."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """Base address, block stride and block bytes of every layer of one group."""
+    """Base address, block stride and bytes of every region of one group's block.
+
+    A region is one layer's block, or one kernel row of it when kernel rows are
+    not adjacent (see :func:`block_geometry`); ``regions(ids)`` gives them in the
+    object's byte order. ``tensor_names`` are the distinct layer views the
+    regions come from (a layer that shares another's cache appears once).
+    """
 
     group_id: int
     layer_names: tuple[str, ...]
-    bases: np.ndarray  # int64 [L]
-    strides: np.ndarray  # int64 [L]: bytes between consecutive blocks
-    block_bytes: np.ndarray  # int64 [L]: bytes of one block of one layer
+    bases: np.ndarray  # int64 [R]: address of block 0's region
+    strides: np.ndarray  # int64 [R]: bytes between consecutive manager blocks
+    block_bytes: np.ndarray  # int64 [R]: bytes of the region
+    tensor_names: tuple[str, ...] = ()
+    num_blocks: int = 0  # manager blocks (0: not known, e.g. a peer's layout)
+    kernel_rows: tuple[int, ...] = ()  # per tensor: kernel blocks per manager block
+    block_formats: tuple[str, ...] = ()  # per tensor: BlockGeometry.block_format
 
     @property
     def object_bytes(self) -> int:
         return int(self.block_bytes.sum())
 
     def regions(self, block_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """Per block: the layer regions' addresses and sizes (one store object each)."""
+        """Per block: the regions' addresses and sizes (one store object each)."""
         ids = np.asarray(block_ids, dtype=np.int64)
+        if self.num_blocks and ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"group {self.group_id}: block id outside 0..{self.num_blocks - 1}")
         addrs = self.bases[None, :] + ids[:, None] * self.strides[None, :]
         sizes = np.broadcast_to(self.block_bytes, addrs.shape)
         return addrs.tolist(), sizes.tolist()
+
+
+def _group_num_blocks(kv_cache_config: "KVCacheConfig", group) -> int:  # noqa: ANN001
+    if getattr(group, "host_resident", False):
+        return int(kv_cache_config.hisparse_host_num_blocks)
+    return int(kv_cache_config.num_blocks)
+
+
+def _check_disjoint_in_block(gid: int, names: list[str], bases: list[int], sizes: list[int]) -> None:
+    """Two layer views of one group covering the same bytes would be moved twice."""
+    order = sorted(range(len(bases)), key=bases.__getitem__)
+    for a, b in zip(order, order[1:]):
+        if bases[a] + sizes[a] > bases[b]:
+            raise LayoutError(
+                f"group {gid}: layers {names[a]} and {names[b]} overlap in block 0; "
+                "one group's layers must own distinct bytes"
+            )
 
 
 @dataclass(frozen=True)
@@ -58,44 +239,38 @@ class KVLayout:
 
     @classmethod
     def from_kv_caches(
-        cls, kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor]
+        cls, kv_cache_config: "KVCacheConfig", kv_caches: dict[str, torch.Tensor]
     ) -> "KVLayout":
+        """Every group's manager-block regions; refuses (``LayoutError``) what cannot be addressed."""
         groups: list[GroupLayout | None] = []
         allocations: dict[int, int] = {}
-        num_blocks = kv_cache_config.num_blocks
         for gid, group in enumerate(kv_cache_config.kv_cache_groups):
             names = [n for n in group.layer_names if n in kv_caches]
             if not names:
                 groups.append(None)
                 continue
-            bases, strides, sizes = [], [], []
-            seen: set[int] = set()
+            num_blocks = _group_num_blocks(kv_cache_config, group)
+            bases, strides, sizes, region_names = [], [], [], []
+            tensor_names, kernel_rows, formats = [], [], []
+            seen: set[tuple] = set()
             for name in names:
                 t = kv_caches[name]
-                if isinstance(t, (list, tuple)):
-                    raise LayoutError(
-                        f"layer {name}: KV cache is a {type(t).__name__}, expected one tensor per layer"
-                    )
-                if t.shape[0] < num_blocks:
-                    raise LayoutError(
-                        f"layer {name}: dim 0 has {t.shape[0]} entries but the KV cache has "
-                        f"{num_blocks} blocks; hybridkv needs block-outermost views"
-                    )
-                if not t[0].is_contiguous():
-                    raise LayoutError(
-                        f"layer {name}: one block is not contiguous (shape {tuple(t.shape)}, stride "
-                        f"{t.stride()}); use a block-contiguous KV cache layout "
-                        "(VLLM_KV_CACHE_LAYOUT unset or LBNHC/LBHNC)"
-                    )
-                if t.data_ptr() in seen:  # cross-layer KV sharing: same tensor twice
+                geo = block_geometry(t, num_blocks, name, getattr(kv_cache_config, "kv_cache_layout", None))
+                key = view_key(t)
+                if key in seen:  # cross-layer KV sharing: the same view twice
                     continue
-                seen.add(t.data_ptr())
-                elem = t.element_size()
-                bases.append(t.data_ptr())
-                strides.append(t.stride(0) * elem)
-                sizes.append(t[0].numel() * elem)
+                seen.add(key)
+                tensor_names.append(name)
+                kernel_rows.append(geo.kernel_rows)
+                formats.append(geo.block_format)
+                for off, size in zip(geo.offsets, geo.sizes):
+                    bases.append(t.data_ptr() + off)
+                    strides.append(geo.stride)
+                    sizes.append(size)
+                    region_names.append(name)
                 storage = t.untyped_storage()
                 allocations[storage.data_ptr()] = storage.nbytes()
+            _check_disjoint_in_block(gid, region_names, bases, sizes)
             groups.append(
                 GroupLayout(
                     group_id=gid,
@@ -103,6 +278,10 @@ class KVLayout:
                     bases=np.asarray(bases, dtype=np.int64),
                     strides=np.asarray(strides, dtype=np.int64),
                     block_bytes=np.asarray(sizes, dtype=np.int64),
+                    tensor_names=tuple(tensor_names),
+                    num_blocks=num_blocks,
+                    kernel_rows=tuple(kernel_rows),
+                    block_formats=tuple(formats),
                 )
             )
         return cls(groups=tuple(groups), allocations=tuple(sorted(allocations.items())))
@@ -110,16 +289,20 @@ class KVLayout:
 
 def layer_specs(group) -> list:  # noqa: ANN001 - a vllm KVCacheGroupSpec
     """The specs of a group's layers (a ``UniformTypeKVCacheSpecs`` holds one per layer)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
     spec = group.kv_cache_spec
     return list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
 
 
-def layout_rows(kv_cache_config: KVCacheConfig) -> list[dict]:
+def layout_rows(kv_cache_config: "KVCacheConfig") -> list[dict]:
     """What both scheduler and workers know about each group's bytes (for key schemas).
 
     Two engines share stored objects only if these rows agree (same block size,
     page size, layer count and dtype per group), so they go into the key prefix.
     """
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
     rows = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec

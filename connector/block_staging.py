@@ -2,11 +2,14 @@
 
 The store object for (KV-cache group, block id) is the concatenation of that
 block's bytes from every layer of the group, in a fixed layer order. vLLM hands
-the connector one paged tensor per layer whose dim 0 is the block id
-(``[num_blocks, 2, block_size, heads*head_dim]`` bf16, MLA
+the connector one paged tensor per layer whose dim 0 is the block id, or the
+kernel block id when the attention backend splits manager blocks
+(``[num_blocks * k, 2, kernel_bs, heads*head_dim]`` bf16, MLA
 ``[num_blocks, block_size, 576]``, a Mamba page ``[num_blocks, 1, 1, page]``
-int8, ...); all layers of a group share block ids and ``t[b]`` is contiguous
-(``t.stride(0)`` may be larger than one block, e.g. a padded hybrid page).
+int8, ...). Which bytes are manager block b of a layer is decided by
+``block_layout.block_geometry`` (the rule every transport uses); the stager
+keeps one row view per region it names (``stride(0)`` may be larger than one
+block, e.g. a padded hybrid page).
 
 :class:`BlockStager` owns ONE host buffer laid out ``[slot, layer, block_bytes]``
 so that a slot is exactly one store object, contiguous (register the whole
@@ -67,7 +70,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BlockStager", "StagingOp", "byte_rows"]
+from hybridkv.connector.block_layout import BlockGeometry, block_geometry
+
+__all__ = ["BlockStager", "StagingOp", "region_rows"]
 
 # Widest integer element that divides every block, stride and offset: the row
 # kernels move one element per thread step, so wider elements mean fewer steps
@@ -77,47 +82,40 @@ _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8
 _DEFAULT_DEVICE_STAGING = 256 << 20  # two ping-pong chunks of 128 MiB
 
 
-def _layer_geometry(t: torch.Tensor) -> tuple[int, int, int]:
-    """(block_bytes, block_stride_bytes, offset_bytes) of a paged layer."""
-    if t.dim() < 2:
-        raise ValueError(f"a paged layer needs >= 2 dims, got shape {tuple(t.shape)}")
-    if t.shape[0] == 0:
+def _geometry(t: torch.Tensor, num_blocks: int | None) -> BlockGeometry:
+    """Manager-block geometry from block_layout (the one addressing rule); ValueError if none."""
+    if t.dim() >= 1 and t.shape[0] == 0:
         raise ValueError("a paged layer needs >= 1 block")
-    if not t[0].is_contiguous():
-        raise ValueError(
-            f"one block of a layer must be contiguous (shape {tuple(t.shape)}, "
-            f"stride {t.stride()})"
-        )
-    es = t.element_size()
-    block_bytes = t[0].numel() * es
-    stride_bytes = t.stride(0) * es
-    if t.shape[0] > 1 and stride_bytes < block_bytes:
-        raise ValueError("blocks of a layer overlap (stride(0) smaller than one block)")
-    return block_bytes, stride_bytes, t.storage_offset() * es
+    return block_geometry(t, int(t.shape[0]) if num_blocks is None else num_blocks)
 
 
-def byte_rows(t: torch.Tensor, width: int = 1) -> torch.Tensor:
-    """A ``[num_blocks, block_bytes // width]`` integer view of a paged layer
-    (same storage; element ``width`` bytes: 1 uint8, 2 int16, 4 int32, 8 int64)."""
+def region_rows(t: torch.Tensor, geo: BlockGeometry, num_blocks: int, width: int = 1) -> list[torch.Tensor]:
+    """Per region of ``geo``: a ``[num_blocks, region_bytes // width]`` integer view of
+    the layer's storage (row b = that region of manager block b; element ``width``
+    bytes: 1 uint8, 2 int16, 4 int32, 8 int64). Same storage, no copy, any device."""
     dtype = dict(_WIDTHS)[width]
-    block_bytes, stride_bytes, offset_bytes = _layer_geometry(t)
-    if (block_bytes | stride_bytes | offset_bytes) % width:
+    if (geo.stride | geo.storage_offset | sum(o | s for o, s in zip(geo.offsets, geo.sizes))) % width:
         raise ValueError(f"layer geometry is not a multiple of {width} bytes")
     storage = t.untyped_storage()
     base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
     usable = storage.nbytes() - storage.nbytes() % width
     base = base[:usable].view(dtype)
-    return base.as_strided(
-        (t.shape[0], block_bytes // width),
-        (stride_bytes // width if t.shape[0] > 1 else block_bytes // width, 1),
-        offset_bytes // width,
-    )
+    return [
+        base.as_strided(
+            (num_blocks, size // width),
+            (geo.stride // width if num_blocks > 1 else size // width, 1),
+            (geo.storage_offset + off) // width,
+        )
+        for off, size in zip(geo.offsets, geo.sizes)
+    ]
 
 
-def _common_width(layers: Sequence[torch.Tensor]) -> int:
-    geos = [(*_layer_geometry(t), t.untyped_storage().data_ptr()) for t in layers]
+def _common_width(layers: Sequence[torch.Tensor], geos: Sequence[BlockGeometry]) -> int:
+    """Widest element dividing every stride, offset, size and storage address."""
+    vals = [v for g in geos for v in (g.stride, g.storage_offset, *g.offsets, *g.sizes)]
+    vals += [t.untyped_storage().data_ptr() for t in layers]
     for width, _ in _WIDTHS:
-        if all(v % width == 0 for geo in geos for v in geo):
+        if all(v % width == 0 for v in vals):
             return width
     return 1
 
@@ -153,9 +151,14 @@ class BlockStager:
 
     Parameters
     ----------
-    layers: the group's paged layer tensors (dim 0 = block id), all on one
-        device, in the store object's layer order.
+    layers: the group's paged layer tensors, all on one device, in the store
+        object's layer order (each distinct view once).
     max_blocks_per_batch: slots in the staging buffer.
+    num_blocks: manager blocks of the KV cache. vLLM's views have
+        ``num_blocks * k`` kernel rows in dim 0 when the attention backend
+        splits blocks; manager block b (what ``block_ids`` name) is then rows
+        ``b*k .. b*k+k-1`` (``block_layout.block_geometry``). None: dim 0 of
+        each layer is the manager block (tests, benches).
     pin: pin the host buffer (CUDA layers only).
     device_staging_bytes: device memory for the two ping-pong staging chunks
         (CUDA only; a chunk is at least one slot).
@@ -177,6 +180,7 @@ class BlockStager:
         max_blocks_per_batch: int,
         pin: bool = True,
         *,
+        num_blocks: int | None = None,
         device_staging_bytes: int = _DEFAULT_DEVICE_STAGING,
         first_chunk_bytes: int | None = None,
         overlap: bool = True,
@@ -194,18 +198,25 @@ class BlockStager:
         self.device = layers[0].device
         if any(t.device != self.device for t in layers):
             raise ValueError("all layers of a group must be on one device")
-        self.num_blocks = min(int(t.shape[0]) for t in layers)
+        geos = [_geometry(t, num_blocks) for t in layers]
+        self.num_blocks = (
+            min(int(t.shape[0]) for t in layers) if num_blocks is None else int(num_blocks)
+        )
         self.max_blocks = int(max_blocks_per_batch)
-        self.width = _common_width(layers)
+        self.kernel_rows = [g.kernel_rows for g in geos]
+        self.width = _common_width(layers, geos)
         self._dtype = dict(_WIDTHS)[self.width]
-        self.block_bytes = [_layer_geometry(t)[0] for t in layers]
+        self.block_bytes = [g.block_bytes for g in geos]
         self.layer_offsets = [sum(self.block_bytes[:i]) for i in range(len(layers))]
         self.slot_bytes = sum(self.block_bytes)
-        self._rows = [byte_rows(t, self.width) for t in layers]
-        self._cols = [
-            (o // self.width, (o + b) // self.width)
-            for o, b in zip(self.layer_offsets, self.block_bytes)
-        ]
+        # One row view per region (a layer's block, or each kernel row of it when the
+        # rows are not adjacent), in the object's byte order.
+        self._rows, self._cols, col = [], [], 0
+        for t, g in zip(layers, geos):
+            for rows, size in zip(region_rows(t, g, self.num_blocks, self.width), g.sizes):
+                self._rows.append(rows)
+                self._cols.append((col // self.width, (col + size) // self.width))
+                col += size
         self.is_cuda = self.device.type == "cuda"
         self.pinned = bool(pin and self.is_cuda)
         self.host = torch.empty(

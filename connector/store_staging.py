@@ -37,14 +37,9 @@ class StagerPool(CallPool[BlockStager]):
 
 
 def group_tensors(layout: GroupLayout, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The group's distinct layer tensors in the layout's order (the object's byte order)."""
-    out, seen = [], set()
-    for name in layout.layer_names:
-        t = kv_caches[name]
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            out.append(t)
-    return out
+    """The group's distinct layer views in the layout's order (the object's byte order):
+    exactly the views ``KVLayout`` derived the group's regions from."""
+    return [kv_caches[name] for name in layout.tensor_names]
 
 
 def needs_staging(kv_caches: dict[str, torch.Tensor], mode: str) -> bool:
@@ -67,7 +62,8 @@ def build_stager_pools(
         slots = max(1, min(max_batch_blocks, buffer_bytes // g.object_bytes))
 
         def make(layers: list[torch.Tensor] = layers, slots: int = slots, g: GroupLayout = g) -> BlockStager:
-            stager = BlockStager(layers, slots, device_staging_bytes=min(_MAX_DEVICE_STAGING, 2 * slots * g.object_bytes))
+            stager = BlockStager(layers, slots, num_blocks=g.num_blocks,
+                                 device_staging_bytes=min(_MAX_DEVICE_STAGING, 2 * slots * g.object_bytes))
             if stager.slot_bytes != g.object_bytes:
                 raise RuntimeError(f"group {g.group_id}: staging slot of {stager.slot_bytes} B but objects of "
                                    f"{g.object_bytes} B; the layer views disagree with the KV layout")

@@ -160,6 +160,17 @@ def test_checker_detects_planted_fault(fault):
         _moved_with_fault(fault)
 
 
+def test_block_dense_in_another_dim_order_is_one_region():
+    """LBNHC-like: [B, H, N, C] with N outside H in memory: a block is one dense span
+    (not ``is_contiguous``), gathered in memory order."""
+    t = torch.arange(5 * 3 * 2 * 4, dtype=torch.int32).view(5, 3, 2, 4).transpose(1, 2)
+    stager = BlockStager([t], 3)
+    assert stager.slot_bytes == 2 * 3 * 4 * 4
+    stager.gather([4, 0])
+    assert torch.equal(stager.slot(0).view(torch.int32), torch.arange(96, 120, dtype=torch.int32))
+    assert torch.equal(stager.slot(1).view(torch.int32), torch.arange(0, 24, dtype=torch.int32))
+
+
 def test_rejects_bad_ids_and_layers():
     src = _layers(16, 64, 5)
     stager = BlockStager(src, max_blocks_per_batch=4)
@@ -173,8 +184,12 @@ def test_rejects_bad_ids_and_layers():
         stager.scatter([3, 3])
     stager.gather([3, 3])  # duplicates are fine for a gather
     assert torch.equal(stager.slot(0), stager.slot(1))
-    with pytest.raises(ValueError):  # a block that is not contiguous
-        BlockStager([torch.zeros(4, 8, 2).transpose(1, 2)], 2)
+    with pytest.raises(ValueError, match="not contiguous"):  # a block split per head
+        BlockStager([torch.zeros(8, 4, 2).transpose(0, 1)], 2)
+    with pytest.raises(ValueError, match="not a multiple"):  # dim 0 is not num_blocks x k rows
+        BlockStager([torch.zeros(10, 8)], 2, num_blocks=4)
+    with pytest.raises(ValueError, match="overlap"):
+        BlockStager([torch.zeros(10).as_strided((4, 4), (2, 1))], 2)
     with pytest.raises(ValueError):
         BlockStager([], 2)
     with pytest.raises(ValueError):
