@@ -27,7 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     from hybridkv.cli import proxy
 
     proxy.add_arguments(sub.add_parser("proxy", help="OpenAI-compatible P/D front door (prefill -> decode)"))
+    from hybridkv.cli import doctor
+
+    doctor.add_arguments(sub.add_parser(
+        "doctor", help="check a --kv-transfer-config, the installed stack and a model before starting vLLM",
+        description=doctor.__doc__.split("\n\n")[0],
+    ))
     args = parser.parse_args(argv)
+    if args.cmd == "doctor":
+        return doctor.run_from_args(args)
     if args.cmd == "proxy":
         return proxy.run_from_args(args)
     if args.cmd == "mirror-demo":

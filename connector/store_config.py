@@ -162,3 +162,19 @@ def _is_host_port(value: Any) -> bool:
         return False
     host, _, port = value.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def load_failure_policy_warning(policy: str) -> str | None:
+    """The startup warning for a ``kv_load_failure_policy`` other than ``recompute``, or None.
+
+    One text for the connector's startup log and ``hybridkv doctor``: with ``fail`` a
+    store read that fails (store down, object evicted) fails the request, although the
+    store is only a cache and a recompute would give the same answer.
+    """
+    if policy == "recompute":
+        return None
+    return (
+        f"kv_load_failure_policy={policy!r}: a store read that fails (store down, object evicted) will "
+        "FAIL the request; add \"kv_load_failure_policy\":\"recompute\" to --kv-transfer-config to "
+        "recompute instead"
+    )
