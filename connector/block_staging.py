@@ -70,7 +70,20 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridkv.connector.block_layout import BlockGeometry, block_geometry
+try:
+    from hybridkv.connector.block_layout import BlockGeometry, block_geometry
+except ImportError:  # loaded as a lone file (bench/gpu_block_path.py on a machine without hybridkv)
+    import importlib.util
+    import pathlib
+    import sys
+
+    _spec = importlib.util.spec_from_file_location(
+        "block_layout", pathlib.Path(__file__).with_name("block_layout.py")
+    )
+    _layout = importlib.util.module_from_spec(_spec)
+    sys.modules.setdefault("block_layout", _layout)
+    _spec.loader.exec_module(_layout)
+    BlockGeometry, block_geometry = _layout.BlockGeometry, _layout.block_geometry
 
 __all__ = ["BlockStager", "StagingOp", "region_rows"]
 
