@@ -18,9 +18,16 @@ The rule here, over per-group hits ``h``:
   blocks were evicted);
 * reported local length: the MIN of the dense hits, every dense group trimmed to
   it (every returned block list covers it);
-* diverged: some group's hit is below the reported length, or a sparse group's
-  hit is above it (its state sits at another boundary; with one dense group the
-  guard already catches that case, so the answer equals vLLM's exactly).
+* strict reference: a sparse group whose hit lies ABOVE the reported length
+  (between the min and the max dense hit: e.g. FA16 = 64, FA32 = 128,
+  Mamba = 128) is re-queried at the reported length with vLLM's own per-group
+  lookup. Its state found there locally -> that group converges (no store
+  round trip); absent -> its list is the shorter answer of that re-query. So no
+  group's block table ever runs past the reported tokens (a longer list would
+  leave blocks in the table that the computed tokens do not cover);
+* diverged: after the re-query, some group's hit is below the reported length
+  (with one dense group the guard already excludes sparse hits above it, so
+  the answer equals vLLM's exactly).
 
 With a single dense group all of this reduces to vLLM's current answer.
 
@@ -59,7 +66,9 @@ class ReconciledHit:
 
     fallback: bool  # use the convergent lookup (get_computed_blocks)
     reported_tokens: int  # local prefix to report when not falling back
-    diverged: bool  # some group lacks valid state at reported_tokens
+    # some group lacks valid state at reported_tokens, judged on the FIRST lookup;
+    # the installed lookup re-queries sparse groups above it (requery_at_reported)
+    diverged: bool
 
 
 def reconcile_dense_hits(
@@ -87,7 +96,11 @@ Extends = Callable[["Request", int], bool]
 
 
 def reconciled_computed_blocks_for_connector(
-    manager: "KVCacheManager", geometry: GroupGeometry, request: "Request", extends: Extends | None = None
+    manager: "KVCacheManager",
+    geometry: GroupGeometry,
+    request: "Request",
+    extends: Extends | None = None,
+    max_cache_hit_length: int | None = None,
 ) -> tuple["KVCacheBlocks", int, int, bool]:
     """Drop-in for ``KVCacheManager.get_computed_blocks_for_connector``.
 
@@ -96,43 +109,81 @@ def reconciled_computed_blocks_for_connector(
     ``find_longest_cache_hit_per_group``; only the choice of reference differs.
     With ``extends``, a diverged hit the connector cannot extend is replaced by
     the convergent one (vLLM would fall back to it anyway, but without asking
-    the connector again).
+    the connector again). ``max_cache_hit_length`` is vLLM 0.33's cap on the
+    hit (0.32's scheduler never passes it; None = ``num_tokens - 1``).
     """
     coordinator = manager.coordinator
+
+    def convergent() -> tuple["KVCacheBlocks", int, int, bool]:
+        # vLLM 0.33's scheduler passes a cap; 0.32's passes none and its
+        # get_computed_blocks takes the request only.
+        if max_cache_hit_length is None:
+            return *manager.get_computed_blocks(request), False
+        return *manager.get_computed_blocks(request, max_cache_hit_length), False
+
     if not (
         isinstance(coordinator, HybridKVCacheCoordinator)
         and geometry.dense_group_ids
         and geometry.sparse_group_ids
     ):
-        return *manager.get_computed_blocks(request), False
+        return convergent()
     if not manager.prefix_cache_lookup_enabled(request):
         return manager.empty_kv_cache_blocks, 0, 0, False
 
-    computed, hits = coordinator.find_longest_cache_hit_per_group(
-        request.block_hashes, request.num_tokens - 1
-    )
-    result = reconcile_dense_hits(
-        hits,
-        [g.downward_closed for g in geometry.groups],
-        [g.prefix_cacheable for g in geometry.groups],
-    )
+    max_length = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+    computed, hits = coordinator.find_longest_cache_hit_per_group(request.block_hashes, max_length)
+    dense = [g.downward_closed for g in geometry.groups]
+    cacheable = [g.prefix_cacheable for g in geometry.groups]
+    result = reconcile_dense_hits(hits, dense, cacheable)
     if result.fallback:
-        return *manager.get_computed_blocks(request), False
+        return convergent()
+    reported = result.reported_tokens
+    computed, hits = list(computed), list(hits)
     trim_to_hit(
         computed,
         [g.block_size for g in geometry.groups],
-        [g.downward_closed and g.prefix_cacheable for g in geometry.groups],
-        result.reported_tokens,
+        [d and c for d, c in zip(dense, cacheable)],
+        reported,
     )
-    if result.diverged and extends is not None:
+    requery_at_reported(coordinator, request, computed, hits, dense, cacheable, reported)
+    diverged = any(h < reported for h, c in zip(hits, cacheable) if c)
+    if diverged and extends is not None:
         # The scheduler passes the connector the hit cut to its block size.
-        aligned = result.reported_tokens - result.reported_tokens % geometry.scheduler_block_size
+        aligned = reported - reported % geometry.scheduler_block_size
         if not extends(request, aligned):
-            return *manager.get_computed_blocks(request), False
-    blocks = manager.create_kv_cache_blocks(computed)
+            return convergent()
+    blocks = manager.create_kv_cache_blocks(tuple(computed))
     # Per-group lookups do not detect an uncached shared prefix (boundary 0),
     # exactly as vLLM's version.
-    return blocks, result.reported_tokens, 0, result.diverged
+    return blocks, reported, 0, diverged
+
+
+def requery_at_reported(
+    coordinator: HybridKVCacheCoordinator,
+    request: "Request",
+    computed: list,
+    hits: list[int],
+    dense: Sequence[bool],
+    cacheable: Sequence[bool],
+    reported: int,
+) -> None:
+    """Re-ask every sparse group that hit ABOVE ``reported`` at ``reported``.
+
+    In place over ``computed`` / ``hits``. A sparse group's hit is state at its
+    own boundary (a window tail, a recurrent checkpoint): its list cannot be
+    cut like a dense one. The answer comes from vLLM's own per-group lookup
+    capped at ``reported`` (same manager classes, EAGLE margins and alignment
+    as the first lookup), so a state cached AT the reported length is found
+    (hit == reported: that group converges) and otherwise the group lags with
+    a list that ends below the reported length.
+    """
+    above = [g for g, (h, d, c) in enumerate(zip(hits, dense, cacheable)) if c and not d and h > reported]
+    if not above:
+        return
+    again, hits_again = coordinator.find_longest_cache_hit_per_group(request.block_hashes, reported)
+    for g in above:
+        computed[g] = list(again[g])
+        hits[g] = min(hits_again[g], reported)
 
 
 def install_reconciled_lookup(manager: "KVCacheManager", extends: Extends | None = None) -> GroupGeometry:
@@ -145,8 +196,11 @@ def install_reconciled_lookup(manager: "KVCacheManager", extends: Extends | None
     """
     geometry = GroupGeometry.from_kv_cache_manager(manager)
 
-    def _lookup(self: "KVCacheManager", request: "Request"):
-        return reconciled_computed_blocks_for_connector(self, geometry, request, extends)
+    def _lookup(self: "KVCacheManager", request: "Request", max_cache_hit_length: int | None = None):
+        # vLLM 0.33's scheduler passes (request, max_cache_hit_length); 0.32's (request).
+        return reconciled_computed_blocks_for_connector(
+            self, geometry, request, extends, max_cache_hit_length
+        )
 
     manager.get_computed_blocks_for_connector = types.MethodType(_lookup, manager)
     return geometry

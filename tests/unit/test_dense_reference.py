@@ -154,3 +154,222 @@ def test_reconciled_lookup_on_real_managers(geo, work, seed):
             assert [[b.block_id for b in g] for g in theirs[0].blocks] == [
                 [b.block_id for b in g] for g in blocks.blocks
             ]
+
+
+# --- strict dense reference: sparse groups re-queried at the reported length ---
+
+
+def _prefill_in_chunks(manager, geo, tokens, chunks):
+    """Prefill ``tokens`` with the given chunk sizes (each chunk end is a Mamba
+    align checkpoint), like the scheduler would, and free the request."""
+    req = make_request(geo, tokens)
+    computed, num_local, _ = manager.get_computed_blocks(req)
+    assert num_local == 0
+    first = True
+    for chunk in chunks:
+        if first:
+            out = manager.allocate_slots(req, chunk, num_new_computed_tokens=0, new_computed_blocks=computed)
+            first = False
+        else:
+            out = manager.allocate_slots(req, chunk)
+        assert out is not None
+        req.num_computed_tokens += chunk
+    assert req.num_computed_tokens == len(tokens)
+    block_ids = manager.get_block_ids(req.request_id)
+    manager.free(req)
+    return block_ids
+
+
+def _seed_case_fa16_64_fa32_128_mamba_128(keep_mamba_state_at_64: bool):
+    """The seed scenario of issue 12: FA16 hit 64, FA32 hit 128, Mamba hit 128.
+
+    Chunks 64 + 64 + 129 leave Mamba states at 64, 128 and the prompt's end;
+    evictions then cut FA16 at 64, FA32 at 128 and Mamba beyond 128 (and at
+    64 when asked)."""
+    geo = TWO_DENSE_PLUS_MAMBA
+    manager = geo.manager()
+    tokens = list(range(2000, 2257))
+    ids = _prefill_in_chunks(manager, geo, tokens, [64, 64, 129])
+    query = make_request(geo, tokens + [1, 2, 3])
+    # Mamba align mode moves states between blocks: find them by lookup.
+    lookup = manager.coordinator.find_longest_cache_hit_per_group
+    state_at = {n: lookup(query.block_hashes, n)[0][2][-1].block_id for n in (64, 128)}
+    mamba_deeper = {b.block_id for b in lookup(query.block_hashes, 256)[0][2] if not b.is_null}
+    victims = set(ids[0][4:]) | set(ids[1][4:]) | (mamba_deeper - set(state_at.values()))
+    if not keep_mamba_state_at_64:
+        victims.add(state_at[64])
+    manager.evict_blocks(victims)
+    _, hits = manager.coordinator.find_longest_cache_hit_per_group(query.block_hashes, query.num_tokens - 1)
+    assert tuple(hits) == (64, 128, 128), hits
+    return geo, manager, query, state_at
+
+
+def test_sparse_state_at_reported_length_is_a_convergent_hit():
+    """Mamba's state AT 64 is cached: the hit converges at 64 (no store round
+    trip) and Mamba's list ends at 64. Before the strict reference, hybridkv
+    reported 64 with Mamba's 128-token list and called the hit diverged."""
+    geo, manager, query, state_at = _seed_case_fa16_64_fa32_128_mamba_128(keep_mamba_state_at_64=True)
+    geometry = GroupGeometry.from_kv_cache_manager(manager)
+    blocks, reported, _, diverged = reconciled_computed_blocks_for_connector(manager, geometry, query)
+    assert (reported, diverged) == (64, False)
+    assert [len(b) for b in blocks.blocks] == [4, 2, 2]
+    assert blocks.blocks[2][1].block_id == state_at[64]
+    assert blocks.blocks[2][0].is_null
+
+
+def test_sparse_state_absent_at_reported_length_is_diverged_with_a_list_ending_there():
+    geo, manager, query, state_at = _seed_case_fa16_64_fa32_128_mamba_128(keep_mamba_state_at_64=False)
+    geometry = GroupGeometry.from_kv_cache_manager(manager)
+    calls = []
+    blocks, reported, _, diverged = reconciled_computed_blocks_for_connector(
+        manager, geometry, query, extends=lambda r, n: calls.append(n) or True
+    )
+    assert (reported, diverged) == (64, True)
+    assert calls == [64]
+    assert [len(b) for b in blocks.blocks[:2]] == [4, 2]
+    assert len(blocks.blocks[2]) * 32 <= 64
+    assert state_at[128] not in {b.block_id for b in blocks.blocks[2]}
+
+
+def test_installed_lookup_takes_vllm_033_cap():
+    """vLLM 0.33's scheduler calls get_computed_blocks_for_connector(request,
+    max_cache_hit_length); the installed method takes it and caps the hit."""
+    geo, manager, query, _ = _seed_case_fa16_64_fa32_128_mamba_128(keep_mamba_state_at_64=True)
+    install_reconciled_lookup(manager)
+    assert manager.get_computed_blocks_for_connector(query)[1:] == (64, 0, False)
+    capped = manager.get_computed_blocks_for_connector(query, 32)
+    assert capped[1] <= 32
+
+
+@st.composite
+def _multi_dense_geometries(draw) -> Geometry:
+    """2-3 dense groups at >= 2 DISTINCT block sizes plus Mamba and/or a window:
+    the geometries where the dense reference matters (every example)."""
+    from tests.unit.harness import sw
+
+    n_fa = draw(st.integers(2, 3))
+    sizes = draw(st.lists(st.sampled_from([16, 32, 64]), min_size=n_fa, max_size=n_fa).filter(lambda s: len(set(s)) >= 2))
+    with_mamba = draw(st.booleans())
+    with_window = (not with_mamba) or draw(st.booleans())
+    mamba_bs = draw(st.sampled_from([32, 64])) if with_mamba else None
+    fine_grained = with_mamba and draw(st.booleans())
+    if with_mamba and not fine_grained:
+        sizes = [max(s, mamba_bs) if s < mamba_bs else s for s in sizes]
+        if len(set(sizes)) < 2:
+            sizes = [mamba_bs, 2 * mamba_bs] + sizes[2:]
+    specs = [fa(s, heads=i + 1) for i, s in enumerate(sizes)]
+    if with_window:
+        floor = 16 if (not with_mamba or fine_grained) else mamba_bs
+        wbs = draw(st.sampled_from([s for s in (16, 32, 64) if s >= floor]))
+        specs.append(sw(wbs, draw(st.sampled_from([24, 48, 64, 100])), heads=1))
+    if with_mamba:
+        specs.append(mamba(mamba_bs))
+    if with_mamba:
+        hash_block = 16 if fine_grained else mamba_bs
+    else:
+        import math
+        from functools import reduce
+
+        hash_block = reduce(math.gcd, [s.block_size for s in specs])
+    return Geometry(
+        specs=specs,
+        hash_block_size=hash_block,
+        num_blocks=draw(st.sampled_from([80, 200])) * len(specs),
+        label=f"fa={sizes} window={with_window} mamba={mamba_bs} fg={fine_grained}",
+    )
+
+
+def _evict_per_group(manager, rng: random.Random) -> None:
+    """Evict each group's cached blocks from a random depth on (and a few at
+    random): groups lose their tails at DIFFERENT depths, the case where
+    per-group hits spread out and the dense reference decides."""
+    pool = manager.block_pool
+    by_group: dict[int, list] = {}
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    for key, entry in pool.cached_block_hash_to_block._cache.items():
+        for b in entry.values() if isinstance(entry, dict) else [entry]:
+            by_group.setdefault(get_group_id(key), []).append(b)
+    victims = set()
+    for blocks in by_group.values():
+        if rng.random() < 0.7:
+            cut = rng.random()
+            ordered = sorted(blocks, key=lambda b: b.block_id)
+            victims |= {b.block_id for b in ordered[int(cut * len(ordered)) :]}
+        victims |= {b.block_id for b in blocks if rng.random() < 0.1}
+    if victims:
+        manager.evict_blocks(victims)
+
+
+@PROPERTY
+@given(geo=_multi_dense_geometries(), work=token_workloads(), seed=st.integers(0, 2**16))
+def test_strict_reference_block_tables_match_reported_tokens(geo, work, seed):
+    """Over 2-3 dense groups at different block sizes + Mamba / window, random
+    evictions: after the reconciled lookup, a real allocate_slots (the
+    scheduler's step) gives every group a block table that agrees with the
+    reported tokens: no returned list runs past them (every block the request
+    will write from there on is a fresh block, never a cached one), every dense
+    list covers them exactly, and ``diverged`` is True exactly when some sparse
+    group's state is not cached AT the reported length (vLLM's own per-group
+    lookup capped there is the judge)."""
+    from hypothesis import event
+
+    prompts, queries = work
+    rng = random.Random(seed)
+    manager = geo.manager()
+    for p in prompts:
+        run_prefill(manager, geo, p, rng)
+    _evict_per_group(manager, rng)
+    geometry = GroupGeometry.from_kv_cache_manager(manager)
+    coordinator = manager.coordinator
+    for q in queries:
+        req = make_request(geo, q)
+        _, first_hits = coordinator.find_longest_cache_hit_per_group(req.block_hashes, req.num_tokens - 1)
+        blocks, reported, _, diverged = reconciled_computed_blocks_for_connector(manager, geometry, req)
+        dense_hits = [first_hits[g] for g in geometry.dense_group_ids]
+        if any(first_hits[g] > max(dense_hits) for g in geometry.sparse_group_ids):
+            event("guard: convergent fallback")
+            assert diverged is False
+            continue
+        assert reported == min(dense_hits)
+        if len(set(dense_hits)) > 1:
+            event("dense hits differ")
+        if any(first_hits[g] > reported for g in geometry.sparse_group_ids):
+            event("sparse group above reported: re-queried")
+        _, at = coordinator.find_longest_cache_hit_per_group(req.block_hashes, reported)
+        present = {g: at[g] == reported for g in geometry.sparse_group_ids}
+        event(f"diverged={diverged}")
+        assert diverged == (not all(present.values())), (first_hits, at, reported)
+        for gid, g in enumerate(geometry.groups):
+            if g.downward_closed:
+                assert len(blocks.blocks[gid]) == cdiv(reported, g.block_size)
+            else:
+                assert len(blocks.blocks[gid]) <= cdiv(reported, g.block_size)
+        # The scheduler's allocation for this hit (reported local tokens, the
+        # rest new); the blocks it will write must never be cached ones.
+        if reported == 0:
+            continue
+        out = manager.allocate_slots(
+            req,
+            req.num_tokens - reported,
+            num_new_computed_tokens=reported,
+            new_computed_blocks=blocks,
+        )
+        if out is None:
+            continue
+        for gid, g in enumerate(geometry.groups):
+            table = coordinator.single_type_managers[gid].req_to_blocks[req.request_id]
+            assert len(table) == cdiv(req.num_tokens, g.block_size), (gid, len(table))
+            hit_list = [b.block_id for b in blocks.blocks[gid]]
+            # Full hit blocks are taken as they are; a partial tail block of the
+            # hit gets a private copy (vLLM's copy-on-write), so it may differ.
+            first_written = reported // g.block_size
+            full = min(first_written, len(hit_list))
+            # (Window blocks that fall out of the window are nulled by vLLM.)
+            assert all(t.is_null or t.block_id == h for t, h in zip(table[:full], hit_list)), gid
+            # Blocks from the token the request computes next onwards get written:
+            # none of them may be a block of the looked-up (cached) hit.
+            written = {b.block_id for b in table[first_written:] if not b.is_null}
+            reused = written & {i for i, b in zip(hit_list, blocks.blocks[gid]) if not b.is_null}
+            assert not reused, f"group {gid}: the request would write into cached hit blocks {reused}"
+        manager.free(req)
