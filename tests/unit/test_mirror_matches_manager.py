@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
 from hybridkv.store.mirror import StoreMirror
 from tests.unit.harness import (
     cached_keys,
-    evict_random,
     make_request,
     nonnull_positions,
-    run_prefill,
 )
-from tests.unit.strategies import PROPERTY, geometries, token_workloads
+from tests.unit.strategies import (
+    PROPERTY,
+    evictions,
+    geometries,
+    lookups_differ_from_vllm,
+    note_geometry,
+    prefill_and_evict,
+    token_workloads,
+)
 
 
 
@@ -25,21 +31,24 @@ def _mirror_for(manager) -> StoreMirror:
 
 
 @PROPERTY
-@given(geo=geometries(), work=token_workloads(), seed=st.integers(0, 2**16), evict=st.sampled_from([0.0, 0.2, 0.5]))
-def test_mirror_hit_equals_manager_hit(geo, work, seed, evict):
+@given(geo=geometries(), work=token_workloads(), seed=st.integers(0, 2**16), eviction=evictions())
+def test_mirror_hit_equals_manager_hit(geo, work, seed, eviction):
     prompts, queries = work
     rng = random.Random(seed)
     manager = geo.manager()
-    for p in prompts:
-        run_prefill(manager, geo, p, rng)
-    evict_random(manager, rng, evict)
+    prefill_and_evict(manager, geo, prompts, rng, eviction)
+    note_geometry(geo)
+    event(f"eviction: {eviction.describe()}")
     contents = cached_keys(manager)
     mirror = _mirror_for(manager)
-    for q in queries:
-        req = make_request(geo, q)
+    requests = [make_request(geo, q) for q in queries]
+    event(f"hybridkv lookup differs from vLLM's: {lookups_differ_from_vllm(manager, requests)}")
+    best = 0
+    for req in requests:
         blocks, want, _ = manager.get_computed_blocks(req)
         got = mirror.longest_hit(req.block_hashes, req.num_tokens - 1, contents)
         assert got.tokens == want, geo.label
+        best = max(best, want)
         # Same blocks, same positions, same keys, in every group.
         for gid, group_blocks in enumerate(blocks.blocks):
             positions = nonnull_positions(group_blocks)
@@ -61,18 +70,19 @@ def test_mirror_hit_equals_manager_hit(geo, work, seed, evict):
         via_probe = mirror.longest_hit(req.block_hashes, req.num_tokens - 1, exists)
         assert via_probe.tokens == want
         assert len(calls) == 1, "one batched existence query per lookup"
+    event(f"some query hits: {best > 0}")
 
 
 @PROPERTY
-@given(geo=geometries(), work=token_workloads(), seed=st.integers(0, 2**16))
-def test_local_dense_prefix_is_not_probed_and_does_not_change_hit(geo, work, seed):
+@given(geo=geometries(), work=token_workloads(), seed=st.integers(0, 2**16), eviction=evictions())
+def test_local_dense_prefix_is_not_probed_and_does_not_change_hit(geo, work, seed, eviction):
     """Given the local dense hit, the mirror probes only beyond it and still
     computes the hit over (local dense blocks + store)."""
     prompts, queries = work
     rng = random.Random(seed)
     manager = geo.manager()
-    for p in prompts:
-        run_prefill(manager, geo, p, rng)
+    prefill_and_evict(manager, geo, prompts, rng, eviction)
+    note_geometry(geo)
     contents = cached_keys(manager)
     mirror = _mirror_for(manager)
     geometry = mirror.geometry

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given
+import pytest
+from hypothesis import event, given, target
 from hypothesis import strategies as st
 
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
 from hybridkv.store.mirror import StoreMirror
-from tests.unit.harness import make_request
-from tests.unit.strategies import PROPERTY, geometries
+from tests.unit.harness import Geometry, fa, make_request, mamba, run_prefill
+from tests.unit.strategies import PROPERTY, geometries, note_geometry
 
+
+def _prompt_len(geo, data) -> int:
+    """Long enough to hold two scheduler blocks and a window plus its tail block: a
+    shorter prompt has every hit 0 or keeps every block, and tests nothing."""
+    low = max(2 * geo.scheduler_block_size, 96)
+    return data.draw(st.integers(low, low + 320), label="prompt tokens")
 
 
 def _mirror(geo) -> StoreMirror:
@@ -52,27 +59,97 @@ def _queries(geo, tokens, rng):
     return [make_request(geo, q) for q in out]
 
 
+def _known_retention_gap(geo) -> bool:
+    """Mamba + a retention interval + EAGLE on ONE flagged group: the save mask drops the
+    prompt's Mamba checkpoint that vLLM's local cache keeps (see the strict xfail below)."""
+    has_mamba = any(s.__class__.__name__ == "MambaSpec" for s in geo.specs)
+    return has_mamba and geo.retention_interval is not None and geo.eagle_group is not None
+
+
+GAP = Geometry(
+    specs=[fa(32), fa(64, heads=2), mamba(32)],
+    hash_block_size=32,
+    num_blocks=1200,
+    retention_interval=0,
+    eagle_group=0,
+    use_eagle=True,
+)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "store/mirror.py save_mask under a retention interval keeps only replay_boundaries "
+    "(EAGLE-shifted for the whole model) and misses the Mamba manager's own prompt "
+    "checkpoint, get_mamba_prefill_checkpoint_position(n, align, "
+    "drop_eagle_checkpoint_block=False), which vLLM's _cache_partial_tail_block keeps"))
+def test_retention_with_one_flagged_eagle_group_keeps_the_prompt_checkpoint():
+    tokens = [random.Random(1).randrange(50) for _ in range(160)]
+    mirror = _mirror(GAP)
+    _, masked = _all_and_masked(mirror, make_request(GAP, tokens).block_hashes, len(tokens))
+    manager = GAP.manager()
+    run_prefill(manager, GAP, tokens, random.Random(0))
+    resend = make_request(GAP, tokens)
+    local = manager.get_computed_blocks(resend)[1]
+    part = mirror.longest_hit(resend.block_hashes, len(tokens) - 1, {k for _, k in masked}).tokens
+    assert local == 128
+    assert part == local  # today 64: the Mamba state at 128 is not in the mask
+
+
 @PROPERTY
-@given(geo=geometries(), n=st.integers(32, 320), seed=st.integers(0, 2**16))
-def test_masked_save_is_sufficient(geo, n, seed):
+@given(geo=geometries(require_sparse=True), data=st.data(), seed=st.integers(0, 2**16))
+def test_masked_save_is_sufficient(geo, data, seed):
+    """Only geometries with a sparse group: for dense-only models the mask keeps every
+    block and the property holds trivially.
+
+    Without a retention interval, the masked store serves every hit the full store
+    would. With vLLM's ``prefix_cache_retention_interval`` some hits are dropped on
+    purpose; then the masked store must serve at least what vLLM's own local cache
+    serves after the same prompt (the real manager, prefilled chunk by chunk).
+    """
+    n = _prompt_len(geo, data)
     rng = random.Random(seed)
     tokens = [rng.randrange(50) for _ in range(n)]
     mirror = _mirror(geo)
     hashes = make_request(geo, tokens).block_hashes
     everything, masked = _all_and_masked(mirror, hashes, n)
     masked_keys = {k for _, k in masked}
+    manager = geo.manager()
+    run_prefill(manager, geo, tokens, random.Random(seed))
+    hits = []
     for q in _queries(geo, tokens, rng):
         full = mirror.longest_hit(q.block_hashes, q.num_tokens - 1, everything).tokens
         part = mirror.longest_hit(q.block_hashes, q.num_tokens - 1, masked_keys).tokens
-        assert part == full, geo.label
+        local = manager.get_computed_blocks(q)[1]
+        if geo.retention_interval is None:
+            assert part == full, geo.label
+        # Fine-grained Mamba: the prompt's sub-block checkpoint is a partial block
+        # this oracle's store does not hold (test_masked_sparse_blocks_are_each_needed
+        # adds it), so vLLM's local cache can legitimately serve more.
+        if not (_known_retention_gap(geo) or mirror.geometry.fine_grained):
+            assert part >= local, (geo.label, q.num_tokens)
+        hits.append(full)
+    note_geometry(geo)
+    event(f"retention interval: {geo.retention_interval}")
+    event(f"known retention gap (masked >= local not checked): {_known_retention_gap(geo)}")
+    dropped = len(everything) - len(masked_keys)
+    informative = dropped > 0 and any(hits)
+    event(f"mask drops a block and some hit > 0: {informative}")
+    event(f"every hit 0: {not any(hits)}")
+    target(dropped / len(everything), label="fraction of blocks the mask drops")
 
 
 @PROPERTY
-@given(geo=geometries(allow_eagle=False), n=st.integers(32, 256), seed=st.integers(0, 2**16))
-def test_masked_sparse_blocks_are_each_needed(geo, n, seed):
+@given(
+    geo=geometries(allow_eagle=False, require_sparse=True, allow_retention=False),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_masked_sparse_blocks_are_each_needed(geo, data, seed):
     """Without EAGLE. With EAGLE, vLLM's window mask keeps tail blocks that
     only a peek past a *partially evicted* run could use; this oracle does
-    not model such evictions, so EAGLE minimality is left to the note."""
+    not model such evictions, so EAGLE minimality is left to the note. Without a
+    retention interval too: this oracle's lookups do not model its segments."""
+    n = _prompt_len(geo, data)
+    note_geometry(geo)
     rng = random.Random(seed)
     tokens = [rng.randrange(50) for _ in range(n)]
     mirror = _mirror(geo)
@@ -108,6 +185,7 @@ def test_masked_sparse_blocks_are_each_needed(geo, n, seed):
     for end, key in extra_positions:
         group_keys.setdefault(key[0], []).append((end, key))
     sparse = set(mirror.geometry.sparse_group_ids)
+    checked = 0
     for idx, key in masked:
         if key[0] not in sparse:
             continue
@@ -127,3 +205,5 @@ def test_masked_sparse_blocks_are_each_needed(geo, n, seed):
         )
         # A block no lookup uses could be dropped without loss: not minimal.
         assert used, (geo.label, key[0], idx)
+        checked += 1
+    event(f"sparse blocks checked for need: {min(checked, 5)}{'+' if checked >= 5 else ''}")
