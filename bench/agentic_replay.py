@@ -84,6 +84,7 @@ from hybridkv.cli.agentic_demo import (  # noqa: E402
     METRIC_STORE_QUERIES,
     Client,
     Completion,
+    Progress,
     Trajectory,
     compare,
     counter,
@@ -250,9 +251,14 @@ class Bench:
 SINGLE_ENGINE = ("none", "hybrid", "mooncake")
 
 
-def enter_concurrently(cms: dict, errors: dict[str, str]) -> dict:
+def enter_concurrently(cms: dict, errors: dict[str, str], log=None) -> dict:  # noqa: ANN001
     """Enter each deployment's context manager in its own thread (engines boot in parallel).
-    A deployment that fails to start lands in ``errors``; the caller exits the others."""
+    A deployment that fails to start lands in ``errors`` (and ``log``, which keeps the
+    progress bar out of the line); the caller exits the others."""
+    if log is None:
+        def log(msg: str) -> None:
+            print(msg, file=sys.stderr, flush=True)
+
     out: dict[str, tuple[Deployment, float]] = {}
     lock = threading.Lock()
 
@@ -263,7 +269,7 @@ def enter_concurrently(cms: dict, errors: dict[str, str]) -> dict:
         except Exception as e:  # noqa: BLE001 - reported in the results
             with lock:
                 errors[name] = f"{type(e).__name__}: {e}"[-3000:]
-            print(f"{name}: FAILED to start: {str(e)[-1500:]}", file=sys.stderr, flush=True)
+            log(f"{name}: FAILED to start: {str(e)[-1500:]}")
             return
         with lock:
             out[name] = (dep, time.monotonic() - t)
@@ -728,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--out-dir", type=pathlib.Path, default=REPO / "bench" / "results")
     p.add_argument("--quick", action="store_true", help="smoke run: 10 s per level, 3 checks")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a bar of (config, users) levels on stderr, below the log lines (default: only "
+                   "when stderr is a terminal; --no-progress for logs)")
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.check_sample = 10.0, 3
@@ -749,8 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     deployments: dict[str, dict] = {}
     errors: dict[str, str] = {}
 
+    progress = Progress(len(configs) * len(levels), desc="levels", unit="level", enabled=args.progress)
+
     def log(msg: str) -> None:
-        print(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
+        progress.write(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr)  # above the bar
 
     # Single-engine configs are up together and their levels interleaved (users level by users
     # level, config order rotated), so a change of the shared machine's load hits all of them;
@@ -763,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def up(names: list[str]) -> None:
         cms = {n: bench.deploy(n) for n in names}
-        got = enter_concurrently(cms, errors)
+        got = enter_concurrently(cms, errors, log)
         for name, (dep, boot) in got.items():
             live[name] = (cms[name], dep)
             info = deployments.setdefault(name, {"restarts": 0})
@@ -813,6 +824,7 @@ def main(argv: list[str] | None = None) -> int:
                         r.note = "a server died during this level"
                         log(f"{name} x{users}: a server died during the level"
                             + ("; rerunning it on a fresh deployment" if attempt == 1 else ""))
+                    progress.update()
                     if r is None:
                         continue
                     if attempt == 2:
@@ -832,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"interrupted ({e}); stopping what this run started, writing the partial report")
         errors["(run)"] = f"interrupted: {e}; results are partial"
     finally:
+        progress.close()
         for name in list(live):
             down(name)
     return write_report(results, final=True)

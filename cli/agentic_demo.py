@@ -44,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 __all__ = [
+    "Progress",
     "Trajectory",
     "TurnResult",
     "add_arguments",
@@ -536,35 +537,68 @@ def format_summary(s: dict) -> str:
     )
 
 
-class _Progress:
-    """tqdm on stderr when installed, else a plain text bar; rows go to stdout above it."""
+class Progress:
+    """A progress bar that never shares a line with the output.
 
-    def __init__(self, total: int) -> None:
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            tqdm = None
-        self._bar = tqdm(total=total, desc="turns", unit="turn", file=sys.stderr) if tqdm else None
-        self.total, self.done = total, 0
+    Why: the table rows go to stdout and the bar to stderr; on a terminal both land on
+    the same screen line, so a row printed while the bar is drawn comes out as
+    ``turns:  25%|██▌ ...row``. Each :meth:`write` clears the bar, writes and FLUSHES
+    the line, then redraws the bar below it, so the rows read as a clean table above
+    the bar; the bar is removed when done (``leave=False``), so the table and the summary
+    after it are contiguous.
 
-    def write(self, line: str) -> None:
-        if self._bar is not None:
-            self._bar.write(line, file=sys.stdout)
-        else:
-            print(line, flush=True)
+    ``enabled``: None (default) shows the bar only when ``err`` is a terminal -- in a log
+    file or a pipe every redraw would be a line of ``\r``-separated bar fragments; False
+    (``--no-progress``) never. Without tqdm there is no bar, only the lines.
+    """
+
+    def __init__(self, total: int, desc: str = "turns", unit: str = "turn", enabled: bool | None = None,
+                 out=None, err=None) -> None:  # noqa: ANN001 - text streams
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        if enabled is None:
+            enabled = _isatty(self.err)
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.err, leave=False,
+                                 dynamic_ncols=True)
+
+    @property
+    def shows_bar(self) -> bool:
+        return self._bar is not None
+
+    def write(self, line: str, file=None) -> None:  # noqa: ANN001 - a text stream
+        """``line`` on ``file`` (default: ``out``), above the bar."""
+        f = file if file is not None else self.out
+        if self._bar is None:
+            print(line, file=f, flush=True)
+            return
+        with self._bar.get_lock():
+            self._bar.clear(nolock=True)
+            self.err.flush()
+            print(line, file=f, flush=True)
+            self._bar.refresh(nolock=True)
 
     def update(self) -> None:
-        self.done += 1
         if self._bar is not None:
             self._bar.update(1)
-        else:
-            filled = 30 * self.done // self.total
-            print(f"\rturns [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}",
-                  end="\n" if self.done == self.total else "", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+
+
+def _isatty(stream) -> bool:  # noqa: ANN001
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 # ------------------------------------------------------------------------ session
@@ -580,8 +614,11 @@ def run_session(
     tol: float,
     reference: Client | None = None,
     remote: str = "store",
+    progress: bool | None = None,
 ) -> list[TurnResult]:
-    """Replay ``turns`` turns of ``trajectory`` and return one checked row per turn."""
+    """Replay ``turns`` turns of ``trajectory`` and return one checked row per turn.
+
+    ``progress``: the turn bar (see :class:`Progress`): None = only on a terminal."""
     server = reference or client
     model, max_model_len = server.model_card()
     budget = trajectory.prompt_budget(turns, max_tokens)
@@ -599,8 +636,8 @@ def run_session(
     client.complete(model, trajectory.chunk(0)[:200], 1, cache_salt=f"warmup-{uuid.uuid4().hex}")
     rows: list[TurnResult] = []
     prompt, answer, previous_ids = "", "", []
-    progress = _Progress(turns)
-    progress.write(table_header())
+    bar = Progress(turns, enabled=progress)
+    bar.write(table_header())
     try:
         for turn in range(turns):
             prompt = trajectory.prompt(turn, prompt, answer)
@@ -610,11 +647,11 @@ def run_session(
                 reference=reference, remote=remote,
             )  # fmt: skip
             rows.append(row)
-            progress.write(table_row(row))
-            progress.update()
+            bar.write(table_row(row))
+            bar.update()
             answer, previous_ids = main.text, main.prompt_token_ids + main.token_ids
     finally:
-        progress.close()
+        bar.close()
     return rows
 
 
@@ -670,6 +707,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "connector (default: on for a launched server, off with --url)",
     )
     run.add_argument("--logprob-tolerance", type=float, default=DEFAULT_LOGPROB_TOL)
+    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="a turn progress bar on stderr, kept below the table (default: only when "
+                     "stderr is a terminal; --no-progress for logs)")
     run.add_argument("--json-out", type=pathlib.Path, help="write config, rows and summary here")
 
 
@@ -689,9 +729,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         reset = args.reset_local_cache if args.reset_local_cache is not None else not args.url
         session = dict(
             turns=args.turns, max_tokens=args.max_tokens, reset_local_cache=reset,
-            tol=args.logprob_tolerance,
+            tol=args.logprob_tolerance, progress=args.progress,
         )  # fmt: skip
-        info: dict = {"reset_local_cache": reset, **asdict(trajectory), **session}
+        info: dict = {"reset_local_cache": reset, **asdict(trajectory),
+                      **{k: v for k, v in session.items() if k != "progress"}}
         if args.pd and (args.url or args.kv_transfer_config != "default"):
             raise DemoError("--pd launches its own two instances with HybridPDConnector: "
                             "drop --url / --kv-transfer-config")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
+from hybridkv.cli.agentic_demo import TurnResult, table_header, table_row
 from hybridkv.cli.main import main
 
 
-def test_demo_serves_store_hits_that_match_recompute(tmp_path):
+def test_demo_serves_store_hits_that_match_recompute(tmp_path, capsys):
     out = tmp_path / "demo.json"
     assert main(["demo", "--turns", "3", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -16,6 +17,14 @@ def test_demo_serves_store_hits_that_match_recompute(tmp_path):
     assert turns[0]["cached_tokens"] == 0
     for t in turns[1:]:
         assert t["hit_source"] == "store" and t["cached_tokens"] >= 1024, t
+    # The table a log captures: the header and one whole line per turn, exactly the JSON's rows,
+    # then the summary; no progress bar (stderr is not a terminal here).
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines()
+    rows = [table_row(TurnResult(**t)) for t in turns]
+    assert lines[:4] == [table_header(), *rows]
+    assert lines[4].startswith("hit rate (turns 2..3): ")
+    assert "\r" not in printed.out + printed.err and "turns:" not in printed.err
 
 
 def test_demo_pd_through_the_proxy_matches_recompute(tmp_path):

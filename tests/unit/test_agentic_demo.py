@@ -14,6 +14,7 @@ import pytest
 from hybridkv.cli import tiny_models
 from hybridkv.cli.agentic_demo import (
     Completion,
+    Progress,
     Trajectory,
     TurnResult,
     compare,
@@ -263,3 +264,137 @@ def test_server_command_line():
     assert "--kv-transfer-config" not in VllmServer("/m", port=1).command()
     env = srv.environment()
     assert env["VLLM_HOST_IP"] == "127.0.0.1" and env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+# ---------------------------------------------------------------- table output vs the progress bar
+
+_TABLE_SCRIPT = """
+import sys
+from hybridkv.cli.agentic_demo import Progress, TurnResult, table_header, table_row
+rows = [TurnResult(turn=t, prompt_tokens=1500 + 600 * t, cached_tokens=128 * t, hit_source="store",
+                   local_hit_tokens=0, store_hit_tokens=128 * t, reusable_tokens=128 * t, ttft_ms=70.5,
+                   recompute_ttft_ms=120.25, recompute_cached_tokens=0, max_logprob_diff=0.0163,
+                   tokens_match=True, near_tie_at=None, matches_recompute=True) for t in range(1, 5)]
+bar = Progress(len(rows), enabled={enabled})
+bar.write(f"bar: {{bar.shows_bar}}", file=sys.stderr)  # a log line while the bar is up
+bar.write(table_header())
+for r in rows:
+    bar.update()  # the bar is drawn before each row, as while a turn runs
+    bar.write(table_row(r))
+bar.close()
+print("summary line", flush=True)
+"""
+
+
+def _render(raw: str, width: int) -> list[str]:
+    """What a terminal shows for ``raw``: CR, LF, wrapping, ESC[K / ESC[A; one string per line."""
+    import re
+
+    screen: list[list[str]] = [[]]
+    row = col = 0
+    i = 0
+    while i < len(raw):
+        ch = raw[i]
+        if ch == "\x1b":
+            m = re.match(r"\x1b\[(\d*)([A-Za-z])", raw[i:])
+            if m:
+                n = int(m.group(1) or 1)
+                if m.group(2) == "A":
+                    row = max(0, row - n)
+                elif m.group(2) == "K":
+                    del screen[row][col:]
+                i += m.end()
+                continue
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            row += 1
+        else:
+            if col >= width:
+                row, col = row + 1, 0
+            while len(screen) <= row:
+                screen.append([])
+            line = screen[row]
+            line.extend(" " * (col + 1 - len(line)))
+            line[col] = ch
+            col += 1
+        while len(screen) <= row:
+            screen.append([])
+        i += 1
+    return ["".join(x).rstrip() for x in screen]
+
+
+def _run_on_a_terminal(tmp_path, enabled: str, width: int = 160) -> str:
+    """Run the table script with stdout and stderr on one real pty of ``width`` columns."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    script = tmp_path / "table.py"
+    script.write_text(_TABLE_SCRIPT.format(enabled=enabled))
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, width, 0, 0))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    raw = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the pty
+            break
+        if not chunk:
+            break
+        raw += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, raw.decode(errors="replace")
+    return raw.decode()
+
+
+def _expected_lines() -> list[str]:
+    rows = [TurnResult(turn=t, prompt_tokens=1500 + 600 * t, cached_tokens=128 * t, hit_source="store",
+                       local_hit_tokens=0, store_hit_tokens=128 * t, reusable_tokens=128 * t, ttft_ms=70.5,
+                       recompute_ttft_ms=120.25, recompute_cached_tokens=0, max_logprob_diff=0.0163,
+                       tokens_match=True, near_tie_at=None, matches_recompute=True) for t in range(1, 5)]
+    return [table_header(), *(table_row(r) for r in rows), "summary line"]
+
+
+def test_table_rows_are_intact_above_the_bar_on_a_terminal(tmp_path):
+    raw = _run_on_a_terminal(tmp_path, "None")  # auto: stderr is a terminal -> a bar
+    assert "bar: True" in raw and "turns:" in raw and "█" in raw  # the bar was really drawn
+    screen = [ln for ln in _render(raw, 160) if ln]
+    assert screen == ["bar: True", *_expected_lines()]  # every row whole; the bar gone at the end
+
+
+def test_no_progress_draws_no_bar_even_on_a_terminal(tmp_path):
+    raw = _run_on_a_terminal(tmp_path, "False")
+    assert "turns:" not in raw and "\r\r" not in raw
+    assert [ln for ln in _render(raw, 160) if ln] == ["bar: False", *_expected_lines()]
+
+
+def test_no_bar_in_logs_and_pipes():
+    import io
+
+    out, err = io.StringIO(), io.StringIO()  # not terminals: auto mode draws nothing
+    bar = Progress(2, out=out, err=err)
+    assert not bar.shows_bar
+    bar.write("a row")
+    bar.update()
+    bar.write("a log line", file=err)
+    bar.close()
+    assert out.getvalue() == "a row\n" and err.getvalue() == "a log line\n"
+
+
+def test_demo_progress_flag():
+    import argparse
+
+    from hybridkv.cli.agentic_demo import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).progress is None
+    assert p.parse_args(["--no-progress"]).progress is False
+    assert p.parse_args(["--progress"]).progress is True
