@@ -851,7 +851,7 @@ def plot(doc: dict, path: Path) -> bool:
     except ImportError:
         return False
     sr, pr = doc.get("store_rows", []), doc.get("pd_rows", [])
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5))
     if sr:
         ax = axes[0]
         labels, series = [], {k: [] for k in ("staged", "direct", "raw_host", "raw_gpu", "pinned copy")}
@@ -864,7 +864,7 @@ def plot(doc: dict, path: Path) -> bool:
         w = 0.16
         for j, (k, v) in enumerate(series.items()):
             ax.bar([i + (j - 2) * w for i in range(len(labels))], v, w, label=k)
-        ax.set_xticks(range(len(labels)), labels, fontsize=6)
+        ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=70, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("GB/s (log)")
         ax.set_title("(a) store: hybridkv staged / GPU-direct vs raw Mooncake, pinned copy", fontsize=9)
@@ -877,7 +877,7 @@ def plot(doc: dict, path: Path) -> bool:
                                       ("d2d", "D2D copy"))):
             ax.bar([i + (j - 1) * 0.27 for i in range(len(pr))],
                    [r["bytes"] / _med(r["times_s"][k]) / 1e9 for r in pr], 0.27, label=lab)
-        ax.set_xticks(range(len(pr)), labels, fontsize=6)
+        ax.set_xticks(range(len(pr)), labels, fontsize=6, rotation=70, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("GB/s (log)")
         ax.set_title("(b) P/D READ VRAM->VRAM, 2 processes, 1 H200", fontsize=9)
