@@ -60,7 +60,6 @@ import numpy as np  # noqa: E402
 import pytest
 import torch  # noqa: E402
 from vllm.config import VllmConfig
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheGroupSpec,
@@ -82,6 +81,7 @@ from hybridkv.connector.pd_handshake import (
     request_agent_info,
 )
 from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
+from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
 
 POISON = 0xA5
 SEED = 1234

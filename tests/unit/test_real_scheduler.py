@@ -1,0 +1,230 @@
+"""A REAL vLLM ``Scheduler`` (whichever version is on the path) driving HybridStoreConnector.
+
+Engine-free but otherwise the scheduler process as the engine builds it: a
+``VllmConfig`` over a local tiny ``config.json``, a hand-built hybrid
+``KVCacheConfig``, block sizes resolved by vLLM's own
+``resolve_kv_cache_block_sizes`` (as ``EngineCore`` does), the connector built
+by vLLM's ``KVConnectorFactory`` from ``kv_transfer_config``, a real
+mooncake_master. One ``schedule()`` call runs lookup -> allocate ->
+``update_state_after_alloc`` -> ``build_connector_meta``; the test asserts the
+exact hit vLLM accepted and the exact load job (group, hash, block id) the
+workers would receive. Then the worker's "load finished" goes back through
+``update_from_output`` and vLLM resumes the prefill at the hit.
+
+This is the test that fails on vLLM 0.33 if the reconciled lookup does not take
+0.33's ``max_cache_hit_length`` (a TypeError inside ``schedule()``). CI runs it
+under 0.32 and again with 0.33's Python on PYTHONPATH (scripts/test.sh).
+
+Geometries (hash unit 16):
+* window: full attention 16 + sliding window 16 (window 64) + Mamba align 64;
+* two-dense: full attention 16 + full attention 32 + Mamba align 32 (a drafter
+  booked as full attention at another block size, next to linear attention).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from hybridkv.connector.store_connector import HybridStoreConnector
+from hybridkv.connector.store_metadata import StoreConnectorMetadata, StoreWorkerMetadata
+from hybridkv.store.embedded_master import EmbeddedMaster
+from hybridkv.store.mooncake_backend import MooncakeBackend
+from tests.unit.harness import Geometry, fa, mamba, sw
+
+UNIT = 16
+WINDOW = Geometry(specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096)
+TWO_DENSE = Geometry(specs=[fa(16), fa(32), mamba(32)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096)
+PROMPT = random.Random(7).choices(range(3, 30000), k=1000)
+_TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "head_dim": 32, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A real master, a client holding a segment (the store's memory), a tiny model dir."""
+    init_none_hash(sha256)
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    (model_dir / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=64 << 20) as holder:
+        buf = np.zeros(64, dtype=np.uint8)
+        holder.register(int(buf.ctypes.data), buf.nbytes)
+        yield master.address, holder, buf, model_dir
+
+
+def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str) -> Scheduler:
+    """What ``EngineCore`` builds in the scheduler process, minus the workers."""
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
+                                 enforce_eager=True, max_model_len=geo.max_model_len),
+        cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, mamba_cache_mode="align"),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
+                                         max_model_len=geo.max_model_len, is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HybridStoreConnector", kv_role="kv_both",
+            kv_connector_module_path="hybridkv.connector.store_connector",
+            kv_connector_extra_config={"master_address": master_address, "namespace": namespace,
+                                       "lookup_cache_s": 0},
+        ),
+    )
+    kv_cache_config = geo.kv_cache_config()
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    kv_cache_config.hash_block_size = hash_block_size
+    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv_cache_config, vllm_config, block_size, hash_block_size
+    )
+    assert (block_size, hash_block_size) == (geo.scheduler_block_size, UNIT)
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+    )
+
+
+def _request(req_id: str) -> Request:
+    return Request(req_id, list(PROMPT), SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(UNIT, sha256))
+
+
+def _fill_store(sched: Scheduler, store, upto: int) -> None:
+    """The store holds every group's object at every hash unit ending at or below ``upto``."""
+    _, holder, buf, _ = store
+    schema = sched.connector._scheduler._schema
+    hashes = _request("probe").block_hashes
+    keys = [schema.key(g, bytes(hashes[t // UNIT - 1]))
+            for g in range(len(sched.kv_cache_config.kv_cache_groups)) for t in range(UNIT, upto + 1, UNIT)]
+    assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(keys)
+
+
+def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None) -> ModelRunnerOutput:
+    """What the workers would report for this step (no forward: only connector acks)."""
+    req_ids = list(out.num_scheduled_tokens)
+    meta = StoreWorkerMetadata(finished_saves=Counter({s.job_id: 1 for s in saves}),
+                               released_loads=Counter({j.load_id: 1 for j in loads}))
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[list(sampled.get(r, [])) if sampled else [] for r in req_ids],
+        kv_connector_output=KVConnectorOutput(finished_recving=set(finished_recving), kv_connector_worker_meta=meta),
+    )
+
+
+def _expected_job(sched: Scheduler, req: Request, positions: list[list[int]]) -> list[tuple[int, bytes, int]]:
+    """(group, key hash, block id) for block ``i`` of each group: its last hash unit's hash."""
+    table = sched.kv_cache_manager.get_blocks(req.request_id).get_block_ids()
+    out = []
+    for gid, idxs in enumerate(positions):
+        bs = sched.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
+        out += [(gid, bytes(req.block_hashes[(i + 1) * bs // UNIT - 1]), table[gid][i]) for i in idxs]
+    return sorted(out)
+
+
+def _admit(sched: Scheduler, req: Request):
+    """ONE real schedule() step: lookup -> allocate -> update_state_after_alloc -> build_connector_meta."""
+    sched.add_request(req)
+    out = sched.schedule()
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, StoreConnectorMetadata)
+    jobs = [j for j in meta.loads if j.req_id == req.request_id]
+    assert len(jobs) == 1 and jobs[0].refused is None, jobs
+    job = jobs[0]
+    got = sorted(zip(job.blocks.group_ids, (bytes(h) for h in job.blocks.hashes), job.blocks.block_ids))
+    return out, job, got
+
+
+def _finish_load_and_resume(sched: Scheduler, req: Request, out, job, hit: int) -> None:
+    """The workers report the load done; the next step must resume the prefill AT the hit."""
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert req.request_id not in out.num_scheduled_tokens  # an async load computes nothing this step
+    sched.update_from_output(out, _worker_reply(out, finished_recving={req.request_id}, loads=[job]))
+    nxt = sched.schedule()
+    assert req.status == RequestStatus.RUNNING
+    new = [r for r in nxt.scheduled_new_reqs if r.req_id == req.request_id]
+    assert len(new) == 1 and new[0].num_computed_tokens == hit
+    assert nxt.num_scheduled_tokens[req.request_id] > 0
+    assert not sched.connector._scheduler._load_pins, "the load's pins must be released by the worker ack"
+
+
+@pytest.mark.parametrize("geo_name", ["window", "two_dense"])
+def test_store_hit_through_a_real_scheduler_step(store, geo_name):
+    """Empty local cache; the store holds every group's state up to token 512 and nothing beyond."""
+    geo = {"window": WINDOW, "two_dense": TWO_DENSE}[geo_name]
+    sched = _scheduler(geo, store[0], store[3], f"rs-{geo_name}")
+    assert isinstance(sched.connector, HybridStoreConnector)
+    _fill_store(sched, store, 512)
+    req = _request(f"{geo_name}-cold")
+    out, job, got = _admit(sched, req)
+    assert req.num_computed_tokens == 512
+    if geo is WINDOW:
+        # FA16: blocks 0..31; SW16/64: the window tail covering tokens 449..511 = blocks 28..31;
+        # Mamba64: the state at 512 = block 7.
+        positions = [list(range(32)), [28, 29, 30, 31], [7]]
+    else:
+        # FA16: 0..31; FA32: 0..15; Mamba32: the state at 512 = block 15.
+        positions = [list(range(32)), list(range(16)), [15]]
+    assert got == _expected_job(sched, req, positions)
+    _finish_load_and_resume(sched, req, out, job, 512)
+
+
+def _run_to_completion(sched: Scheduler, req: Request) -> None:
+    """Prefill ``req`` step by step as the engine would (workers ack every save), then finish it."""
+    sched.add_request(req)
+    for _ in range(50):
+        out = sched.schedule()
+        meta = out.kv_connector_metadata
+        n = out.num_scheduled_tokens.get(req.request_id, 0)
+        done = req.num_computed_tokens >= req.num_tokens  # schedule() already advanced it
+        sched.update_from_output(out, _worker_reply(out, saves=meta.saves, sampled={req.request_id: [5]} if done and n else None))
+        if req.is_finished():
+            return
+    raise AssertionError("prefill did not finish in 50 steps")
+
+
+def test_local_dense_prefix_cut_by_eviction_is_extended_from_the_store(store):
+    """Two dense groups: the second one's local blocks evicted beyond 256 tokens.
+
+    A first request prefills locally. Then FA32's block 8 (tokens 256..287) is
+    evicted, so the local hits are FA16 992, FA32 256: the reconciled lookup
+    reports 256 (the MIN of the dense hits) and the store, holding everything,
+    extends it to 992 (the last hash unit below the 1000-token prompt's last
+    token). The load must fill exactly the blocks beyond 256 of both dense
+    groups and the Mamba state at 992, and nothing the local cache still
+    provides.
+    """
+    sched = _scheduler(TWO_DENSE, store[0], store[3], "rs-evicted")
+    _run_to_completion(sched, _request("first"))
+    probe = _request("probe")
+    pool = sched.kv_cache_manager.block_pool
+    victim = pool.get_cached_block(probe.block_hashes[288 // UNIT - 1], [1])
+    assert victim is not None, "the first request's FA32 block 8 must be in the local cache"
+    sched.kv_cache_manager.evict_blocks({victim[0].block_id})
+    _fill_store(sched, store, 992)
+    req = _request("second")
+    out, job, got = _admit(sched, req)
+    assert req.num_computed_tokens == 992
+    positions = [list(range(16, 62)), list(range(8, 31)), [30]]
+    assert got == _expected_job(sched, req, positions)
+    _finish_load_and_resume(sched, req, out, job, 992)
