@@ -224,38 +224,3 @@ def test_pd_and_store_in_one_multiconnector_three_turns():
         assert r["store_tokens"] >= r["expected"] and r["store_bytes"] > 0
     miss = rows[3]
     assert miss["source"] == "peer" and miss["peer_tokens"] > 0 and miss["store_bytes"] == 0, miss
-
-
-def test_pd_child_not_chosen_only_releases_the_prefill_lease():
-    """Engine-free: MultiConnector's ``update_state_after_alloc(request, blocks, 0)`` to the
-    P/D child queues a release, pins nothing, and its worker never reports the request as
-    received (a non-chosen child's finished_recving would end the chosen store load early)."""
-    from types import SimpleNamespace
-
-    from hybridkv.connector.pd_scheduler import PDScheduler
-    from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
-
-    sched = PDScheduler("decode", False, LEASE_S, (), ALIGN)
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill",
-              "remote_request_id": "p-1", "remote_host": "127.0.0.1", "remote_port": 1,
-              "remote_block_ids": [[1, 2], [3, 4]], "remote_num_tokens": 256}
-    request = SimpleNamespace(request_id="d-1", kv_transfer_params=params, num_prompt_tokens=300)
-    assert sched.get_num_new_matched_tokens(request, 0) == (256, True)  # offered, then not chosen
-    sched.update_state_after_alloc(request, None, 0)
-    meta = sched.build_connector_meta(None)
-    assert [(j.req_id, j.remote_req_id, j.release_only, j.local_block_ids) for j in meta.reads] == [
-        ("d-1", "p-1", True, [])]
-    assert not sched.has_pins()
-    sched.update_state_after_alloc(request, None, 0)  # re-admission (preemption): nothing more
-    assert sched.build_connector_meta(None).reads == []
-
-    worker = PDWorker(PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 1.0, 1.0), None)
-    try:
-        worker.start_load_kv(meta)
-        worker._jobs.put(None)  # drain: the read thread exits after the release job
-        worker._thread.join(5)
-        results = worker.get_transfer_results()
-        assert not results.finished_recving and not results.failed_recving
-        assert not worker.take_released()
-    finally:
-        worker.shutdown()

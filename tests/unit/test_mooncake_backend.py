@@ -204,14 +204,32 @@ def test_zero_size_put_and_batch_mismatch(backend: MooncakeBackend, buffers: tup
 
 
 def test_register_is_idempotent(backend: MooncakeBackend) -> None:
+    """A second registration of the same or an inner range is a no-op (Mooncake itself
+    refuses it), the region really is registered once and really unregistered after."""
     buf = np.zeros(1 << 20, dtype=np.uint8)
-    backend.register(buf.ctypes.data, buf.nbytes)
-    backend.register(buf.ctypes.data, buf.nbytes)  # Mooncake alone would answer -600
-    backend.register(buf.ctypes.data + 4096, 4096)  # inner range: covered
-    backend.unregister(buf.ctypes.data)
-    backend.unregister(buf.ctypes.data)  # unknown: no-op
-    backend.register(buf.ctypes.data, buf.nbytes)  # again after unregister
-    backend.unregister(buf.ctypes.data)
+    addr, n = buf.ctypes.data, buf.nbytes
+    raw = backend._store  # the Mooncake client underneath, to see what it holds
+
+    def round_trip(tag: str) -> None:
+        buf[:256] = np.arange(256, dtype=np.uint8)
+        k = _key(tag)
+        assert backend.put_from([k], [addr], [256]) == [0]
+        assert backend.get_into([k], [addr + 4096], [256]) == [256]
+        assert bytes(buf[4096:4352]) == bytes(range(256))
+
+    backend.register(addr, n)
+    assert raw.register_buffer(addr, n) != 0, "Mooncake accepted a duplicate: the wrapper guards nothing"
+    backend.register(addr, n)  # no-op, no error
+    backend.register(addr + 4096, 4096)  # inner range: covered, no error
+    round_trip("reg-1")
+    backend.unregister(addr)
+    backend.unregister(addr)  # unknown: no-op
+    # Really unregistered in Mooncake: a raw registration succeeds again.
+    assert raw.register_buffer(addr, n) == 0
+    assert raw.unregister_buffer(addr) == 0
+    backend.register(addr, n)  # again after unregister
+    round_trip("reg-2")
+    backend.unregister(addr)
 
 
 def test_remove_respects_lease(backend: MooncakeBackend) -> None:
