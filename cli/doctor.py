@@ -410,7 +410,7 @@ def listener_checks(use: ConnectorUse, authenticated: bool) -> Check:
     if not _is_loopback(use.cfg.local_hostname):
         parts.append(f"this engine's segment advertised as {use.cfg.local_hostname}")
     return Check(name, WARN, "; ".join(parts) + "; Mooncake 0.3.13's store client opens its transfer "
-                 "listeners on ALL interfaces (no setting changes it) and objects are not authenticated",
+                 "listeners on ALL interfaces (no setting changes it)",
                  "firewall the store hosts' ports to the cluster (docs/security.md)")
 
 
