@@ -1,0 +1,268 @@
+"""The `gpu` extra is ONE installable CUDA 13 set for vLLM 0.33, on x86_64 AND aarch64 (GB200).
+
+Why a resolver run and not a look at the pins: the ways this extra breaks are in other
+projects' metadata -- a pinned version without an aarch64 wheel, a dependency that needs a
+newer glibc, a NIXL or Mooncake build for another CUDA major than the torch vLLM pins. So the
+test reads the extra from pyproject.toml (what ships), asks pip to resolve it for each
+manylinux architecture with `--dry-run --platform ... --only-binary=:all:` against PyPI, and
+checks the resolution: vllm 0.33.0, vLLM's own torch pin, torch's CUDA major 13, and the NIXL
+and Mooncake builds for that same major.
+
+Nothing but metadata is fetched: with `--dry-run` pip never downloads a wheel body. Where the
+index serves PEP 658 metadata pip reads that; where it does not (the PyPI front these machines
+reach does not) `--use-feature=fast-deps` reads each wheel's METADATA with HTTP range
+requests. Measured here (pip 26.3, counting CONNECT proxy): 85.6 MB per architecture, almost
+all of it index pages (grpcio's alone is 4.9 MB), for a resolution of ~210 wheels whose
+bodies total several GB (torch's aarch64 wheel alone is 432 MiB); 28-48 s per architecture,
+both run at once.
+
+The resolver is pip 26.3, fetched as a wheel (~1.8 MB) and run from it, not the venv's pip:
+pip 23.2 (the venv's) took 94 s (x86_64) and 141 s (aarch64) for the same resolution.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import ssl
+import subprocess
+import sys
+import tomllib
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.tags import Tag, compatible_tags, cpython_tags
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPI = "https://pypi.org/simple"
+PIP_VERSION = "26.3"
+ARCHES = ("x86_64", "aarch64")
+# The Python the GB200 resolution is checked for (Ubuntu 24.04's; the H200 device's).
+GPU_PYTHON = (3, 12)
+# Oldest glibc the set is checked against: Ubuntu 22.04's. vLLM 0.33's llguidance has only
+# manylinux_2_31 wheels, so 2.28 (vLLM's own floor) would not resolve at all.
+GLIBC_MINOR = 35
+CUDA_MAJOR = 13
+RESOLVE_TIMEOUT_S = 240
+
+_CUDA_SUFFIX = re.compile(r"-cu(?:da)?(\d+)$")
+
+
+def read_requirements(extra: str, pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The base dependencies plus one extra: what `pip install hybridkv[extra]` asks for."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    return list(project["dependencies"]) + list(project["optional-dependencies"][extra])
+
+
+def requires_python(pyproject: Path = ROOT / "pyproject.toml") -> SpecifierSet:
+    return SpecifierSet(tomllib.loads(pyproject.read_text())["project"]["requires-python"])
+
+
+def cuda_major_of(name: str) -> int | None:
+    """The CUDA major a distribution's NAME commits to (nixl-cu13, ...-cuda13), else None."""
+    m = _CUDA_SUFFIX.search(canonicalize_name(name))
+    return int(m.group(1)) if m else None
+
+
+def manylinux_platforms(arch: str) -> list[str]:
+    """Every manylinux tag a host with glibc 2.GLIBC_MINOR accepts.
+
+    pip (23.2 to 26.3) does not expand `--platform manylinux_2_35_x86_64` to the older
+    manylinux_2_x tags the way a real host does, so each is passed."""
+    tags = [f"manylinux_2_{m}_{arch}" for m in range(GLIBC_MINOR, 16, -1)]
+    return tags + [f"manylinux2014_{arch}"]
+
+
+def _trust_bundle() -> str | None:
+    """The CA bundle to verify PyPI with: the machine's, as configured.
+
+    TLS trust is the one piece of the machine's pip setup the test keeps (the PyPI front
+    here is signed by a local CA that certifi does not know)."""
+    for var in ("PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
+        if os.environ.get(var) and Path(os.environ[var]).is_file():
+            return os.environ[var]
+    cafile = ssl.get_default_verify_paths().cafile
+    return cafile if cafile and Path(cafile).is_file() else None
+
+
+def clean_pip_env() -> dict[str, str]:
+    """The environment for pip with every package SOURCE of this machine removed.
+
+    These machines configure pip with find-links /opt/wheels, local file:// indexes and a
+    constraints file (PIP_* variables, ~/.config/pip/pip.conf, /etc/xdg/pip/pip.conf). A
+    resolution through them could succeed on a wheel that exists only on this disk, or be
+    capped by a local constraint, and then fail for a user. `--isolated` drops the PIP_*
+    variables and the user config but NOT the global /etc/xdg/pip config (pip 23-26 still
+    load it); PIP_CONFIG_FILE=os.devnull makes pip skip every config file. What remains is
+    PyPI, named explicitly with --index-url."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
+def _pip_common() -> list[str]:
+    cert = _trust_bundle()
+    return ["--isolated", "--disable-pip-version-check", "--index-url", PYPI, "--timeout", "60"] + (
+        ["--cert", cert] if cert else []
+    )
+
+
+def fetch_pip(dest: Path) -> Path:
+    """pip PIP_VERSION's wheel, to run pip from (python pip.whl/pip): the resolver is pinned."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", *_pip_common(), "--no-deps", "--only-binary=:all:",
+         "-d", str(dest), f"pip=={PIP_VERSION}"],
+        env=clean_pip_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, f"could not fetch pip {PIP_VERSION}:\n{done.stdout}{done.stderr}"
+    (wheel,) = dest.glob(f"pip-{PIP_VERSION}-*.whl")
+    return wheel
+
+
+def start_resolution(pip_wheel: Path, requirements: list[str], arch: str,
+                     python: tuple[int, int], work: Path) -> subprocess.Popen[str]:
+    """pip's dry-run resolution of `requirements` for manylinux `arch`; writes work/report.json."""
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(pip_wheel / "pip"), "install", *_pip_common(),
+           "--dry-run", "--ignore-installed", "--only-binary=:all:", "--no-cache-dir",
+           "--use-feature=fast-deps", "--implementation", "cp",
+           "--python-version", f"{python[0]}.{python[1]}",
+           *[a for p in manylinux_platforms(arch) for a in ("--platform", p)],
+           # --target: with --platform pip refuses to install into this venv; --dry-run
+           # installs nothing anyway.
+           "--target", str(work / "target"), "--report", str(work / "report.json"),
+           *requirements]
+    return subprocess.Popen(cmd, env=clean_pip_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def resolve_all(requirements: list[str], python: tuple[int, int], work: Path) -> dict[str, dict[str, Any]]:
+    """Resolve for every arch at once (the time is network round trips, not CPU)."""
+    pip_wheel = fetch_pip(work / "pip")
+    procs = {a: start_resolution(pip_wheel, requirements, a, python, work / a) for a in ARCHES}
+    out: dict[str, dict[str, Any]] = {}
+    for arch, proc in procs.items():
+        try:
+            log, _ = proc.communicate(timeout=RESOLVE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+        report = work / arch / "report.json"
+        out[arch] = {"rc": proc.returncode, "log": log,
+                     "report": json.loads(report.read_text()) if report.exists() else None}
+    return out
+
+
+def _target_env(arch: str, python: tuple[int, int]) -> dict[str, str]:
+    env = default_environment()
+    env.update(platform_machine=arch, platform_system="Linux", sys_platform="linux",
+               python_version=f"{python[0]}.{python[1]}", python_full_version=f"{python[0]}.{python[1]}.0",
+               implementation_name="cpython", platform_python_implementation="CPython")
+    return env
+
+
+def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
+                  python: tuple[int, int]) -> None:
+    """Assert that one architecture's resolution is the CUDA 13 set vLLM 0.33 needs."""
+    assert result["rc"] == 0 and result["report"] is not None, (
+        f"the gpu extra does not resolve for manylinux {arch} cp{python[0]}{python[1]} "
+        f"(pip exit {result['rc']}):\n{result['log'][-3000:]}")
+    items = {canonicalize_name(i["metadata"]["name"]): i for i in result["report"]["install"]}
+    version = {n: i["metadata"]["version"] for n, i in items.items()}
+
+    def wheel(name: str) -> str:
+        return items[name]["download_info"]["url"].rsplit("/", 1)[-1]
+
+    # Every wheel is for this architecture or for any (the --platform really applied).
+    for name in items:
+        plats = {t.platform for t in parse_wheel_filename(wheel(name))[3]}
+        assert plats == {"any"} or all(p.endswith(arch) for p in plats), (name, wheel(name))
+
+    assert version.get("vllm") == "0.33.0", version.get("vllm")
+    env = _target_env(arch, python)
+    vllm_torch = [r for r in map(Requirement, items["vllm"]["metadata"]["requires_dist"])
+                  if canonicalize_name(r.name) == "torch" and (r.marker is None or r.marker.evaluate(env))]
+    assert [str(r.specifier) for r in vllm_torch] == ["==2.14.0"]
+    assert version["torch"] == "2.14.0"
+    assert wheel("torch").endswith(f"_{arch}.whl"), wheel("torch")
+
+    # torch's CUDA major, from what its metadata pins on Linux: cuda-toolkit==13.x and nvidia-*-cu13.
+    torch_reqs = [r for r in map(Requirement, items["torch"]["metadata"]["requires_dist"])
+                  if r.marker is None or r.marker.evaluate(env)]
+    majors = {cuda_major_of(r.name) for r in torch_reqs} - {None}
+    majors |= {Version(version["cuda-toolkit"]).major} if "cuda-toolkit" in version else set()
+    assert majors == {CUDA_MAJOR}, f"torch {version['torch']} on {arch} pins CUDA majors {majors}"
+
+    # What the extra itself names must be built for that major (nixl-cu12 or a -cuda12 build
+    # next to vLLM 0.33's CUDA 13 torch would resolve fine and fail at the first transfer).
+    for req in map(Requirement, requirements):
+        major = cuda_major_of(req.name)
+        assert major in (None, CUDA_MAJOR), f"{req} is a CUDA {major} build; torch is CUDA {CUDA_MAJOR}"
+
+    # NIXL: the `nixl` package vLLM imports loads nixl_cu<torch's major>; it must be there,
+    # at nixl's version, as a wheel for this arch.
+    assert version.get("nixl") == "1.5.1", version.get("nixl")
+    assert version.get(f"nixl-cu{CUDA_MAJOR}") == version["nixl"]
+    assert wheel(f"nixl-cu{CUDA_MAJOR}").endswith(f"_{arch}.whl")
+
+    # Mooncake: exactly one build, the CUDA 13 one (the plain wheel is a CUDA 12 build, the
+    # non-cuda one cannot register GPU memory).
+    mooncake = {n for n in items if n.startswith("mooncake-transfer-engine")}
+    assert mooncake == {f"mooncake-transfer-engine-cuda{CUDA_MAJOR}"}, mooncake
+    assert version[f"mooncake-transfer-engine-cuda{CUDA_MAJOR}"] == "0.3.14"
+    assert wheel(f"mooncake-transfer-engine-cuda{CUDA_MAJOR}").endswith(f"_{arch}.whl")
+
+
+@pytest.fixture(scope="module")
+def gpu_resolution(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return resolve_all(read_requirements("gpu"), GPU_PYTHON, tmp_path_factory.mktemp("gpu-extra"))
+
+
+def test_requires_python_admits_the_gpu_python() -> None:
+    assert f"{GPU_PYTHON[0]}.{GPU_PYTHON[1]}" in requires_python()
+    assert "3.11" in requires_python()  # the CPU path's Python
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_gpu_extra_resolves_to_one_cuda13_set(gpu_resolution: dict[str, dict[str, Any]], arch: str) -> None:
+    check_gpu_set(read_requirements("gpu"), gpu_resolution[arch], arch, GPU_PYTHON)
+
+
+def _index_files(name: str) -> list[str]:
+    req = urllib.request.Request(f"{PYPI}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    ctx = ssl.create_default_context(cafile=_trust_bundle())
+    with urllib.request.urlopen(req, context=ctx, timeout=60) as r:
+        return [f["filename"] for f in json.load(r)["files"] if not f.get("yanked")]
+
+
+def test_every_pinned_wheel_exists_for_each_supported_python_and_arch() -> None:
+    """The full resolution runs for GPU_PYTHON only (time); the pins themselves are checked for
+    every minor in requires-python x both arches, from the index listing (wheel tags)."""
+    minors = [(3, m) for m in range(10, 16) if f"3.{m}" in requires_python()]
+    assert minors == [(3, 11), (3, 12)]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extra = [Requirement(r) for r in project["optional-dependencies"]["gpu"]]
+    assert all([s.operator for s in r.specifier] == ["=="] for r in extra), extra  # the extra pins
+    pinned = [r for r in map(Requirement, read_requirements("gpu"))
+              if [s.operator for s in r.specifier] == ["=="]]  # + the pinned base deps
+    missing = []
+    for req in pinned:
+        (spec,) = req.specifier
+        files = [f for f in _index_files(req.name) if f.endswith(".whl")
+                 and parse_wheel_filename(f)[1] == Version(spec.version)]
+        tags: set[Tag] = {t for f in files for t in parse_wheel_filename(f)[3]}
+        for py in minors:
+            for arch in ARCHES:
+                wanted = set(cpython_tags(py, platforms=manylinux_platforms(arch))) | set(
+                    compatible_tags(py, platforms=manylinux_platforms(arch)))
+                if not tags & wanted:
+                    missing.append(f"{req} cp{py[0]}{py[1]} {arch}")
+    assert missing == []
