@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+from collections import OrderedDict
 import threading
 import time
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ LEASE_MARGIN_S = 0.25
 # A claim can arrive before the prefill worker's next step hands it the lease (the
 # scheduler issued the params at finish): wait this long for it.
 CLAIM_WAIT_S = 2.0
+# How many ended leases the prefill worker remembers, to tell a late claim why it is refused.
+ENDED_LEASES_KEPT = 4096
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -92,6 +95,7 @@ class PDWorker:
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._leases: dict[str, _Lease] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # req id -> why its lease ended
         self._decode_released: set[str] = set()
         self._released: set[str] = set()  # reads whose target blocks nothing writes into anymore
         self._jobs: queue.Queue[ReadJob | None] = queue.Queue()
@@ -185,10 +189,12 @@ class PDWorker:
         """Prefill side, on a gRPC thread: decode is about to READ ``req_id``'s blocks.
         Returns the seconds they stay held; one claim per lease."""
         with self._lease_known:
-            self._lease_known.wait_for(lambda: req_id in self._leases, timeout=CLAIM_WAIT_S)
+            self._lease_known.wait_for(lambda: req_id in self._leases or req_id in self._ended, timeout=CLAIM_WAIT_S)
             lease = self._leases.get(req_id)
+            if lease is None and req_id in self._ended:
+                raise LeaseRefused(f"request {req_id}: {self._ended[req_id]}")
             if lease is None or lease.lease_id != lease_id:
-                raise LeaseRefused(f"request {req_id}: no such lease (never issued, released, or expired)")
+                raise LeaseRefused(f"request {req_id}: no such lease (never issued here)")
             if lease.claimed:
                 raise LeaseRefused(f"request {req_id}: the lease was claimed already; a lease is read once "
                                    "(n > 1 or a replayed request), so this one recomputes")
@@ -289,6 +295,12 @@ class PDWorker:
                     if req_id not in self._decode_released:
                         warn_once(logger, "pd_lease_expired", "lease of %s expired before the decode side read it",
                                   req_id)
+                        self._ended[req_id] = "the lease on its blocks has expired"
+                    else:
+                        self._ended[req_id] = ("the lease was released already (a lease is read once: n > 1 or "
+                                               "a replayed request recomputes)")
+                    while len(self._ended) > ENDED_LEASES_KEPT:
+                        self._ended.popitem(last=False)
                     sending.add(req_id)
                     del self._leases[req_id]
                     self._decode_released.discard(req_id)

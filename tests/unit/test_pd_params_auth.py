@@ -130,6 +130,13 @@ def test_wrong_lease_id_unknown_and_expired_are_refused(server, worker):
     with pytest.raises(LeaseRefused, match="lease on its blocks has expired"):
         claim_lease(server.address, "req-4", "d" * 32, 5.0, KEY)
     assert claim_lease(server.address, "req-3", "c" * 32, 5.0, KEY) > 0  # the control
+    worker.get_transfer_results()  # req-4 ends (expired); req-3 is released next
+    with pytest.raises(LeaseRefused, match="lease on its blocks has expired"):
+        claim_lease(server.address, "req-4", "d" * 32, 5.0, KEY)
+    worker._released_by_decode(["req-3"])
+    assert worker.get_transfer_results().finished_sending == {"req-3"}
+    with pytest.raises(LeaseRefused, match="released already"):
+        claim_lease(server.address, "req-3", "c" * 32, 5.0, KEY)
 
 
 def test_a_claim_that_races_the_lease_waits_for_it(server, worker):
@@ -160,9 +167,10 @@ def test_leases_ignore_the_wall_clock(server, worker, monkeypatch):
 def _kv():  # noqa: ANN202 - a small KV cache built by vLLM's own allocation code
     import torch
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
     from vllm.v1.worker.utils import allocate_kv_cache
+
+    from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
 
     cfg = VllmConfig()
     cfg.cache_config.kv_cache_layout = "LBHNC"

@@ -1,0 +1,286 @@
+"""A hostile API client against a real P/D pair (``PDStack``: prefill, decode, proxy servers).
+
+Before the trust boundary (issue 13) one POST of ``remote_num_tokens: "abc"`` to the
+decode server killed its engine, and well-formed forged parameters made it connect to
+any host:port and READ any prefill block into its cache. Here every attack goes over
+HTTP as a client would send it, and after each one the decode server must still be
+healthy and answer a normal request exactly as a recompute does. Forged parameters
+point the decode side at a socket this test listens on, which must see no connection
+(the control: the same socket with correctly signed parameters is connected to).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from hybridkv.cli.pd_stack import PDStack
+from hybridkv.connector.pd_auth import PURPOSE_PARAMS, DeploymentKey, load_key
+from hybridkv.connector.pd_handshake import AgentInfoRequest, HandshakeError, release_blocks, request_agent_info
+from hybridkv.connector.pd_params import RemotePrefill, covered_hashes, issue_remote_prefill
+from tests.e2e.engine_harness import Completion, Session, matches, tiny_model
+
+pytestmark = pytest.mark.e2e
+
+HASH_BLOCK = 128  # the tiny gemma3's block size (both groups), so also vLLM's hash block
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with PDStack(tiny_model("gemma3"), log_dir=tmp_path_factory.mktemp("pd-hostile")) as s:
+        assert s.secret_file is not None, "PDStack must generate the pair's secret"
+        import requests
+
+        _MODEL[:] = [requests.get(s.decode.url + "/v1/models", timeout=30).json()["data"][0]["id"]]
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http():
+    import requests
+
+    return requests.Session()
+
+
+def _post(http, url: str, prompt: list[int], params=None, n: int = 1, salt: str | None = None,
+          max_tokens: int = 8):  # noqa: ANN001, ANN202
+    body = {"model": _MODEL[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "n": n,
+            "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    if n > 1:  # vLLM refuses n > 1 with temperature 0; top_k 1 is greedy all the same
+        body.update(temperature=1.0, top_k=1)
+    if params is not None:
+        body["kv_transfer_params"] = params
+    if salt is not None:
+        body["cache_salt"] = salt
+    return http.post(url + "/v1/completions", json=body, timeout=300)
+
+
+_MODEL: list[str] = []  # the served model's id (the proxy has no /v1/models)
+
+
+def _completions(r) -> list[Completion]:  # noqa: ANN001
+    assert r.status_code == 200, r.text
+    out = []
+    for c in r.json()["choices"]:
+        lp = c["logprobs"]
+        out.append(Completion([int(t.split(":")[1]) for t in lp["tokens"]], list(lp["token_logprobs"]), 0))
+    return out
+
+
+def _recompute(http, stack: PDStack, prompt: list[int]) -> Completion:  # noqa: ANN001
+    return _completions(_post(http, stack.decode.url, prompt, salt=f"recompute-{uuid.uuid4()}"))[0]
+
+
+def _prefill_params(http, stack: PDStack, prompt: list[int]) -> dict:  # noqa: ANN001
+    r = _post(http, stack.prefill.url, prompt, params={"do_remote_decode": True}, max_tokens=1)
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params and params["remote_mac"], params
+    return params
+
+
+def _log(stack: PDStack) -> str:
+    return Path(stack.decode.log_path).read_text(errors="replace")
+
+
+def _assert_healthy_and_exact(http, stack: PDStack, prompt: list[int], got: Completion | None = None) -> None:  # noqa: ANN001
+    """The decode server still serves, and what it serves equals a recompute."""
+    assert http.get(stack.decode.url + "/health", timeout=30).status_code == 200
+    ref = _recompute(http, stack, prompt)
+    normal = _completions(_post(http, stack.decode.url, prompt))[0]
+    assert matches(normal, ref), "a normal request after the attack differs from a recompute"
+    if got is not None:
+        assert matches(got, ref), "the attacked request's own output differs from a recompute"
+
+
+class Listener:
+    """A TCP socket the forged parameters point at; counts who connects."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+@pytest.fixture()
+def listener():
+    sock = Listener()
+    yield sock
+    sock.close()
+
+
+def _block_hashes(prompt: list[int]) -> list[bytes]:
+    """vLLM's own block hashes of ``prompt`` (sha256, the default), as the servers compute them."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    req = Request("x", list(prompt), SamplingParams(max_tokens=1), None,
+                  block_hasher=get_request_block_hasher(HASH_BLOCK, sha256))
+    return list(req.block_hashes)
+
+
+def _resign(params: dict, key: DeploymentKey, for_prompt: list[int], **changes) -> dict:
+    """``params`` with ``changes`` applied, signed with ``key`` for ``for_prompt``."""
+    p = RemotePrefill(
+        engine_id=params["remote_engine_id"], request_id=params["remote_request_id"],
+        host=changes.get("host", params["remote_host"]), port=changes.get("port", params["remote_port"]),
+        block_ids=tuple(tuple(g) for g in params["remote_block_ids"]), num_tokens=params["remote_num_tokens"],
+        lease_id=params["remote_lease_id"])
+    return issue_remote_prefill(p, key, _block_hashes(for_prompt), HASH_BLOCK)
+
+
+def _malformed(valid: dict) -> dict[str, dict]:
+    groups = valid["remote_block_ids"]
+    return {
+        "num_tokens_abc": valid | {"remote_num_tokens": "abc"},
+        "port_x": valid | {"remote_port": "x"},
+        "block_ids_5": valid | {"remote_block_ids": 5},
+        "negative_ids": valid | {"remote_block_ids": [[-1] * len(g) for g in groups]},
+        "huge_ids": valid | {"remote_block_ids": [[2**62] * len(g) for g in groups]},
+        "wrong_group_count": valid | {"remote_block_ids": groups + [[1]]},
+        "too_many_blocks": valid | {"remote_block_ids": [list(range(1, 200)) for _ in groups]},
+        "huge_num_tokens": valid | {"remote_num_tokens": 10**18},
+        "flag_not_bool": valid | {"do_remote_prefill": "yes"},
+        "internal_marker": valid | {"_hkv_read": True, "remote_port": 0},
+    }
+
+
+def test_malformed_params_to_decode_keep_it_healthy_and_exact(stack, http):
+    session = Session(seed=31)
+    prompt = session.prompt
+    valid = _prefill_params(http, stack, prompt)
+    for name, params in _malformed(valid).items():
+        r = _post(http, stack.decode.url, prompt, params=params)
+        assert r.status_code == 200, (name, r.status_code, r.text[:300])
+        _assert_healthy_and_exact(http, stack, prompt, _completions(r)[0])
+    log = _log(stack)
+    for field in ("remote_num_tokens", "remote_port", "remote_block_ids", "remote_block_ids[0]", "do_remote_prefill"):
+        assert f"kv_transfer_params.{field} " in log, f"no log line names {field}"
+    assert "EngineDeadError" not in log and "crashed" not in log
+
+
+def test_do_remote_decode_to_a_decode_only_server_is_refused(stack, http):
+    prompt = Session(seed=32).prompt
+    r = _post(http, stack.decode.url, prompt, params={"do_remote_decode": True})
+    assert r.status_code == 200, r.text
+    assert not r.json().get("kv_transfer_params"), "a decode-only instance issued a lease"
+    _assert_healthy_and_exact(http, stack, prompt, _completions(r)[0])
+    assert "kv_transfer_params.do_remote_decode is true on an instance that is not a prefill instance" in _log(stack)
+
+
+def test_forged_params_make_no_connection(stack, http, listener):
+    key = load_key(str(stack.secret_file), False)
+    a, b = Session(seed=33).prompt, Session(seed=34).prompt
+    real_b = _prefill_params(http, stack, b)
+    # my hashes are the servers' (else the controls below would prove nothing)
+    hashes = covered_hashes(_block_hashes(b), real_b["remote_num_tokens"], HASH_BLOCK)
+    fields = RemotePrefill(real_b["remote_engine_id"], real_b["remote_request_id"], real_b["remote_host"],
+                           real_b["remote_port"], tuple(tuple(g) for g in real_b["remote_block_ids"]),
+                           real_b["remote_num_tokens"], real_b["remote_lease_id"]).signed_fields(hashes)
+    assert key.verify(real_b["remote_mac"], PURPOSE_PARAMS, *fields)
+    forged = {
+        "address_changed": real_b | {"remote_port": listener.port},
+        "other_secret": _resign(real_b, DeploymentKey(b"not-the-secret-0123456789"), b, port=listener.port),
+        "signed_for_other_prompt": _resign(real_b, key, a, port=listener.port),
+        "no_mac": {k: v for k, v in (real_b | {"remote_port": listener.port}).items() if k != "remote_mac"},
+    }
+    for name, params in forged.items():
+        r = _post(http, stack.decode.url, b, params=params)
+        assert r.status_code == 200, (name, r.text[:300])
+        _assert_healthy_and_exact(http, stack, b, _completions(r)[0])
+        time.sleep(0.3)
+        assert listener.connections == 0, f"{name}: decode connected to the forged address"
+    assert _log(stack).count("kv_transfer_params.remote_mac does not verify") >= len(forged) - 1
+    # The control: correctly signed for this prompt, the same address IS connected to
+    # (the handshake then fails and the request recomputes).
+    r = _post(http, stack.decode.url, b, params=_resign(real_b, key, b, port=listener.port))
+    deadline = time.monotonic() + 10
+    while listener.connections == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert listener.connections > 0, "the listener's count has no power: a signed set was not connected either"
+    _assert_healthy_and_exact(http, stack, b, _completions(r)[0])
+
+
+def test_forged_side_channel_calls_are_refused_and_the_lease_survives(stack, http):
+    prompt = Session(seed=35).prompt
+    params = _prefill_params(http, stack, prompt)
+    address = f"{params['remote_host']}:{params['remote_port']}"
+    for key in (None, DeploymentKey(b"not-the-secret-0123456789")):
+        with pytest.raises(HandshakeError, match="UNAUTHENTICATED"):
+            release_blocks(address, [params["remote_request_id"]], 5.0, key)
+        with pytest.raises(HandshakeError, match="UNAUTHENTICATED"):
+            request_agent_info(address, AgentInfoRequest("attacker", 0, None), 5.0, key)
+    before = _log(stack)
+    got = _completions(_post(http, stack.decode.url, prompt, params=params))[0]
+    new = _log(stack)[len(before):]
+    assert "not read, recomputing" not in new and "lease on its blocks" not in new, new[-2000:]
+    _assert_healthy_and_exact(http, stack, prompt, got)
+
+
+def test_replayed_params_are_not_read_twice(stack, http):
+    """The same lease sent twice (a proxy retry, a replay): the second needs a READ (the
+    decode cache was dropped) but the prefill side refuses the claim, so it recomputes."""
+    prompt = Session(seed=36).prompt
+    params = _prefill_params(http, stack, prompt)
+    first = _completions(_post(http, stack.decode.url, prompt, params=params))[0]
+    for _ in range(50):
+        if http.post(stack.decode.url + "/reset_prefix_cache", timeout=30).json().get("success", True):
+            break
+        time.sleep(0.1)
+    before = _log(stack)
+    second = _completions(_post(http, stack.decode.url, prompt, params=params))[0]
+    new = _log(stack)[len(before):]
+    assert "not read, recomputing" in new, new[-2000:]
+    ref = _recompute(http, stack, prompt)
+    assert matches(first, ref) and matches(second, ref)
+
+
+def test_n2_through_the_proxy_equals_recompute(stack, http):
+    """Two decode children share one lease: one reads it, the other recomputes (or hits
+    the first's blocks); neither reads blocks the other released."""
+    prompt = Session(seed=37).prompt
+    r = _post(http, stack.url, prompt, n=2)
+    got = _completions(r)
+    assert len(got) == 2
+    ref = _recompute(http, stack, prompt)
+    assert all(matches(c, ref) for c in got)
+    _assert_healthy_and_exact(http, stack, prompt)
+
+
+def test_block_count_bound_matches_the_servers_layout(stack, http):
+    """The 'too_many_blocks' case above is refused by the per-group bound, not by luck:
+    the prefill side's own lists are within it (positional, cdiv(prompt, block))."""
+    prompt = Session(seed=38).prompt
+    params = _prefill_params(http, stack, prompt)
+    assert [len(g) for g in params["remote_block_ids"]] == [math.ceil(len(prompt) / HASH_BLOCK)] * 2
