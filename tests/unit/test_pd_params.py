@@ -162,8 +162,8 @@ def _acted_on(valid: dict, raw: Any) -> bool:
     """The one set that must be accepted: every field decode acts on is what was signed."""
     if not isinstance(raw, dict) or raw.get("do_remote_prefill") is not True:
         return False
-    if raw.get("do_remote_decode") not in (None, False):
-        return False
+    if raw.get("do_remote_decode") is not None and raw.get("do_remote_decode") is not False:
+        return False  # (0 == False in Python, but JSON 0 is not a flag: refused)
     return all(raw.get(k, object()) == valid[k] and type(raw.get(k)) is type(valid[k])
                for k in FIELDS if k not in ("do_remote_prefill", "do_remote_decode"))
 
