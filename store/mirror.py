@@ -30,6 +30,7 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 
+from hybridkv.store import vllm_compat
 from hybridkv.store.geometry import GroupGeometry
 
 # (group id, block hash bytes): one stored object per group per hash unit.
@@ -209,7 +210,7 @@ class StoreMirror:
             replay_boundaries(
                 num_prompt_tokens,
                 geo.scheduler_block_size,
-                use_eagle=bool(self._coordinator.eagle_group_ids),
+                use_eagle=bool(vllm_compat.eagle_drop_group_ids(self._coordinator)),
             )
         )
         if shared_prefix_boundary:

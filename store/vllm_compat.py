@@ -25,6 +25,12 @@ The differences, and what each version does:
   (``get_global_kv_cache_groups``) as a 4th argument, after the engine applied
   ``adjust_dcp_kv_cache_interleave_size`` to them. -> :func:`get_kv_cache_configs`.
 
+* EAGLE replay boundaries. 0.32's coordinator keeps EAGLE boundaries for every
+  group flagged ``is_eagle_group`` (``eagle_group_ids``); 0.33 keeps them only
+  when the scheduler actually drops the EAGLE block (``drop_eagle_group_ids``:
+  empty when ``use_eagle`` is off, e.g. block drop disabled).
+  -> :func:`eagle_drop_group_ids`.
+
 Differences that need no code (recorded so nobody adds a check for them):
 
 * ``KVCacheManager.__init__`` / coordinators / ``BlockPool`` gain
@@ -36,6 +42,12 @@ Differences that need no code (recorded so nobody adds a check for them):
 * ``KVConnectorBase_V1`` gains ``supports_sleep_mode`` (classmethod, default
   True), ``unregister_kv_caches`` and ``restore_kv_caches`` (default no-ops) in
   0.33; inherited defaults apply, 0.32 never calls them.
+* 0.33 hashes blocks with lookahead tokens (``VllmConfig.num_hash_lookahead_tokens``)
+  only without a KV connector ("KV connectors keep the legacy hashes"), so a
+  hybridkv engine always has 0, the 0.32 hashes.
+* 0.33's ``cache_blocks`` adds ``shared_prefix_boundary - block_size`` to an
+  EAGLE group's reachable boundaries; hybridkv's save mask passes no shared
+  prefix boundary, so it is unaffected.
 * ``get_mamba_prefill_checkpoint_position`` gains
   ``num_hash_lookahead_tokens=0`` in 0.33 (defaulted).
 * ``SingleTypeKVCacheManager.reachable_block_mask`` is a classmethod with the
@@ -58,6 +70,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.kv_cache_interface import KVCacheSpec
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
@@ -100,6 +113,17 @@ def get_computed_blocks(
             f"(it always uses num_tokens - 1 = {request.num_tokens - 1})"
         )
     return manager.get_computed_blocks(request)
+
+
+def eagle_drop_group_ids(coordinator: "KVCacheCoordinator") -> frozenset[int]:
+    """Groups whose cached blocks follow the EAGLE last-block drop.
+
+    0.33: ``coordinator.drop_eagle_group_ids`` (flagged groups, and only when
+    the scheduler uses the drop). 0.32: ``coordinator.eagle_group_ids`` (it has
+    no separate notion: flagged groups always take the EAGLE boundaries).
+    """
+    ids = getattr(coordinator, "drop_eagle_group_ids", None)
+    return frozenset(coordinator.eagle_group_ids if ids is None else ids)
 
 
 def get_kv_cache_config_from_groups(

@@ -53,7 +53,7 @@ UNIT = 16
 WINDOW = Geometry(specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096)
 TWO_DENSE = Geometry(specs=[fa(16), fa(32), mamba(32)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096)
 PROMPT = random.Random(7).choices(range(3, 30000), k=1000)
-_TINY_LLAMA = {
+_TINY_LLAMA = {  # a tiny local config.json: vLLM needs a ModelConfig, no hub is reachable
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
     "head_dim": 32, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
