@@ -474,10 +474,12 @@ def build_kv_cache_config(vllm_config: Any) -> Any:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import AttentionSpec
     from vllm.v1.worker.utils import customize_attention_spec
+
+    from hybridkv.store.vllm_compat import get_kv_cache_configs  # moved, and takes the groups, in 0.33
 
     started_world = False
     with set_current_vllm_config(vllm_config):
