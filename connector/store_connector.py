@@ -23,7 +23,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.connector.block_copies import block_copy_views, redo_block_copies
 from hybridkv.connector.block_layout import layer_specs
-from hybridkv.connector.store_config import ConfigError, StoreConnectorConfig
+from hybridkv.connector.store_config import (
+    ConfigError,
+    StoreConnectorConfig,
+    load_failure_policy_warning,
+)
 from hybridkv.connector.store_keys import store_key_schema
 from hybridkv.connector.store_metadata import StoreConnectorMetadata
 from hybridkv.connector.store_scheduler import StoreScheduler
@@ -101,13 +105,8 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: StoreWorker | None = None
         self._copy_views: list["torch.Tensor"] = []  # see register_kv_caches
         if role == KVConnectorRole.SCHEDULER:
-            if ktc.kv_load_failure_policy != "recompute":
-                logger.warning(
-                    "hybridkv: kv_load_failure_policy=%r: a store read that fails (store down, object "
-                    "evicted) will FAIL the request; add \"kv_load_failure_policy\":\"recompute\" to "
-                    "--kv-transfer-config to recompute instead",
-                    ktc.kv_load_failure_policy,
-                )
+            if warning := load_failure_policy_warning(ktc.kv_load_failure_policy):
+                logger.warning("hybridkv: %s", warning)
             self._scheduler = StoreScheduler(
                 self._cfg,
                 store_key_schema(vllm_config, kv_cache_config, self._cfg.namespace),
