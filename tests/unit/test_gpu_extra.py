@@ -172,9 +172,10 @@ def _target_env(arch: str, python: tuple[int, int]) -> dict[str, str]:
 def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
                   python: tuple[int, int]) -> None:
     """Assert that one architecture's resolution is the CUDA 13 set vLLM 0.33 needs."""
+    errors = [line for line in result["log"].splitlines() if line.startswith("ERROR")]
     assert result["rc"] == 0 and result["report"] is not None, (
         f"the gpu extra does not resolve for manylinux {arch} cp{python[0]}{python[1]} "
-        f"(pip exit {result['rc']}):\n{result['log'][-3000:]}")
+        f"(pip exit {result['rc']}): {errors}\n{result['log'][-3000:]}")
     items = {canonicalize_name(i["metadata"]["name"]): i for i in result["report"]["install"]}
     version = {n: i["metadata"]["version"] for n, i in items.items()}
 
