@@ -1,8 +1,9 @@
 """Scheduler side of HybridStoreConnector: lookups, load plans, save plans, pins.
 
-Lookups ask the store mirror (vLLM's own coordinator over the store's keys) with
-ONE batched existence query beyond the local prefix hit, so the store offers
-exactly what the scheduler can accept. Saves follow the mirror's save mask
+Lookups ask the store mirror (vLLM's own coordinator over the store's keys),
+which probes only keys the coordinator can read beyond the local prefix hit
+(two batched existence queries: the coarsest dense group, then the rest around
+its bound), so the store offers exactly what the scheduler can accept. Saves follow the mirror's save mask
 (every dense block, window tails, aligned Mamba checkpoints) and pin the source
 blocks until every worker has written them, because a finished or preempted
 request frees its blocks at once and vLLM would hand them to another request.
@@ -33,7 +34,7 @@ from hybridkv.connector.store_metadata import (
 from hybridkv.connector.store_stats import HybridStoreStats
 from hybridkv.store.geometry import GroupGeometry
 from hybridkv.store.keys import KeySchema
-from hybridkv.store.mirror import BlockKey, StoreHit, StoreMirror
+from hybridkv.store.mirror import BlockKey, ProbedHit, StoreHit, StoreMirror
 from hybridkv.store.mooncake_backend import MooncakeBackend, StoreError, code_name
 
 if TYPE_CHECKING:
@@ -54,9 +55,13 @@ class _LoadPlan:
 
     hit: StoreHit
     local_tokens: int
-    found: frozenset[BlockKey]
+    answers: dict[BlockKey, bool]  # every key the lookup asked: a smaller grant re-decides over them
     num_tokens: int
     at: float
+
+    @property
+    def found(self) -> frozenset[BlockKey]:
+        return frozenset(k for k, ok in self.answers.items() if ok)
 
 
 class StoreScheduler:
@@ -144,18 +149,9 @@ class StoreScheduler:
             return 0, False
         self._stats.add("lookups")
         self._stats.add("query_tokens", request.num_tokens)
-        found: set[BlockKey] = set()
-
-        def exists(keys: list[BlockKey]) -> list[bool]:
-            answers = self._client.exists(
-                [self._schema.key(g, h) for g, h in keys], timeout_s=self._cfg.lookup_timeout_s
-            )
-            found.update(k for k, ok in zip(keys, answers) if ok)
-            return answers
-
         t0 = time.perf_counter()
         try:
-            hit = mirror.longest_hit(request.block_hashes, max_tokens, exists, num_computed_tokens)
+            probed = mirror.lookup(request.block_hashes, max_tokens, self._exists, num_computed_tokens)
         except StoreError as e:
             self._stats.add("lookup_errors")
             self._stats.add(f"fail.lookup_{code_name(e.code).lower()}")
@@ -163,15 +159,29 @@ class StoreScheduler:
             return 0, False
         finally:
             self._stats.add_latency("lookup", time.perf_counter() - t0)
+        self._count_probes(probed)
+        hit = probed.hit
         ext = hit.tokens - num_computed_tokens
         if ext <= 0:
             return 0, False
         self._plans[request.request_id] = _LoadPlan(
-            hit, num_computed_tokens, frozenset(found), request.num_tokens, time.monotonic()
+            hit, num_computed_tokens, probed.answers, request.num_tokens, time.monotonic()
         )
         self._stats.add("lookup_hits")
         self._stats.add("hit_tokens", ext)
         return ext, True
+
+    def _exists(self, keys: list[BlockKey]) -> list[bool]:
+        """ONE batched existence query (a round trip) for the mirror's probe keys."""
+        return self._client.exists(
+            [self._schema.key(g, h) for g, h in keys], timeout_s=self._cfg.lookup_timeout_s
+        )
+
+    def _count_probes(self, probed: ProbedHit) -> None:
+        self._stats.add("lookup_round_trips", probed.round_trips)
+        self._stats.add("lookup_keys_probed", sum(probed.probed))
+        if probed.fallback:
+            self._stats.add("lookup_fallbacks")
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -187,13 +197,21 @@ class StoreScheduler:
         assert self._mirror is not None
         hit = plan.hit
         target = plan.local_tokens + num_external_tokens
+        job = LoadJob(req_id, BlockBatch(), load_id=next(self._job_ids))
         if target != hit.tokens:
             # Granted fewer tokens than offered: the sparse state must sit at the
-            # granted boundary, so re-decide over the same contents (no new RPC).
-            hit = self._mirror.longest_hit(
-                request.block_hashes, target, plan.found, plan.local_tokens
-            )
-        job = LoadJob(req_id, BlockBatch(), load_id=next(self._job_ids))
+            # granted boundary. Re-decide there over the answers had, asking the
+            # store only for the sparse keys around the new boundary.
+            try:
+                probed = self._mirror.lookup(
+                    request.block_hashes, target, self._exists, plan.local_tokens, known=plan.answers
+                )
+            except StoreError as e:
+                job.refused = f"granted {num_external_tokens} tokens; store lookup at {target} failed: {e}"
+                self._loads.append(job)
+                return
+            self._count_probes(probed)
+            hit = probed.hit
         if hit.tokens != target:
             job.refused = f"granted {num_external_tokens} tokens but the store has no state at {target}"
             self._loads.append(job)
