@@ -38,9 +38,10 @@ its KV caches are registered):
   receive queue is drained and no failure is reported. Its save does a
   ``batch_is_exist`` first (dedup), then one ``batch_put_from_multi_buffers``.
 * ``hybridkv (no checksum)``: hybridkv with ``checksum_parts`` replaced by a constant
-  (what the trailer costs); ``hybridkv (isal crc32)``: hybridkv with the CRC-32
-  computed by ISA-L (``isal.isal_zlib.crc32``, bit-identical values: the proposed
-  change), when the ``isal`` package is installed.
+  (what the trailer costs); ``hybridkv (ISA-L CRC-32, before)``: hybridkv with the
+  previous check (CRC-32 by ISA-L, ``isal.isal_zlib.crc32``) in the new trailer,
+  when the ``isal`` package is installed. ``hybridkv`` itself uses XXH3-64
+  (``store/object_trailer.py``, 16-byte versioned trailer).
 
 Before each system's save the store is emptied (``remove_all(force=True)``); its
 load reads what it just saved. The order of the systems rotates every repeat. The
@@ -76,8 +77,8 @@ BLOCK_TOKENS = 128
 HEADS, HEAD_DIM = 8, 128
 LAYER_BLOCK_BYTES = 2 * BLOCK_TOKENS * HEADS * HEAD_DIM * 2  # K+V, bf16: 512 KiB
 OBJECT_BYTES = LAYERS * LAYER_BLOCK_BYTES  # 2 MiB
-TARGET_RAW = 0.5  # issue 5: at least half of raw, ahead of in-tree
-SYSTEMS = ("hybridkv", "raw", "in-tree", "hybridkv (no checksum)", "hybridkv (isal crc32)")
+TARGET_RAW = 0.8  # issue 16: at least 0.8 of raw, ahead of in-tree
+SYSTEMS = ("hybridkv", "raw", "in-tree", "hybridkv (no checksum)", "hybridkv (ISA-L CRC-32, before)")
 
 
 class _CrcTimer:
@@ -183,7 +184,7 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
     tmp = tempfile.mkdtemp(prefix="hybridkv-datapath-bench-")
     segment = int(max_objects * (OBJECT_BYTES + 4096) * 1.15) + (64 << 20)
     isal_fn = _isal_checksum_parts()
-    systems = [s for s in SYSTEMS if s != "hybridkv (isal crc32)" or isal_fn is not None]
+    systems = [s for s in SYSTEMS if s != "hybridkv (ISA-L CRC-32, before)" or isal_fn is not None]
     rows: list[dict] = []
     meta: dict = {"segment_bytes": segment, "window": window, "systems": systems}
     rng = np.random.default_rng(0)
@@ -350,7 +351,7 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
             variants = {
                 "hybridkv": crc_timer,
                 "hybridkv (no checksum)": lambda key, addrs, sizes: 0,
-                "hybridkv (isal crc32)": isal_fn,
+                "hybridkv (ISA-L CRC-32, before)": isal_fn,
             }
 
             checks: dict[str, bool] = {}
@@ -484,8 +485,9 @@ def verdict(rows, systems) -> list[str]:
     out.append(f"- hybridkv ahead of in-tree: **{'MET' if worst_it[0] > 1 else 'NOT met'}** "
                f"(lowest median ratio {worst_it[0]:.2f}: {worst_it[1]} objects, {worst_it[2]})")
     shares = [_crc_share(r, "hybridkv", op) for r in rows for op in ("save", "load")]
-    out.append(f"- CRC-32 trailer: {min(shares):.0%}-{max(shares):.0%} of hybridkv's job time (zlib.crc32, "
-               "on the job thread, before the put / after the get)")
+    out.append(f"- XXH3-64 trailer check: {min(shares):.0%}-{max(shares):.0%} of hybridkv's job time (target <= 15%: "
+               f"**{'MET' if max(shares) <= 0.15 else 'NOT met'}**; one pass over every byte on the job thread, "
+               "before the put / after the get)")
     for s in systems:
         if s in ("hybridkv", "raw", "in-tree"):
             continue

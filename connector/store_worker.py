@@ -8,7 +8,18 @@ background threads (loads, saves) so the forward pass never waits for the
 store; results are reported through vLLM's per-request channels:
 ``finished_recving``/``failed_recving`` (failed loads recompute) and worker
 metadata (finished saves release the scheduler's pins).
-"""
+
+Faults (issue 14): every store call goes through the backend's bounded call
+(``timeout_s``, or less where a deadline is nearer), so a call stuck on a hung
+master or segment owner counts in the backend's CLIENT_STUCK gate and later calls
+fail fast instead of piling up. Loads run on a small pool, each request under its
+own deadline (``load_deadline_s`` from when the step handed it over), so a request
+whose objects sit on a hung node does not delay another's. Synchronous state saves
+share ONE budget per step (``step_save_budget_s``): a dead store costs the forward
+pass at most that, whatever the number of groups or batches. Asynchronous saves
+queue up to ``save_queue_blocks`` blocks; a job beyond that is skipped at once
+(counted as ``skipped_saves``) so its source blocks are unpinned instead of held.
+
 
 from __future__ import annotations
 
@@ -22,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from concurrent.futures import Future
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -41,7 +53,7 @@ from hybridkv.store.mooncake_backend import (
     code_name,
 )
 from hybridkv.store.call_pool import CallPool
-from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, checksum_parts
+from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, checksum_parts, size_verdict
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -52,17 +64,39 @@ class _LoadResult:
     ok: bool
 
 
-class _JobThread:
-    """One daemon thread draining a queue of callables (ordered, never blocks the caller)."""
+@dataclass(frozen=True)
+class WorkerLimits:
+    """How much a slow or dead store may cost; defaults derive from ``timeout_s``.
 
-    def __init__(self, name: str) -> None:
+    Read from the connector config when it declares the same names (so adding a
+    config key needs no change here), else the defaults below.
+    """
+
+    load_workers: int = 4  # loads in flight at once (each request has its own deadline)
+    load_deadline_s: float = 5.0  # one request's whole load, queueing included
+    step_save_budget_s: float = 5.0  # all synchronous saves of one step together
+    save_queue_blocks: int = 1024  # async save blocks queued or in flight; beyond: skipped
+
+    @classmethod
+    def from_config(cls, cfg: StoreConnectorConfig) -> "WorkerLimits":
+        d = {"load_deadline_s": cfg.timeout_s, "step_save_budget_s": cfg.timeout_s,
+             "save_queue_blocks": 4 * cfg.max_batch_blocks}
+        return cls(**{f: getattr(cfg, f, d.get(f, getattr(cls, f))) for f in cls.__dataclass_fields__})
+
+
+class _JobThread:
+    """Daemon threads draining a queue of callables (one thread: ordered; never blocks the caller)."""
+
+    def __init__(self, name: str, threads: int = 1) -> None:
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         self._pending = 0
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(max(1, threads))]
+        for t in self._threads:
+            t.start()
 
     def submit(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -86,22 +120,30 @@ class _JobThread:
         return self._idle.wait(timeout_s)
 
     def stop(self) -> None:
-        self._q.put(None)
+        for _ in self._threads:
+            self._q.put(None)
 
 
 class StoreWorker:
     """One per worker process (rank)."""
 
     def __init__(
-        self, cfg: StoreConnectorConfig, kv_cache_config: KVCacheConfig, schema: KeySchema, client: MooncakeBackend
+        self,
+        cfg: StoreConnectorConfig,
+        kv_cache_config: KVCacheConfig,
+        schema: KeySchema,
+        client: MooncakeBackend,
+        limits: WorkerLimits | None = None,
     ) -> None:
         self._cfg = cfg
+        self._limits = limits or WorkerLimits.from_config(cfg)
         self._kv_cache_config = kv_cache_config
         self._schema = schema
         self._client = client
         self._layout: KVLayout | None = None
-        self._loads = _JobThread("hybridkv-store-load")
+        self._loads = _JobThread("hybridkv-store-load", self._limits.load_workers)
         self._saves = _JobThread("hybridkv-store-save")
+        self._queued_save_blocks = 0
         self._lock = threading.Lock()
         self._done_loads: list[_LoadResult] = []
         self._done_saves: Counter[int] = Counter()
@@ -130,10 +172,11 @@ class StoreWorker:
 
     # ------------------------------------------------------------------- loads
     def start_load_kv(self, meta: StoreConnectorMetadata) -> None:
+        deadline = time.monotonic() + self._limits.load_deadline_s
         for job in meta.loads:
-            self._loads.submit(lambda job=job: self._run_load(job))
+            self._loads.submit(lambda job=job: self._run_load(job, deadline))
 
-    def _run_load(self, job: LoadJob) -> None:
+    def _run_load(self, job: LoadJob, deadline: float | None = None) -> None:
         ok, pending = False, None
         try:
             if job.refused:
@@ -141,7 +184,7 @@ class StoreWorker:
             elif self._layout is None:
                 self._fail("not_registered", "load before register_kv_caches")
             else:
-                ok, pending = self._move(job.blocks, load=True)
+                ok, pending = self._move(job.blocks, load=True, deadline=deadline)
         finally:
             if not ok:
                 self._stat("failed_loads")
@@ -152,21 +195,56 @@ class StoreWorker:
 
     # ------------------------------------------------------------------- saves
     def wait_for_save(self, meta: StoreConnectorMetadata) -> None:
-        """Queue this step's saves; the forward that wrote the blocks has finished."""
+        """Queue this step's saves; the forward that wrote the blocks has finished.
+
+        Synchronous jobs (state blocks the next forward may overwrite) run here under
+        ONE deadline for the step; asynchronous ones are queued while the queue has room.
+        """
         fence = device_fence(self._on_cuda) if meta.saves else None
+        step_deadline = time.monotonic() + self._limits.step_save_budget_s
         for job in meta.saves:
             if job.sync:
-                self._run_save(job, fence)
+                if time.monotonic() >= step_deadline:
+                    self._skip_save(job, "save_step_budget")
+                else:
+                    self._run_save(job, fence, step_deadline)
+            elif not self._reserve_save(len(job.blocks)):
+                self._skip_save(job, "save_queue_full")
             else:
-                self._saves.submit(lambda job=job: self._run_save(job, fence))
+                self._saves.submit(lambda job=job: self._run_queued_save(job, fence))
 
-    def _run_save(self, job: SaveJob, fence: "torch.cuda.Event | None" = None) -> None:
+    def _reserve_save(self, n: int) -> bool:
+        with self._lock:
+            if self._queued_save_blocks + n > self._limits.save_queue_blocks:
+                return False
+            self._queued_save_blocks += n
+            return True
+
+    def _run_queued_save(self, job: SaveJob, fence: "torch.cuda.Event | None") -> None:
+        try:
+            self._run_save(job, fence)
+        finally:
+            with self._lock:
+                self._queued_save_blocks -= len(job.blocks)
+
+    def _skip_save(self, job: SaveJob, cause: str) -> None:
+        """Not written (store too slow for the budget, or queue full): unpin now, count it."""
+        self._stat("skipped_saves", len(job.blocks))
+        self._stat(f"fail.{cause}", len(job.blocks))
+        warn_once(logger, cause, "hybridkv store: skipped saving %d block(s): %s", len(job.blocks),
+                  "this step's synchronous save budget is spent" if cause == "save_step_budget"
+                  else f"the save queue holds {self._limits.save_queue_blocks} blocks already")
+        self._ack_save(job.job_id)
+
+    def _run_save(
+        self, job: SaveJob, fence: "torch.cuda.Event | None" = None, deadline: float | None = None
+    ) -> None:
         pending = None
         try:
             if fence is not None:
                 fence.synchronize()  # the forward that wrote these blocks has finished on the device
             if self._layout is not None:
-                ok, pending = self._move(job.blocks, load=False)
+                ok, pending = self._move(job.blocks, load=False, deadline=deadline)
                 if ok:
                     self._log_keys(job.blocks)
         finally:
@@ -182,49 +260,41 @@ class StoreWorker:
             self._released_loads[load_id] += 1
 
     @staticmethod
-    def _after(pending: threading.Event | None, fn: Callable[[], None]) -> None:
+    def _after(pending: "Future[Any] | None", fn: Callable[[], None]) -> None:
         """Run ``fn`` now, or when an abandoned store call has really returned."""
-        if pending is None or pending.is_set():
+        if pending is None or pending.done():
             fn()
-            return
+        else:
+            pending.add_done_callback(lambda _f: fn())
 
-        def wait_then() -> None:
-            pending.wait()
-            fn()
+    def _bounded_call(
+        self, op: str, fn: Callable[..., list[int]], keys: list[str], addrs: list, sizes: list,
+        deadline: float | None,
+    ) -> tuple[list[int] | None, StoreError | None, "Future[Any] | None"]:
+        """One store call through the backend's bounded call, WITHOUT letting it outlive its buffers.
 
-        threading.Thread(target=wait_then, name="hybridkv-store-straggler", daemon=True).start()
-
-    def _guarded(
-        self, op: str, fn: Callable[..., list[int]], keys: list[str], addrs: list, sizes: list
-    ) -> tuple[list[int] | None, StoreError | None, threading.Event]:
-        """One store call bounded by ``timeout_s`` WITHOUT letting it outlive its buffers.
-
-        A Mooncake call cannot be cancelled: after a timeout it may still read or
-        write the KV blocks. The caller gets the timeout at once (the request
-        recomputes), and the returned event tells when the call really ended, so
-        the blocks stay pinned until then and are never reused under it.
+        The backend waits at most ``timeout_s`` (or until ``deadline``) and counts an
+        abandoned call in its CLIENT_STUCK gate. A Mooncake call cannot be cancelled:
+        after a timeout it may still read or write the KV blocks, so the returned
+        future (None when no call is left running) tells when it really ended; the
+        blocks and buffers stay pinned until then and are never reused under it.
         """
-        done = threading.Event()
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["codes"] = fn(keys, addrs, sizes, timeout_s=None)
-            except StoreError as e:
-                box["err"] = e
-            except Exception as e:  # noqa: BLE001 - surfaced as a store failure
-                box["err"] = StoreError(op, INTERNAL_ERROR, repr(e))
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name=f"hybridkv-{op}", daemon=True).start()
-        if not done.wait(self._cfg.timeout_s):
-            return None, StoreError(op, CALL_TIMEOUT, f"no answer within {self._cfg.timeout_s:g}s "
-                                    "(its blocks stay pinned until it returns)"), done
-        return box.get("codes"), box.get("err"), done
+        timeout = self._cfg.timeout_s
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.monotonic())
+            if timeout <= 0:
+                return None, StoreError(op, CALL_TIMEOUT, "the request's deadline passed before the call"), None
+        try:
+            return fn(keys, addrs, sizes, timeout_s=timeout), None, None
+        except StoreError as e:
+            return None, e, e.pending
+        except Exception as e:  # noqa: BLE001 - surfaced as a store failure
+            return None, StoreError(op, INTERNAL_ERROR, repr(e)), None
 
     # ---------------------------------------------------------------- transfer
-    def _move(self, blocks: BlockBatch, load: bool) -> tuple[bool, threading.Event | None]:
+    def _move(
+        self, blocks: BlockBatch, load: bool, deadline: float | None = None
+    ) -> tuple[bool, "Future[Any] | None"]:
         """Move every object of ``blocks``, each checked by its trailer.
 
         Returns (all moved, pending): ``pending`` (not None only when the transfer
@@ -236,7 +306,7 @@ class StoreWorker:
             if self._layout.groups[gid] is not None:  # else this rank holds no layer of the group
                 by_group.setdefault(gid, []).append(i)
         if self._staging is not None:
-            return self._move_staged(blocks, by_group, load)
+            return self._move_staged(blocks, by_group, load, deadline)
         keys, addrs, sizes, expect = [], [], [], []
         for gid, idxs in by_group.items():
             layout = self._layout.groups[gid]
@@ -245,11 +315,11 @@ class StoreWorker:
             addrs.extend(a)
             sizes.extend(s)
             expect.extend([layout.object_bytes] * len(idxs))
-        return self._move_parts(keys, addrs, sizes, expect, load)
+        return self._move_parts(keys, addrs, sizes, expect, load, deadline)
 
     def _move_staged(
-        self, blocks: BlockBatch, by_group: dict[int, list[int]], load: bool
-    ) -> tuple[bool, threading.Event | None]:
+        self, blocks: BlockBatch, by_group: dict[int, list[int]], load: bool, deadline: float | None = None
+    ) -> tuple[bool, "Future[Any] | None"]:
         """Through host staging slots: gather then put (save), get then scatter (load)."""
         assert self._staging is not None
         all_ok = True
@@ -260,13 +330,14 @@ class StoreWorker:
                 ids = [blocks.block_ids[i] for i in part]
                 keys = [self._schema.key(gid, blocks.hashes[i]) for i in part]
                 stager = pool.acquire()
-                pending: threading.Event | None = None
+                pending: "Future[Any] | None" = None
                 try:
                     if not load:
                         stager.gather(ids)
                     slots = stager.slot_addresses(len(ids))
                     ok, pending = self._move_parts(
-                        keys, [[a] for a, _ in slots], [[n] for _, n in slots], [stager.slot_bytes] * len(ids), load
+                        keys, [[a] for a, _ in slots], [[n] for _, n in slots], [stager.slot_bytes] * len(ids), load,
+                        deadline,
                     )
                     if load and ok:
                         stager.scatter(ids)  # verified bytes only: a failed load leaves the cache untouched
@@ -278,18 +349,24 @@ class StoreWorker:
         return all_ok, None
 
     def _move_parts(
-        self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], expect: list[int], load: bool
-    ) -> tuple[bool, threading.Event | None]:
+        self,
+        keys: list[str],
+        addrs: list[list[int]],
+        sizes: list[list[int]],
+        expect: list[int],
+        load: bool,
+        deadline: float | None = None,
+    ) -> tuple[bool, "Future[Any] | None"]:
         """Objects given as host regions, in batches of ``max_batch_blocks``."""
         all_ok = True
         step = self._cfg.max_batch_blocks
         for lo in range(0, len(keys), step):
             hi = min(lo + step, len(keys))
             arena = self._arenas.acquire()
-            done: threading.Event | None = None
+            done: "Future[Any] | None" = None
             try:
                 ok, call_failed, done = self._move_batch(
-                    keys[lo:hi], addrs[lo:hi], sizes[lo:hi], expect[lo:hi], arena, load)
+                    keys[lo:hi], addrs[lo:hi], sizes[lo:hi], expect[lo:hi], arena, load, deadline)
             finally:
                 # The arena is reused only once no store call can still touch it.
                 self._after(done, lambda arena=arena: self._arenas.release(arena))
@@ -297,7 +374,7 @@ class StoreWorker:
             # A failed load makes the rest of the request's blocks useless (it recomputes);
             # after a failed save call the store is unwell: stop, and unpin when it returns.
             if (load and not ok) or call_failed:
-                return False, done  # (set already unless the call timed out)
+                return False, done  # (None unless the call timed out and still runs)
         return all_ok, None
 
     def _move_batch(
@@ -308,7 +385,8 @@ class StoreWorker:
         expect: list[int],
         arena: TrailerArena,
         load: bool,
-    ) -> tuple[bool, bool, threading.Event]:
+        deadline: float | None = None,
+    ) -> tuple[bool, bool, "Future[Any] | None"]:
         """One batched store call: (every object moved and verified, the call failed, call ended)."""
         n = len(keys)
         part_addrs = [a + [arena.addr(j)] for j, a in enumerate(addrs)]
@@ -321,7 +399,7 @@ class StoreWorker:
         t0 = time.perf_counter()
         op = "get_into_parts" if load else "put_from_parts"
         fn = self._client.get_into_parts if load else self._client.put_from_parts
-        codes, err, done = self._guarded(op, fn, keys, part_addrs, part_sizes)
+        codes, err, done = self._bounded_call(op, fn, keys, part_addrs, part_sizes, deadline)
         if err is not None:
             self._fail(f"{'load' if load else 'save'}_{code_name(err.code).lower()}", str(err), n=n, load=load)
             return False, True, done
@@ -337,11 +415,11 @@ class StoreWorker:
             elif code == OBJECT_NOT_FOUND:
                 cause = "load_evicted"
             elif code >= 0 and code != total:
-                cause = "load_short_object"
+                cause = f"load_{size_verdict(code, want)}"  # short, or another trailer format
             elif code < 0:
                 cause = f"load_{code_name(code).lower()}"
-            elif not arena.holds(j, checksum_parts(keys[j], addrs[j], sizes[j])):
-                cause = "load_corrupt_object"
+            elif (bad := arena.verdict(j, checksum_parts(keys[j], addrs[j], sizes[j]))) is not None:
+                cause = f"load_{bad}"  # corrupt_object, or format_mismatch
             else:
                 cause = None
             if cause is None:

@@ -16,8 +16,10 @@
 * the block hash -- vLLM's chained block hash of the hash unit ending where
   the object's valid KV ends (it already includes ``cache_salt`` and LoRA).
 
-An object is the block's bytes followed by an 8-byte trailer (``object_trailer``:
-magic + CRC-32 seeded with the key), so a wrong object never loads silently.
+An object is the block's bytes followed by a 16-byte trailer (``object_trailer``:
+magic, format version, tag kind, XXH3-64 seeded with the key), so a wrong object
+never loads silently; an object in an older trailer format reads as a format
+mismatch (recomputed), so the trailer can change without bumping the key scheme.
 """
 
 from __future__ import annotations

@@ -1,25 +1,59 @@
-"""The CRC trailer: the same answer from regions and from bytes, bound to its key."""
+"""The object trailer: every wrong object it must catch is caught, each for its reason.
+
+One byte flipped, a truncated object, another block's object under this key, an
+object written in the old 8-byte CRC-32 format, a trailer of another version or
+tag kind: each must fail (the request then recomputes), and a right object must
+pass, whether the check reads the object from its regions or from bytes.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import zlib
 
 import numpy as np
 import pytest
 
 from hybridkv.store.call_pool import CallPool
 from hybridkv.store.object_trailer import (
+    CORRUPT,
+    FORMAT_MISMATCH,
+    FORMAT_VERSION,
+    LEGACY_TRAILER_BYTES,
     MAGIC,
+    TAG_XXH3_64,
     TRAILER_BYTES,
     TrailerArena,
     checksum_bytes,
     checksum_parts,
     seal,
+    size_verdict,
 )
+
+KEY = "hkv2/m/l/g0/tp1.0-pp1.0/aa"
+OTHER_KEY = "hkv2/m/l/g0/tp1.0-pp1.0/bb"
 
 
 def _regions(arrays: list[np.ndarray]) -> tuple[list[int], list[int]]:
     return [int(a.ctypes.data) for a in arrays], [a.nbytes for a in arrays]
+
+
+def _payload(seed: int, n: int = 8192) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def _load(stored: bytes, key: str, payload_bytes: int) -> str | None:
+    """What the worker concludes for one object: the store returns ``stored`` into the
+    payload buffer plus a trailer slot (an arena), as the batched get does."""
+    buf = np.zeros(payload_bytes, dtype=np.uint8)
+    arena = TrailerArena(1, lambda a, n: None)
+    arena.clear(1)
+    code = len(stored)  # the get returns the stored object's size
+    if (bad := size_verdict(code, payload_bytes)) is not None:
+        return bad
+    buf[:] = np.frombuffer(stored[:payload_bytes], dtype=np.uint8)
+    ctypes.memmove(arena.addr(0), stored[payload_bytes:], TRAILER_BYTES)
+    return arena.verdict(0, checksum_parts(key, *_regions([buf])))
 
 
 def test_regions_checksum_equals_checksum_of_their_concatenation():
@@ -29,29 +63,82 @@ def test_regions_checksum_equals_checksum_of_their_concatenation():
     payload = b"".join(p.tobytes() for p in parts)
     assert checksum_parts("k", addrs, sizes) == checksum_bytes("k", payload)
     sealed = seal("k", payload)
-    assert len(sealed) == len(payload) + TRAILER_BYTES
-    words = np.frombuffer(sealed[-TRAILER_BYTES:], dtype="<u4")
-    assert int(words[0]) == MAGIC and int(words[1]) == checksum_bytes("k", payload)
+    assert len(sealed) == len(payload) + TRAILER_BYTES == len(payload) + 16
+    trailer = sealed[-TRAILER_BYTES:]
+    assert int.from_bytes(trailer[:4], "little") == MAGIC
+    assert (trailer[4], trailer[5], trailer[6:8]) == (FORMAT_VERSION, TAG_XXH3_64, b"\0\0")
+    assert int.from_bytes(trailer[8:], "little") == checksum_bytes("k", payload)
 
 
-def test_one_flipped_byte_or_another_key_changes_the_checksum():
-    payload = bytearray(np.random.default_rng(1).integers(0, 256, 8192, dtype=np.uint8).tobytes())
-    good = checksum_bytes("hkv2/a", bytes(payload))
-    assert checksum_bytes("hkv2/b", bytes(payload)) != good  # a right object under the wrong key
-    payload[5000] ^= 1
-    assert checksum_bytes("hkv2/a", bytes(payload)) != good
+def test_a_right_object_loads():
+    payload = _payload(1)
+    assert _load(seal(KEY, payload), KEY, len(payload)) is None
+
+
+@pytest.mark.parametrize("where", [0, 4095, 8191])
+def test_one_flipped_byte_is_caught(where):
+    payload = _payload(2)
+    stored = bytearray(seal(KEY, payload))
+    stored[where] ^= 0x10
+    assert _load(bytes(stored), KEY, len(payload)) == CORRUPT
+
+
+def test_a_flipped_trailer_byte_is_caught():
+    payload = _payload(2)
+    stored = bytearray(seal(KEY, payload))
+    stored[-1] ^= 0x01
+    assert _load(bytes(stored), KEY, len(payload)) == CORRUPT
+
+
+@pytest.mark.parametrize("cut", [1, 7, 9, TRAILER_BYTES, 4096])
+def test_a_truncated_object_is_caught(cut):
+    payload = _payload(3)
+    stored = seal(KEY, payload)[:-cut]
+    verdict = _load(stored, KEY, len(payload))
+    # 8 bytes short is exactly the old format's size: refused as a format mismatch.
+    assert verdict == (FORMAT_MISMATCH if cut == TRAILER_BYTES - LEGACY_TRAILER_BYTES else "short_object")
+
+
+def test_another_blocks_object_under_this_key_is_caught():
+    """A whole, valid object of ANOTHER block stored under this key (a misplaced write)."""
+    other = seal(OTHER_KEY, _payload(4))
+    assert _load(other, OTHER_KEY, 8192) is None  # it is a good object for its own key
+    assert _load(other, KEY, 8192) == CORRUPT
+
+
+def test_an_old_format_object_is_a_format_mismatch_not_a_crash():
+    """Format 2: payload + u32 b"HVK2" + u32 CRC-32 seeded with the key's CRC (8 bytes)."""
+    payload = _payload(5)
+    old = payload + np.asarray([0x324B5648, zlib.crc32(payload, zlib.crc32(KEY.encode()))], "<u4").tobytes()
+    assert len(old) == len(payload) + LEGACY_TRAILER_BYTES
+    assert _load(old, KEY, len(payload)) == FORMAT_MISMATCH
+
+
+@pytest.mark.parametrize("field, value", [("version", FORMAT_VERSION + 1), ("version", 2), ("kind", 1),
+                                          ("magic", 0x324B5648)])
+def test_a_trailer_of_another_version_or_tag_kind_is_a_format_mismatch(field, value):
+    """Same size, right check, but a format this reader does not speak: refused, not trusted."""
+    payload = _payload(6)
+    stored = bytearray(seal(KEY, payload))
+    t = len(payload)
+    if field == "magic":
+        stored[t:t + 4] = value.to_bytes(4, "little")
+    else:
+        stored[t + (4 if field == "version" else 5)] = value
+    assert _load(bytes(stored), KEY, len(payload)) == FORMAT_MISMATCH
 
 
 def test_arena_slots_are_registered_written_and_checked():
     registered: list[tuple[int, int]] = []
     arena = TrailerArena(4, lambda a, n: registered.append((a, n)))
     assert registered == [(arena.base, 4 * TRAILER_BYTES)]
-    arena.write(2, 0xDEADBEEF)
-    assert arena.holds(2, 0xDEADBEEF) and not arena.holds(2, 1) and not arena.holds(1, 0)
+    arena.write(2, 0xDEADBEEF_01234567)
+    assert arena.holds(2, 0xDEADBEEF_01234567)
+    assert arena.verdict(2, 1) == CORRUPT and arena.verdict(1, 0) == FORMAT_MISMATCH
     raw = ctypes.string_at(arena.addr(2), TRAILER_BYTES)
-    assert np.frombuffer(raw, dtype="<u4").tolist() == [MAGIC, 0xDEADBEEF]
+    assert int.from_bytes(raw[:4], "little") == MAGIC and int.from_bytes(raw[8:], "little") == 0xDEADBEEF_01234567
     arena.clear(4)
-    assert not arena.holds(2, 0xDEADBEEF)
+    assert arena.verdict(2, 0xDEADBEEF_01234567) == FORMAT_MISMATCH
 
 
 def test_pool_never_hands_out_an_arena_twice_before_release():
