@@ -10,9 +10,8 @@ the wrong bytes, so compatibility is checked here, once per peer, and a
 mismatch is refused with the field, both values and the fix named.
 
 One gRPC service, JSON bodies (no protoc step): ``GetAgentInfo``, ``ClaimLease``
-(decode takes a finished request's lease, once, and learns how long the prefill side
-still holds the blocks: seconds on the PREFILL side's monotonic clock, so no two hosts'
-clocks are compared) and ``ReleaseBlocks``. With a deployment key every call carries
+(right after its READ, decode asks whether the lease still holds the blocks; granted
+once per lease, judged on the PREFILL side's monotonic clock alone) and ``ReleaseBlocks``. With a deployment key every call carries
 ``hkv-mac`` metadata, an HMAC over the method and the body (which holds a fresh
 nonce), and every answer a trailing ``hkv-mac`` over the method, the request and the
 answer: a caller without the secret is refused before its body is parsed, and a
@@ -545,8 +544,8 @@ class HandshakeServer:
         return b"{}"
 
     def _claim_lease(self, body: bytes, context: grpc.ServicerContext) -> bytes:
-        """Decode is about to READ a request's blocks: take its lease (once) and say for how
-        many more seconds, on this host's monotonic clock, the blocks stay untouched."""
+        """Decode's READ of a request's blocks has ended: grant (once) if the lease still
+        holds them, answering the seconds left on this host's monotonic clock."""
         try:
             obj = json.loads(body)
             rid, lid = obj["request_id"], obj["lease_id"]
@@ -601,11 +600,12 @@ def release_blocks(address: str, request_ids: Sequence[str], timeout_s: float,
 
 def claim_lease(address: str, request_id: str, lease_id: str, timeout_s: float,
                 key: DeploymentKey | None = None) -> float:
-    """Take the prefill side's lease on ``request_id``'s blocks before reading them.
+    """Claim the prefill side's lease on ``request_id``'s blocks once a READ of them ended.
 
-    Returns the seconds the prefill side still holds them, measured there; the caller
-    subtracts them from ITS OWN clock reading taken before this call. Raises
-    :class:`LeaseRefused` (unknown, claimed already, expired) or :class:`HandshakeError`.
+    Success proves the blocks were held (not expired, released or claimed by another
+    reader) until after the READ; returns the seconds the lease had left, measured
+    there. Raises :class:`LeaseRefused` (unknown, claimed or released already, expired)
+    or :class:`HandshakeError`.
     """
     try:
         raw = _call(address, CLAIM_METHOD, {"request_id": request_id, "lease_id": lease_id}, timeout_s, key)

@@ -32,8 +32,8 @@ class ReadJob:
     # Nothing to read (decode's own prefix cache or another connector, e.g. the store
     # under MultiConnector, supplies the prefix): only tell prefill to drop its lease.
     release_only: bool = False
-    # The prefill side's lease on these blocks: claimed (once) before the READ, whose
-    # answer says how long the READ may take on the prefill side's own clock.
+    # The prefill side's lease on these blocks, claimed (once) when the READ has ended:
+    # the bytes count only if the claim is granted.
     lease_id: str = ""
 
 

@@ -172,7 +172,8 @@ def _block_ids(raw: dict, prompt: PromptView, local: LocalLayout) -> tuple[tuple
         most = math.ceil(prompt.num_prompt_tokens / bs)
         if len(ids) > most:
             return Refused(where, f"has {len(ids)} blocks but a {prompt.num_prompt_tokens}-token prompt has at most "
-                                  f"{most} of {bs} tokens", _SAME_PARAMS)
+                                  f"{most} at this instance's group {gid} block_size={bs}",
+                           "start prefill and decode with the same model and --block-size; else " + _SAME_PARAMS)
         for b in ids:
             if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < local.num_blocks:
                 return Refused(where, f"holds {_short(b)}, not a block id in [0, {local.num_blocks})",

@@ -176,7 +176,7 @@ class PDScheduler:
         lease = Lease(request.request_id, secrets.token_hex(16), self._lease_s)
         self._leases.append(lease)
         # After lease_s the prefill side frees (and may reuse) the blocks; decode claims the
-        # lease before its READ and learns then how long it has (prefill's clock only).
+        # lease when its READ has ended and keeps the bytes only if that is granted.
         return True, issue_remote_prefill(
             RemotePrefill(
                 engine_id=self._engine_id, request_id=request.request_id, host=self._handshake.host,

@@ -13,11 +13,16 @@ timed-out read is reported per request (``failed_recving``), so vLLM recomputes
 or fails it according to ``kv_load_failure_policy`` and never runs on partial KV.
 
 Leases: the prefill worker counts a lease's TTL on its own monotonic clock from when
-it learns of it. Before a READ, decode claims the lease over the side channel; a
-lease is claimed once (so n > 1 children or a replayed request cannot READ blocks
-another child already released), and the answer says how many seconds the blocks
-stay held; decode subtracts them from its own monotonic reading taken before the
-claim. No host compares another host's clock. Decode-only workers serve no handshake.
+it learns of it. Decode claims the lease over the side channel right AFTER its READ
+ended, and uses the bytes only if the claim succeeds: the prefill side grants a claim
+only while the lease still holds the blocks (not expired, not released, not claimed
+before), so a granted claim proves the blocks were untouched for the whole READ,
+which began after the lease was issued. No clock of one host is compared with
+another's (not even their rates), and a lease is used once: n > 1 children or a
+replayed request whose claim is refused recompute, whatever their READ copied.
+(Claiming before the READ would need the prefill side's remaining time turned into
+a decode-side deadline, and would put a round trip to a frozen peer ahead of the
+READ.) Decode-only workers serve no handshake.
 """
 
 from __future__ import annotations
@@ -50,9 +55,6 @@ from hybridkv.connector.pd_handshake import (
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
 from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
 
-# A READ must end this long before the prefill side's lease does (monotonic clocks of
-# two hosts differ in rate by ppm; this also covers the post-READ check's granularity).
-LEASE_MARGIN_S = 0.25
 # A claim can arrive before the prefill worker's next step hands it the lease (the
 # scheduler issued the params at finish): wait this long for it.
 CLAIM_WAIT_S = 2.0
@@ -186,8 +188,8 @@ class PDWorker:
             self._decode_released.update(request_ids)
 
     def _claim(self, req_id: str, lease_id: str) -> float:
-        """Prefill side, on a gRPC thread: decode is about to READ ``req_id``'s blocks.
-        Returns the seconds they stay held; one claim per lease."""
+        """Prefill side, on a gRPC thread: decode's READ of ``req_id``'s blocks has ended;
+        granted only while the lease holds them, once. Returns the seconds left."""
         with self._lease_known:
             self._lease_known.wait_for(lambda: req_id in self._leases or req_id in self._ended, timeout=CLAIM_WAIT_S)
             lease = self._leases.get(req_id)
@@ -199,7 +201,7 @@ class PDWorker:
                 raise LeaseRefused(f"request {req_id}: the lease was claimed already; a lease is read once "
                                    "(n > 1 or a replayed request), so this one recomputes")
             remaining = lease.expires - time.monotonic()
-            if remaining <= LEASE_MARGIN_S:
+            if remaining <= 0:
                 raise LeaseRefused(f"request {req_id}: the lease on its blocks has expired")
             lease.claimed = True
             return remaining
@@ -233,33 +235,16 @@ class PDWorker:
         handle = None
         try:
             peer = self._peer(job)
-            # The READ must END before prefill may reuse the blocks; a READ that times out
-            # counts as failed (the request recomputes), so bounding it is enough.
-            t0 = time.monotonic()  # before the claim: the prefill side measures later
-            remaining = claim_lease(f"{job.remote_host}:{job.remote_port}", job.remote_req_id, job.lease_id,
-                                    self._s.handshake_timeout_s, self._s.key)
-            deadline = t0 + remaining - LEASE_MARGIN_S
-            timeout_s = min(self._s.read_timeout_s, deadline - time.monotonic())
-            if timeout_s <= 0:
-                warn_once(logger, "pd_lease_expired_before_read",
-                          "request %s: the prefill side's lease on its blocks has expired (lease_s too short "
-                          "for the decode queue?); recomputing instead of reading possibly reused blocks",
-                          job.req_id)
-                return False, None
             handle = self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids)
-            self._transport.wait(handle, timeout_s)
+            self._transport.wait(handle, self._s.read_timeout_s)
             self._transport.release(handle)
-            if time.monotonic() > deadline:
-                # The post itself can block (UCX copies inside transfer()), past the bound
-                # above: bytes that arrived after the lease may come from reused blocks.
-                warn_once(logger, "pd_read_outlived_lease",
-                          "request %s: the READ ended after the prefill side's lease expired; its bytes "
-                          "may come from reused blocks, recomputing", job.req_id)
-                return False, None
+            # Only now: a granted claim proves the lease held the blocks until after the READ.
+            claim_lease(f"{job.remote_host}:{job.remote_port}", job.remote_req_id, job.lease_id,
+                        self._s.handshake_timeout_s, self._s.key)
             self._send_release(job)
             return True, None
         except LeaseRefused as e:
-            logger.warning("hybridkv P/D: request %s not read, recomputing: %s", job.req_id, e)
+            logger.warning("hybridkv P/D: read of request %s discarded, recomputing: %s", job.req_id, e)
             return False, None
         except HandshakeError as e:
             logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters

@@ -171,8 +171,10 @@ def _signal_all(pids: set[int], sig: int) -> None:
             pass
 
 
-def test_layout_mismatch_is_refused_at_handshake_and_decode_recomputes(capfd):
-    """Prefill at --block-size 128, decode at 256: the handshake names the field; no wrong KV is read."""
+def test_layout_mismatch_is_refused_and_decode_recomputes(capfd):
+    """Prefill at --block-size 128, decode at 256: refused, naming the field; no wrong KV is read.
+    (Decode's parameter check sees twice the blocks a 256-token layout can have and refuses
+    before any connection; the handshake's own check is unit-tested in test_pd_transport.)"""
     model = tiny_model("gemma3")
     prefill = make_llm(model, pd_config("kv_producer"))
     decode = make_llm(model, pd_config("kv_consumer"), block_size=256)
@@ -182,7 +184,7 @@ def test_layout_mismatch_is_refused_at_handshake_and_decode_recomputes(capfd):
     ref = generate(decode, session.prompt, cache_salt="pd-mismatch-recompute")
     out, err = capfd.readouterr()
     assert matches(got, ref)
-    assert "block_size=128" in out + err and "256" in out + err, "the refusal must name the field and values"
+    assert "block_size=256" in out + err and "--block-size" in out + err, "the refusal must name the field and fix"
     del prefill, decode
 
 

@@ -244,13 +244,14 @@ def test_forged_side_channel_calls_are_refused_and_the_lease_survives(stack, htt
     before = _log(stack)
     got = _completions(_post(http, stack.decode.url, prompt, params=params))[0]
     new = _log(stack)[len(before):]
-    assert "not read, recomputing" not in new and "lease on its blocks" not in new, new[-2000:]
+    assert "discarded, recomputing" not in new and "lease on its blocks" not in new, new[-2000:]
     _assert_healthy_and_exact(http, stack, prompt, got)
 
 
 def test_replayed_params_are_not_read_twice(stack, http):
     """The same lease sent twice (a proxy retry, a replay): the second needs a READ (the
-    decode cache was dropped) but the prefill side refuses the claim, so it recomputes."""
+    decode cache was dropped); whatever it copies, the prefill side refuses its claim
+    (released already), so it recomputes."""
     prompt = Session(seed=36).prompt
     params = _prefill_params(http, stack, prompt)
     first = _completions(_post(http, stack.decode.url, prompt, params=params))[0]
@@ -261,7 +262,7 @@ def test_replayed_params_are_not_read_twice(stack, http):
     before = _log(stack)
     second = _completions(_post(http, stack.decode.url, prompt, params=params))[0]
     new = _log(stack)[len(before):]
-    assert "not read, recomputing" in new, new[-2000:]
+    assert "discarded, recomputing" in new, new[-2000:]
     ref = _recompute(http, stack, prompt)
     assert matches(first, ref) and matches(second, ref)
 

@@ -140,7 +140,7 @@ def test_wrong_lease_id_unknown_and_expired_are_refused(server, worker):
 
 
 def test_a_claim_that_races_the_lease_waits_for_it(server, worker):
-    """Decode may claim before the prefill worker's next step delivers the lease."""
+    """Decode's claim may arrive before the prefill worker's next step delivers the lease."""
     timer = threading.Timer(0.4, worker.start_load_kv, args=(PDConnectorMetadata(leases=[Lease("req-5", "f" * 32, 9.0)]),))
     timer.start()
     assert 8.0 < claim_lease(server.address, "req-5", "f" * 32, 5.0, KEY) <= 9.0
