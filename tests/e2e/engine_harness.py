@@ -230,3 +230,162 @@ def metric(llm, name: str, **labels: str) -> float:
         if m.name == name and all(m.labels.get(k) == v for k, v in labels.items()):
             total += getattr(m, "value", 0) or 0
     return total
+
+
+# ----------------------------------------------------------------- planted faults
+# Controls that look like real KV: every payload is a real stored object's payload,
+# sealed under the victim's key with the store's own trailer code, so the connector's
+# CRC check passes and only the output comparison can tell. Random noise was the old
+# control; as bf16 about 1/256 of its 16-bit patterns are NaN/Inf, so it showed only
+# that garbage is caught.
+FAULT_OTHER_PROMPT = "another prompt's block at the same position"
+FAULT_STALE = "stale version of the same block (earlier tokens differ)"
+FAULT_OTHER_POSITION = "same prompt, block at another position"
+
+
+def logged_keys(key_log: Path, group: int, since: int = 0) -> list[str]:
+    """Keys group ``group`` saved, in save order, from line ``since`` of the key log on.
+
+    Within one request a group's blocks are saved in position order, so the i-th key a
+    fresh request saves is its block i."""
+    out = []
+    for line in key_log.read_text().splitlines()[since:]:
+        key, gid, _ = line.split()
+        if int(gid) == group:
+            out.append(key)
+    return out
+
+
+def _log_len(key_log: Path) -> int:
+    return len(key_log.read_text().splitlines()) if key_log.exists() else 0
+
+
+@dataclass
+class FaultRun:
+    name: str
+    cached: int
+    failed_loads: float  # failed loads during this run (0: the object loaded as valid)
+    comparison: Any  # agentic_demo.Comparison vs a recompute
+
+    def line(self) -> str:
+        return (f"  {self.name:<58} cached {self.cached:<6} failed_loads +{self.failed_loads:g} "
+                f"matches {self.comparison.matches} ({self.comparison.why or 'equal'})")
+
+
+def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int, block_size: int, position: int,
+                         first_prompt: list[int], prefix: list[int], seed: int = 0) -> list[FaultRun]:
+    """Plant each plausible fault in turn under ONE victim and serve a prompt that loads it.
+
+    The victim is ``first_prompt``'s (the session's first request's) block ``position`` of
+    ``group`` (blocks of ``block_size`` tokens). The stale version is that block after 32
+    different tokens just before it: close enough to be inside any sliding window (a
+    change further back can leave a window layer's output, so the block's KV, bit for bit
+    identical: seen on gemma4, window 64). Each run serves ``prefix`` + a fresh random tail (so its own saves never
+    feed the next run) after emptying the local cache, compares it with a salted
+    recompute, and restores the victim's original object. A last run with the original
+    in place must match (so the tails are not what fails). ``prefix`` must end where the
+    store holds every group's state (a hit boundary); callers assert ``cached``.
+    """
+    from hybridkv.store.mooncake_backend import MooncakeBackend
+    from hybridkv.store.object_trailer import TRAILER_BYTES, seal
+
+    rng = random.Random(f"plausible-faults-{seed}")  # not Session's stream: its prompts would repeat
+    first_keys = logged_keys(key_log, group)
+    victim = first_keys[position]
+
+    def saved_by(prompt: list[int]) -> str:
+        since = _log_len(key_log)
+        generate(llm, prompt, max_tokens=2)
+        reset_local_cache(llm)  # its saves acknowledged, its key log lines written
+        keys = logged_keys(key_log, group, since)
+        lines = key_log.read_text().splitlines()[since:]
+        assert len(keys) > position, (f"group {group}: {len(keys)} keys saved, {len(lines)} lines: "
+                                      f"{sorted({ln.split()[1] for ln in lines})}")
+        return keys[position]
+
+    other_prompt = [rng.randrange(3, VOCAB) for _ in range(len(first_prompt))]
+    start = position * block_size
+    stale_prompt = list(first_prompt)
+    stale_prompt[start - 32:start] = [rng.randrange(3, VOCAB) for _ in range(32)]
+    sources = {
+        FAULT_OTHER_PROMPT: saved_by(other_prompt),
+        FAULT_STALE: saved_by(stale_prompt),
+        FAULT_OTHER_POSITION: first_keys[position + 1],
+    }
+    runs = []
+    with MooncakeBackend(master_address, global_segment_size=0) as client:
+        original = client.get_bytes(victim)
+        assert original, f"victim {victim} not in the store"
+        for name, source in [*sources.items(), ("no fault (original object)", None)]:
+            if source is not None:
+                payload = client.get_bytes(source)[:-TRAILER_BYTES]
+                assert len(payload) == len(original) - TRAILER_BYTES, name
+                if payload == original[:-TRAILER_BYTES]:
+                    import hashlib
+                    import numpy as np
+
+                    def desc(b: bytes) -> str:
+                        a = np.frombuffer(b, dtype=np.uint16)
+                        return f"sha {hashlib.sha256(b).hexdigest()[:12]} nonzero {np.count_nonzero(a)}/{a.size}"
+                    others = {n: desc(client.get_bytes(k)[:-TRAILER_BYTES]) for n, k in sources.items()}
+                    raise AssertionError(f"{name}: byte for byte the victim's own KV ({victim} vs {source}); "
+                                         f"victim {desc(original[:-TRAILER_BYTES])}, sources {others}, "
+                                         f"first keys {first_keys[:4]}")
+                assert client.replace_bytes(victim, seal(victim, payload)) == 0
+            reset_local_cache(llm)
+            prompt = list(prefix) + [rng.randrange(3, VOCAB) for _ in range(96)]
+            failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
+            got = generate(llm, prompt)
+            failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
+            ref = generate(llm, prompt, cache_salt=f"fault-recompute-{uuid.uuid4()}")
+            runs.append(FaultRun(name, got.num_cached_tokens, failed, compare(got, ref)))
+            assert client.replace_bytes(victim, original) == 0
+    return runs
+
+
+def kv_cache_layout(worker) -> dict:  # noqa: ANN001 - a vLLM worker; runs inside it
+    """The worker's KV cache groups and vLLM's block-size resolution for them.
+
+    Shipped by ``llm.collective_rpc``: the engine must start with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in its environment."""
+    from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled, resolve_kv_cache_block_sizes
+
+    kv_cache_config = worker.model_runner.kv_cache_config
+    vllm_config = worker.vllm_config
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    groups = []
+    for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+        s = g.kv_cache_spec
+        groups.append({
+            "group": gid,
+            "spec": type(s).__name__,
+            "block_size": s.block_size,
+            "head_size": getattr(s, "head_size", None),
+            "sliding_window": getattr(s, "sliding_window", None),
+            "layers": list(g.layer_names),
+            "is_eagle_group": bool(g.is_eagle_group),
+        })
+    spec_cfg = vllm_config.speculative_config
+    return {
+        "groups": groups,
+        "scheduler_block_size": scheduler_block,
+        "hash_block_size": hash_block,
+        "fine_grained": partial_hash_hits_enabled(kv_cache_config.kv_cache_groups, hash_block),
+        "eagle_block_drop": bool(spec_cfg is not None and spec_cfg.use_eagle_block_drop()),
+    }
+
+
+def failure_causes(llm) -> dict[str, float]:
+    """``vllm:hybridkv_store_failures`` by cause (which fallback path ran)."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:hybridkv_store_failures":
+            cause = m.labels.get("cause", "")
+            out[cause] = out.get(cause, 0.0) + (getattr(m, "value", 0) or 0)
+    return out
+
+
+def timed_generate(llm, prompt: list[int], **kw: Any) -> tuple[Completion, float]:
+    t0 = time.monotonic()
+    out = generate(llm, prompt, **kw)
+    return out, time.monotonic() - t0

@@ -3,30 +3,32 @@
 Each case runs an agentic session of 3 turns (each prompt = previous prompt +
 answer + a new chunk) with the engine's local prefix cache emptied before every
 turn, so every hit must come back from the store. Per turn: cached tokens must
-reach the previous prompt's last reachable checkpoint, and greedy tokens and
-logprobs must equal a recompute under a fresh ``cache_salt``. A 4th turn plants
-a fault (one stored dense block overwritten with noise) and the same check must
-FAIL, which shows it can see one wrong block.
+EQUAL the previous prompt's last reachable checkpoint (0 on turn 1), and greedy
+tokens and top-5 logprobs must equal a recompute under a fresh ``cache_salt``.
+
+Then the controls: ONE full-attention object of the first turn is replaced by a
+plausible wrong block sealed under its key with the store's own trailer (another
+prompt's block at that position, a stale version of it computed after different
+earlier tokens, the same prompt's next block); a prompt that loads it must hit
+exactly as before, load without a failure (the CRC cannot see it) and FAIL the
+comparison. With the original object back, the same kind of prompt matches.
 """
 
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
 import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from hybridkv.store.mooncake_backend import MooncakeBackend
-from hybridkv.store.object_trailer import seal
 from tests.e2e.engine_harness import (
+    FaultRun,
     TurnRow,
     format_table,
-    generate,
+    kv_cache_layout,
     make_llm,
-    matches,
-    reset_local_cache,
+    plausible_fault_runs,
     run_turns,
     store_transfer_config,
     tiny_model,
@@ -59,57 +61,57 @@ def _record(title: str, rows: list[TurnRow]) -> None:
         f.write(table + "\n")
 
 
-def _plant_fault(key_log: Path, master_address: str) -> str:
-    """Overwrite the 2nd stored object of the group with the most objects (a dense group).
+def assert_controls_fail(runs: list[FaultRun], expected_hit: int) -> None:
+    """Every planted fault loads (exact hit, no failed load) and fails the comparison;
+    the final run with the original object matches."""
+    print("\n".join(r.line() for r in runs))
+    *faults, clean = runs
+    for r in faults:
+        assert r.cached == expected_hit, f"{r.name}: cached {r.cached} != {expected_hit}: the victim was not loaded"
+        assert r.failed_loads == 0, f"{r.name}: the load failed, so the comparison was not what caught it"
+        assert not r.comparison.matches, f"{r.name} went unnoticed: the check has no power"
+    assert clean.cached == expected_hit and clean.comparison.matches, clean.line()
 
-    The noise is sealed with a valid trailer (``seal``), so the connector's own
-    checksum cannot catch it: only the output comparison can.
-    """
-    entries = [line.split() for line in key_log.read_text().splitlines()]
-    by_group: dict[str, list[tuple[str, int]]] = {}
-    for key, gid, nbytes in entries:
-        by_group.setdefault(gid, []).append((key, int(nbytes)))
-    dense = max(by_group.values(), key=len)
-    key, nbytes = dense[1]
-    with MooncakeBackend(master_address, global_segment_size=0) as client:
-        noise = seal(key, random.Random(7).randbytes(nbytes))
-        assert client.replace_bytes(key, noise) == 0
-        assert client.get_bytes(key) == noise
-    return key
+
+def full_attention_group(layout: dict) -> dict:
+    """The target model's first full-attention group: every one of its blocks below a
+    hit is loaded (a window or Mamba group loads only the state at the boundary)."""
+    return next(g for g in layout["groups"] if g["spec"] == "FullAttentionSpec")
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_three_turns_hit_the_store_and_match_recompute(case, master, tmp_path):
+def test_three_turns_hit_the_store_and_match_recompute(case, master, tmp_path, monkeypatch):
     kind, unit, align, engine_kw, extra = CASES[case]
     key_log = tmp_path / "keys.log"
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # for kv_cache_layout
     llm = make_llm(
         tiny_model(kind),
         store_transfer_config({"master_address": master.address, "key_log_path": str(key_log),
                                "namespace": case, **extra}),
         prefix_match_unit=unit,
+        disable_log_stats=False,
         **engine_kw,
     )
     try:
         rows, session = run_turns(llm, 3, lambda prev, cur: checkpoint(prev, align))
         _record(f"{case} (local cache reset before every turn)", rows)
+        assert rows[0].expected == 0
         for r in rows:
-            assert r.cached >= r.expected, f"turn {r.turn}: cached {r.cached} < checkpoint {r.expected}"
-            assert r.cached <= r.prompt - 1
+            assert r.cached == r.expected, f"turn {r.turn}: cached {r.cached} != checkpoint {r.expected}"
             assert r.matches_recompute, f"turn {r.turn} differs from recompute"
             assert r.recompute_cached == 0, "the recompute under a fresh cache_salt must not hit"
-        assert rows[1].cached > 0 and rows[2].cached > rows[1].cached
+        assert 0 < rows[1].cached < rows[2].cached
 
-        # Negative control: one corrupted dense block must make the check fail.
-        prompt = session.prompt
-        _plant_fault(key_log, master.address)
-        reset_local_cache(llm)
-        got = generate(llm, prompt)
-        ref = generate(llm, prompt, cache_salt="planted-fault-recompute")
-        assert got.num_cached_tokens > 0
-        assert not matches(got, ref), "a corrupted block went unnoticed: the check has no power"
+        # Controls: plausible wrong blocks under one full-attention key of turn 1.
+        group = full_attention_group(llm.collective_rpc(kv_cache_layout)[0])
+        last = session.prompt[: rows[2].prompt]  # turn 3's prompt, all saved
+        hit = checkpoint(len(last), align)
+        runs = plausible_fault_runs(llm, master.address, key_log, group=group["group"],
+                                    block_size=group["block_size"], position=1,
+                                    first_prompt=session.prompt[: rows[0].prompt], prefix=last[:hit])
+        assert_controls_fail(runs, hit)
     finally:
         del llm
-
 
 
 def test_local_sub_block_hits_of_a_hybrid_model_match_recompute(master):
@@ -130,7 +132,9 @@ def test_local_sub_block_hits_of_a_hybrid_model_match_recompute(master):
             got, _ = run_turns(llm, 4, lambda prev, cur: checkpoint(prev, 64), reset=False, seed=seed)
             rows += got
         _record("qwen3next partial 64, local cache kept (local sub-block hits)", rows)
-        assert any(r.cached % 256 for r in rows), "no turn resumed from a sub-block hit"
+        for r in rows:  # the local cache keeps the previous turn: its 64-token checkpoint, exactly
+            assert r.cached == r.expected, f"turn {r.turn}: cached {r.cached} != checkpoint {r.expected}"
+        assert sum(1 for r in rows if r.cached % 256) == 6, "every later turn resumes from a sub-block hit"
         differ = [r.turn for r in rows if not r.matches_recompute]
         assert not differ, f"turns {differ} (of 2 sessions x 4) differ from recompute"
     finally:
