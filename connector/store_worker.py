@@ -3,9 +3,9 @@
 On the CPU engine the KV cache is host memory, so its one allocation is
 registered with the store client and every block moves zero-copy: one batched
 ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` call per
-job, each object gathered from its layers' regions in C++. Moves run on two
-background threads (loads, saves) so the forward pass never waits for the
-store; results are reported through vLLM's per-request channels:
+job, each object gathered from its layers' regions in C++. Moves run on
+background threads (a small load pool, one save thread) so the forward pass never
+waits for the store; results are reported through vLLM's per-request channels:
 ``finished_recving``/``failed_recving`` (failed loads recompute) and worker
 metadata (finished saves release the scheduler's pins).
 
@@ -19,7 +19,7 @@ share ONE budget per step (``step_save_budget_s``): a dead store costs the forwa
 pass at most that, whatever the number of groups or batches. Asynchronous saves
 queue up to ``save_queue_blocks`` blocks; a job beyond that is skipped at once
 (counted as ``skipped_saves``) so its source blocks are unpinned instead of held.
-
+"""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from concurrent.futures import Future
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -56,6 +56,8 @@ from hybridkv.store.call_pool import CallPool
 from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, checksum_parts, size_verdict
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+
+_MIN_CALL_S = 0.01  # less time left than this before a deadline: do not start the call
 
 
 @dataclass
@@ -204,7 +206,7 @@ class StoreWorker:
         step_deadline = time.monotonic() + self._limits.step_save_budget_s
         for job in meta.saves:
             if job.sync:
-                if time.monotonic() >= step_deadline:
+                if step_deadline - time.monotonic() < _MIN_CALL_S:
                     self._skip_save(job, "save_step_budget")
                 else:
                     self._run_save(job, fence, step_deadline)
@@ -282,7 +284,7 @@ class StoreWorker:
         timeout = self._cfg.timeout_s
         if deadline is not None:
             timeout = min(timeout, deadline - time.monotonic())
-            if timeout <= 0:
+            if timeout < _MIN_CALL_S:
                 return None, StoreError(op, CALL_TIMEOUT, "the request's deadline passed before the call"), None
         try:
             return fn(keys, addrs, sizes, timeout_s=timeout), None, None

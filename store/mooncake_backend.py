@@ -68,9 +68,10 @@ How calls are bounded (the choice made here)
 --------------------------------------------
 Every store call runs on a small pool of daemon worker threads and the caller waits at most
 ``timeout_s``; the binding releases the GIL, so waiting is cheap and the call keeps running in
-C++. On timeout the caller gets ``StoreError(CALL_TIMEOUT)``; while any abandoned call is still
-blocked, new calls fail at once with ``CLIENT_STUCK`` instead of queueing behind it (no thread
-pile-up, no unbounded latency), and the backend heals by itself when the abandoned call returns.
+C++. On timeout the caller gets ``StoreError(CALL_TIMEOUT)`` (its ``pending`` future ends when
+the call really returns); while ``max_stuck_calls`` abandoned calls are still blocked (default 1),
+new calls fail at once with ``CLIENT_STUCK`` instead of queueing behind them (no thread pile-up,
+no unbounded latency), and the backend heals by itself when the abandoned calls return.
 A call that answers RPC_FAIL/RPC_TIMEOUT opens a short circuit (``retry_after_s``): calls fail
 fast with ``MASTER_UNREACHABLE`` instead of each paying the ~4.4 s the binding needs to
 rediscover that the master is dead; after it one call is let through to probe again.
@@ -205,12 +206,18 @@ def code_name(code: int) -> str:
 
 
 class StoreError(Exception):
-    """A store operation failed as a whole; ``code`` is a Mooncake or hybridkv code."""
+    """A store operation failed as a whole; ``code`` is a Mooncake or hybridkv code.
+
+    ``pending`` (CALL_TIMEOUT only) is the abandoned call's future: it completes when the
+    call has really returned, so a caller whose buffers the call may still touch knows
+    when they are free again.
+    """
 
     def __init__(self, op: str, code: int, detail: str = "", fix: str | None = None) -> None:
         self.op = op
         self.code = int(code)
         self.detail = detail
+        self.pending: "Future[Any] | None" = None
         self.fix = fix if fix is not None else _FIXES.get(self.code, "")
         msg = f"mooncake {op} failed: {code_name(self.code)} ({self.code})"
         if detail:
@@ -270,6 +277,10 @@ class MooncakeBackend:
     ``global_segment_size`` is the memory this process contributes to the store (0: it only
     reads/writes other nodes' segments). ``local_buffer_size`` stages ``put_bytes``/``get_bytes``.
     ``timeout_s`` bounds every store call (None or 0: call directly, unbounded).
+    ``max_stuck_calls``: abandoned calls tolerated before new calls are refused with
+    CLIENT_STUCK. 1 suits one caller; a data path with independent requests wants more, so
+    a call stuck on one hung segment owner does not refuse requests served by other nodes
+    (each later call is still bounded; a hung master sticks them all and trips the gate).
     """
 
     def __init__(
@@ -284,8 +295,15 @@ class MooncakeBackend:
         workers: int = 4,
         rdma_devices: str = "",
         metadata_server: str = "P2PHANDSHAKE",
+        max_stuck_calls: int = 1,
     ) -> None:
         self.master_address = master_address
+        self.max_stuck_calls = max(1, int(max_stuck_calls))
+        # Stuck calls hold pool threads: keep some free so admitted calls are not queued.
+        workers = max(int(workers), self.max_stuck_calls + 2)
+        self._epoch = 0
+        self._marker: str | None = None
+        self._marker_stored = False
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         self.retry_after_s = float(retry_after_s)
         self.global_segment_size = int(global_segment_size)
@@ -347,7 +365,7 @@ class MooncakeBackend:
     def _admit(self, op: str) -> None:
         if self._closed:
             raise StoreError(op, CLIENT_CLOSED)
-        if self._stuck:
+        if self._stuck >= self.max_stuck_calls:
             raise StoreError(op, CLIENT_STUCK, f"{self._stuck} abandoned call(s), last: {self._stuck_op}")
         left = self._unreachable_until - time.monotonic()
         if left > 0:
@@ -367,7 +385,9 @@ class MooncakeBackend:
                 self._stuck += 1
                 self._stuck_op = op
             fut.add_done_callback(self._unstuck)
-            raise StoreError(op, CALL_TIMEOUT, f"no answer from {self.master_address} within {wait:.2f}s") from None
+            err = StoreError(op, CALL_TIMEOUT, f"no answer from {self.master_address} within {wait:.2f}s")
+            err.pending = fut
+            raise err from None
 
     def _unstuck(self, _fut: "Future[Any]") -> None:
         with self._lock:
@@ -382,6 +402,45 @@ class MooncakeBackend:
             self._unreachable_until = time.monotonic() + self.retry_after_s
         elif self._unreachable_until:
             self._unreachable_until = 0.0
+
+    # --- master state -------------------------------------------------------------------------
+
+    @property
+    def master_epoch(self) -> int:
+        """Times ``check_master_epoch`` found the master without this client's marker.
+
+        A master that restarts comes back empty (every key gone); state kept beside the
+        store that assumes keys are there (the scheduler's recently-saved set) must be
+        dropped when this changes. Reading it costs no round trip.
+        """
+        return self._epoch
+
+    def check_master_epoch(self, timeout_s: Any = _DEFAULT) -> int:
+        """One existence query for a hard-pinned marker object this client wrote.
+
+        Absent -> the master lost its objects (restart, or the marker's segment owner
+        died): the epoch advances once and the marker is written again (retried on the
+        next check while the store cannot take it yet). Raises StoreError like ``exists``.
+        """
+        if self._marker is None:
+            import uuid
+
+            self._marker = f"hkv-epoch/{uuid.uuid4().hex}"
+        if self._marker_stored and not self.exists([self._marker], timeout_s=timeout_s)[0]:
+            self._epoch += 1
+            self._marker_stored = False
+        if not self._marker_stored:
+            self._marker_stored = self._put_marker(timeout_s) == 0
+        return self._epoch
+
+    def _put_marker(self, timeout_s: Any) -> int:
+        from mooncake.store import ReplicateConfig
+
+        cfg = ReplicateConfig()
+        cfg.with_hard_pin = True  # never evicted: absence means the master lost it
+        rc = self._call("put_marker", self._store.put, self._marker, b"1", cfg, timeout=timeout_s)
+        self._note_codes([rc])
+        return rc
 
     # --- verbs --------------------------------------------------------------------------------
 

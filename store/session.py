@@ -84,6 +84,9 @@ class ClientSettings:
     protocol: str
     rdma_devices: str
     timeout_s: float
+    # Abandoned calls tolerated before the client refuses new ones (CLIENT_STUCK): more than
+    # one, so a call stuck on one hung segment owner does not refuse loads other nodes serve.
+    max_stuck_calls: int = 4
 
 
 def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBackend:
@@ -99,6 +102,7 @@ def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBack
                 protocol=settings.protocol,
                 rdma_devices=settings.rdma_devices,
                 timeout_s=settings.timeout_s,
+                max_stuck_calls=settings.max_stuck_calls,
             )
             _CLIENTS[master_address] = client
         return client
