@@ -62,7 +62,7 @@ def build_kv(layers: int, block_bytes: int, num_blocks: int):
     """KV cache of one full-attention group, allocated exactly as vLLM's worker does."""
     import torch
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
     from vllm.v1.worker.utils import allocate_kv_cache
 

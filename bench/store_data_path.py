@@ -121,7 +121,7 @@ def build(vllm_config, max_objects: int, window: int):
     """KV cache groups -> KVCacheConfig -> host KV tensors, by vLLM's own code
     (``get_kv_cache_config_from_groups``, ``allocate_kv_cache``) with the CPU backend's layout."""
     import torch
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache

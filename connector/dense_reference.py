@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 
+from hybridkv.store import vllm_compat
 from hybridkv.store.geometry import GroupGeometry
 from hybridkv.store.truncation import trim_to_hit
 
@@ -115,11 +116,7 @@ def reconciled_computed_blocks_for_connector(
     coordinator = manager.coordinator
 
     def convergent() -> tuple["KVCacheBlocks", int, int, bool]:
-        # vLLM 0.33's scheduler passes a cap; 0.32's passes none and its
-        # get_computed_blocks takes the request only.
-        if max_cache_hit_length is None:
-            return *manager.get_computed_blocks(request), False
-        return *manager.get_computed_blocks(request, max_cache_hit_length), False
+        return *vllm_compat.get_computed_blocks(manager, request, max_cache_hit_length), False
 
     if not (
         isinstance(coordinator, HybridKVCacheCoordinator)
@@ -130,7 +127,7 @@ def reconciled_computed_blocks_for_connector(
     if not manager.prefix_cache_lookup_enabled(request):
         return manager.empty_kv_cache_blocks, 0, 0, False
 
-    max_length = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+    max_length = vllm_compat.max_cache_hit_length(request, max_cache_hit_length)
     computed, hits = coordinator.find_longest_cache_hit_per_group(request.block_hashes, max_length)
     dense = [g.downward_closed for g in geometry.groups]
     cacheable = [g.prefix_cacheable for g in geometry.groups]
