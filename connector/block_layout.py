@@ -299,7 +299,9 @@ def layout_rows(kv_cache_config: "KVCacheConfig") -> list[dict]:
     """What both scheduler and workers know about each group's bytes (for key schemas).
 
     Two engines share stored objects only if these rows agree (same block size,
-    page size, layer count and dtype per group), so they go into the key prefix.
+    page size, layer count and dtype per group, and the same resolved
+    ``kv_cache_layout``: LBHNC and LBNHC blocks have equal sizes, different byte
+    orders), so they go into the key prefix.
     """
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
@@ -317,6 +319,7 @@ def layout_rows(kv_cache_config: "KVCacheConfig") -> list[dict]:
                 "layers": len(group.layer_names),
                 "dtype": str(getattr(spec, "dtype", getattr(spec, "dtypes", ""))),
                 "window": getattr(spec, "sliding_window", None),
+                "kv_cache_layout": kv_cache_config.kv_cache_layout,
             }
         )
     return rows

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from hybridkv.connector.block_layout import layout_rows
-from hybridkv.store.keys import KeySchema
+from hybridkv.store.keys import KeySchema, kv_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,5 +38,6 @@ def store_key_schema(
         tp_rank=tp_rank,
         pp_size=parallel.pipeline_parallel_size,
         pp_rank=pp_rank,
+        identity=kv_identity(vllm_config),
     )
 

@@ -4,11 +4,17 @@
 
 * ``hkv2`` -- the key-scheme version. Bump it whenever the bytes stored under a
   key change meaning (layout, dtype packing); old objects then simply miss.
-* ``<model>`` -- model identity: a short fingerprint of the model name and
-  revision given by the operator plus the dtype. Two deployments share objects
-  only if they serve the same weights.
+* ``<model>`` -- KV identity: a fingerprint of everything outside the group
+  geometry that changes the stored bytes or what they mean (:func:`kv_identity`:
+  model and weights path, revision and code revision, quantization and its config
+  -- where a checkpoint's k/v scales come from --, the model dtype, the KV cache
+  dtype as the operator named it -- fp8, fp8_e4m3 and fp8_e5m2 all store uint8
+  pages of one size --, the skip-layers list, Mamba state dtypes, hf_overrides and
+  the resolved rope / rotary parameters that shape K). Two deployments share
+  objects only if all of it agrees.
 * ``<layout>`` -- a fingerprint of the group geometry (spec kind, block size,
-  per-token bytes of every group). A group id only means something within one
+  page bytes, layer count, dtype, window of every group, and vLLM's resolved
+  ``kv_cache_layout``: LBHNC and LBNHC order the same bytes differently). A group id only means something within one
   layout, so two layouts never read each other's objects.
 * ``g<group>`` -- the KV cache group id.
 * ``<rank>`` -- the parallel rank layout: ``tp<size>.<rank>-pp<size>.<rank>``
@@ -25,13 +31,75 @@ mismatch (recomputed), so the trailer can change without bumping the key scheme.
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 KEY_SCHEME_VERSION = "hkv2"
 
 
 def _fingerprint(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _canonical(value: Any) -> str:
+    """A process-independent text for a config value (a callable by name, never by address)."""
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return json.dumps(value, sort_keys=True, default=str, separators=(",", ":"))
+
+
+# hf_text_config entries that shape K through the rotary embedding (rope_scaling, rope_theta,
+# rope_parameters, partial_rotary_factor, ...) or its range.
+_ROPE_MARKERS = ("rope", "rotary")
+_ROPE_EXTRA = ("max_position_embeddings",)
+
+
+def _rope_fields(hf_text_config: Any) -> dict[str, Any]:
+    if hf_text_config is None:
+        return {}
+    items = hf_text_config.to_dict().items() if hasattr(hf_text_config, "to_dict") else vars(hf_text_config).items()
+    return {k: v for k, v in items if k in _ROPE_EXTRA or any(m in k for m in _ROPE_MARKERS)}
+
+
+def kv_identity(vllm_config: "VllmConfig") -> dict[str, str]:
+    """Every config field, outside the group geometry, that changes the KV bytes or their meaning.
+
+    Read from values every engine process has identically (the scheduler and each
+    worker build the same keys), never from addresses or timings. The geometry
+    (block and page sizes, layer counts, spec dtype, ``kv_cache_layout``) is in
+    the layout rows instead. k/v scales: vLLM takes them from the checkpoint, and
+    how they are applied (per tensor or per head) from its quantization config's
+    ``kv_cache_scheme``, so that config is part of the identity; the scale VALUES of
+    a checkpoint rewritten in place under the same path and revision are not
+    detectable here (no weight hashing at startup): give such a checkpoint a new
+    revision or path.
+    """
+    m = vllm_config.model_config
+    c = vllm_config.cache_config
+    fields = {
+        "model": m.model,
+        "model_weights": m.model_weights,
+        "revision": m.revision,
+        "code_revision": m.code_revision,
+        "quantization": m.quantization,
+        "quantization_config": m.quantization_config,
+        # The checkpoint's own (kv_cache_scheme: per-tensor or per-head k/v scales; what
+        # --kv-cache-dtype auto resolves to).
+        "checkpoint_quantization_config": getattr(getattr(m, "hf_config", None), "quantization_config", None),
+        "dtype": m.dtype,
+        "hf_overrides": m.hf_overrides,
+        "rope": _rope_fields(getattr(m, "hf_text_config", None)),
+        "kv_cache_dtype": c.cache_dtype,
+        "kv_cache_dtype_skip_layers": sorted(c.kv_cache_dtype_skip_layers),
+        "mamba_cache_dtype": c.mamba_cache_dtype,
+        "mamba_ssm_cache_dtype": c.mamba_ssm_cache_dtype,
+    }
+    return {k: _canonical(v) for k, v in fields.items()}
 
 
 @dataclass(frozen=True)
@@ -55,13 +123,18 @@ class KeySchema:
         tp_rank: int = 0,
         pp_size: int = 1,
         pp_rank: int = 0,
+        identity: Mapping[str, str] | None = None,
     ) -> "KeySchema":
-        """Fingerprint the model and layout so keys stay short and fixed-size."""
+        """Fingerprint the model and layout so keys stay short and fixed-size.
+
+        ``identity`` is :func:`kv_identity` of the engine (left out: name and dtype only,
+        for tools and benches that have no VllmConfig)."""
         layout = ";".join(
             ",".join(f"{k}={row[k]}" for k in sorted(row)) for row in layout_rows
         )
+        ident = "" if not identity else "|" + _canonical(dict(identity))
         return cls(
-            model_id=_fingerprint(f"{model_name}|{dtype}"),
+            model_id=_fingerprint(f"{model_name}|{dtype}{ident}"),
             layout_id=_fingerprint(layout),
             tp_size=tp_size,
             tp_rank=tp_rank,
