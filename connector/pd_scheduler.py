@@ -17,6 +17,12 @@ windows only their tail; a Mamba group pairs the prefill side's last state block
 with the decode side's. Decode always recomputes the last prompt token itself:
 vLLM 0.32's CPU attention crashed the worker (SIGILL) on the step that follows an
 external hit covering the whole prompt.
+
+Both: a request's ``kv_transfer_params`` are read once, by ``pd_params`` (validated
+against this prompt and layout and, with a secret, MAC-verified); the result, not the
+client's dict, drives everything here. A refused set recomputes, or with
+``kv_load_failure_policy=fail`` is offered and then refused as a load, so vLLM fails
+that request alone.
 """
 
 from __future__ import annotations
