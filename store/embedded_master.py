@@ -7,11 +7,25 @@ runs do not collide and nothing is exposed beyond loopback.
 
 Deliberately NOT passed: ``--enable_http_metadata_server`` (it binds 0.0.0.0 whatever host is
 given). Clients use ``"P2PHANDSHAKE"`` as metadata server, which needs no extra process.
+
+Never outliving the owner: a master runs in its own session (a Ctrl-C must not kill it before
+the clients that use it are closed), so neither the terminal nor ``atexit`` stops it when the
+owner is SIGKILLed. Each master therefore gets a watchdog: a ``sh`` blocked reading a pipe
+whose only write end the owner holds. When the owner exits in ANY way the kernel closes it, the
+read returns, and the watchdog SIGKILLs that master (checked by its command line, so a
+recycled pid is never hit) and removes its temporary directory. PR_SET_PDEATHSIG was not used:
+it fires when the *thread* that forked exits, so a master started from a short-lived thread
+would die with it.
+
+Supervision (``MasterSupervisor``): a master that dies is restarted on the SAME ports, so
+clients, which reconnect to the address by themselves, need no new address; restarts are
+bounded and logged.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import signal
@@ -22,11 +36,22 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from types import TracebackType
 
 from hybridkv.store.cpu_affinity import unpinned
 
-__all__ = ["EmbeddedMaster", "MasterError", "find_master_binary", "INSTALL_HINT"]
+__all__ = ["EmbeddedMaster", "MasterError", "MasterSupervisor", "find_master_binary", "INSTALL_HINT"]
+
+logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+
+# Runs as the watchdog: blocks until the owner's end of the pipe closes (stdin EOF), then
+# kills the master if that pid still runs THIS master (its --rpc_port), and removes the dir.
+_WATCHDOG = (
+    'read _ignored; '
+    'if tr "\\0" " " < /proc/"$1"/cmdline 2>/dev/null | grep -q -- "--rpc_port=$2 "; then kill -KILL "$1"; fi; '
+    '[ -n "$3" ] && rm -rf -- "$3"'
+)
 
 INSTALL_HINT = (
     "install it with `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` "
@@ -113,6 +138,8 @@ class EmbeddedMaster:
         binary: str | None = None,
         log_dir: str | None = None,
         start: bool = True,
+        rpc_port: int | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.default_kv_lease_ttl_ms = int(default_kv_lease_ttl_ms)
         self.start_timeout_s = float(start_timeout_s)
@@ -122,8 +149,12 @@ class EmbeddedMaster:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file = None
         self.log_path: Path | None = None
-        self.rpc_port: int | None = None
-        self.metrics_port: int | None = None
+        self.rpc_port: int | None = rpc_port
+        self.metrics_port: int | None = metrics_port
+        self._fixed_ports = rpc_port is not None
+        self._tmp_dir: Path | None = None  # created by start(), removed by stop() / the watchdog
+        self._watch_fd: int | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
         if start:
             self.start()
@@ -152,11 +183,17 @@ class EmbeddedMaster:
             if self.is_running():
                 return self
             binary = self._binary or find_master_binary()
-            log_dir = Path(self._log_dir_arg or tempfile.mkdtemp(prefix="hybridkv-mooncake-master-"))
+            if self._log_dir_arg:
+                log_dir = Path(self._log_dir_arg)
+            else:
+                log_dir = self._tmp_dir = Path(tempfile.mkdtemp(prefix="hybridkv-mooncake-master-"))
             log_dir.mkdir(parents=True, exist_ok=True)
-            self.rpc_port, self.metrics_port = _free_port(), _free_port()
-            while self.metrics_port == self.rpc_port:
+            if not self._fixed_ports:
+                self.rpc_port, self.metrics_port = _free_port(), _free_port()
+            if self.metrics_port is None or self.metrics_port == self.rpc_port:
                 self.metrics_port = _free_port()
+                while self.metrics_port == self.rpc_port:
+                    self.metrics_port = _free_port()
             self.log_path = log_dir / f"mooncake_master.{self.rpc_port}.log"
             cmd = [
                 binary,
@@ -186,12 +223,13 @@ class EmbeddedMaster:
                 raise MasterError(f"could not execute {binary}: {e}; {INSTALL_HINT}") from e
             with _LIVE_LOCK:
                 _LIVE.add(self._proc)
+            self._start_watchdog()
             deadline = time.monotonic() + self.start_timeout_s
             while True:
                 if self._proc.poll() is not None:
                     rc = self._proc.returncode
+                    tail = self.log_tail()  # before _reap: the watchdog removes the temp dir
                     self._reap()
-                    tail = self.log_tail()
                     hint = f"; {INSTALL_HINT}" if "cannot open shared object" in tail else ""
                     raise MasterError(
                         f"mooncake_master exited with code {rc} during start "
@@ -200,17 +238,58 @@ class EmbeddedMaster:
                 if _port_open(self.rpc_port):
                     return self
                 if time.monotonic() > deadline:
+                    tail = self.log_tail()
                     self._kill_locked(timeout_s=2.0)
                     raise MasterError(
                         f"mooncake_master did not listen on {self.address} within {self.start_timeout_s:.1f}s "
-                        f"(cmd: {' '.join(cmd)})\n--- tail of {self.log_path} ---\n{self.log_tail()}"
+                        f"(cmd: {' '.join(cmd)})\n--- tail of {self.log_path} ---\n{tail}"
                     )
                 time.sleep(0.02)
 
+    def restart(self) -> "EmbeddedMaster":
+        """Start again on the same ports (after a crash): clients keep their address."""
+        with self._lock:
+            if self.is_running():
+                return self
+            self._reap()
+            self._fixed_ports = self.rpc_port is not None
+        return self.start()
+
+    def _start_watchdog(self) -> None:
+        """The process that kills this master and removes its dir once the owner is gone."""
+        assert self._proc is not None
+        read_fd, self._watch_fd = os.pipe()  # both non-inheritable: only the watchdog gets read_fd
+        try:
+            self._watchdog = subprocess.Popen(
+                ["sh", "-c", _WATCHDOG, "hybridkv-master-watchdog", str(self._proc.pid), str(self.rpc_port),
+                 str(self._tmp_dir or "")],
+                stdin=read_fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+        finally:
+            os.close(read_fd)
+
+    def _release_watchdog(self) -> None:
+        """Closing our end wakes the watchdog (no-op kill for a stopped master, dir removal)."""
+        if self._watch_fd is not None:
+            os.close(self._watch_fd)
+            self._watch_fd = None
+        if self._watchdog is not None:
+            try:
+                self._watchdog.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+            self._watchdog = None
+
     def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout_s``; a no-op when already stopped."""
+        """SIGTERM, then SIGKILL after ``timeout_s``; removes the temp dir; no-op when stopped."""
         with self._lock:
             self._kill_locked(timeout_s)
+            self._remove_tmp_dir()
+
+    def _remove_tmp_dir(self) -> None:
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
 
     def kill(self) -> None:
         """SIGKILL without grace: what tests use to simulate a crashed master."""
@@ -241,6 +320,7 @@ class EmbeddedMaster:
                 _LIVE.discard(proc)
         self._proc = None
         self._close_log()
+        self._release_watchdog()
 
     def _close_log(self) -> None:
         if self._log_file is not None:
@@ -262,3 +342,74 @@ class EmbeddedMaster:
         state = "running" if self.is_running() else "stopped"
         port = self.rpc_port if self.rpc_port is not None else "-"
         return f"EmbeddedMaster(127.0.0.1:{port}, {state}, log={self.log_path})"
+
+
+class MasterSupervisor:
+    """Restarts a master that died, on its ports, a bounded number of times.
+
+    Why: with an embedded master, offload otherwise stays off until the engine restarts.
+    Clients reconnect to the same address by themselves (about 1 s, measured); the new
+    master holds no objects, which clients see through ``MooncakeBackend.master_epoch``.
+    ``on_restart`` runs after each successful restart (e.g. to publish the new pid).
+    """
+
+    def __init__(
+        self,
+        master: EmbeddedMaster,
+        max_restarts: int = 5,
+        poll_s: float = 0.25,
+        backoff_s: float = 0.5,
+        on_restart: Callable[[EmbeddedMaster], None] | None = None,
+    ) -> None:
+        self.master = master
+        self.max_restarts = int(max_restarts)
+        self.poll_s = float(poll_s)
+        self.backoff_s = float(backoff_s)
+        self.on_restart = on_restart
+        self.restarts = 0
+        self.last_restart_s: float | None = None  # seconds from noticing the death to listening again
+        self.gave_up = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hybridkv-master-supervisor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.poll_s):
+            if self.master.is_running():
+                continue
+            if self._stop.is_set():
+                return
+            if self.restarts >= self.max_restarts:
+                self.gave_up = True
+                logger.error("hybridkv: embedded mooncake_master at %s died again after %d restart(s); "
+                             "not restarting (store offload stays off until the engine restarts). Log tail:\n%s",
+                             self.master.address, self.restarts, self.master.log_tail())
+                return
+            t0 = time.monotonic()
+            logger.warning("hybridkv: embedded mooncake_master at %s died; restarting it (%d/%d). Log tail:\n%s",
+                           self.master.address, self.restarts + 1, self.max_restarts, self.master.log_tail(10))
+            try:
+                self.master.restart()
+            except MasterError as e:
+                failures += 1
+                self.restarts += 1
+                logger.warning("hybridkv: restarting mooncake_master failed: %s", e)
+                self._stop.wait(self.backoff_s * (2 ** min(failures, 5)))
+                continue
+            failures = 0
+            self.restarts += 1
+            self.last_restart_s = time.monotonic() - t0
+            logger.warning("hybridkv: mooncake_master restarted at %s in %.2fs (pid %s); it holds no objects",
+                           self.master.address, self.last_restart_s, self.master.pid)
+            if self.on_restart is not None:
+                try:
+                    self.on_restart(self.master)
+                except Exception:  # noqa: BLE001 - supervision must go on
+                    logger.exception("hybridkv: master restart callback failed")
+
+    def stop(self) -> None:
+        """Stop supervising (before stopping the master on purpose)."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)

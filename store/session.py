@@ -8,6 +8,13 @@ engine id, so the first instance to take a file lock keyed by it starts the
 master and publishes its address; the others read it. The owner stops it at
 shutdown (and at interpreter exit). Instances in one process share one client,
 because a Mooncake client contributes memory and costs a second to close.
+
+Faults: the owner supervises its master (restarted on the same address, bounded,
+logged; the record is updated with the new pid), and every shared client is
+watched by a monitor thread that checks, every ``EPOCH_CHECK_S``, whether the
+master still holds the client's marker object (``MooncakeBackend.check_master_epoch``):
+state kept beside the store (the scheduler's recently-saved keys) is dropped when
+``client.master_epoch`` changes, whether the master was embedded or external.
 """
 
 from __future__ import annotations
@@ -23,14 +30,17 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.store.embedded_master import EmbeddedMaster, _port_open
-from hybridkv.store.mooncake_backend import MooncakeBackend
+from hybridkv.store.embedded_master import EmbeddedMaster, MasterSupervisor, _port_open
+from hybridkv.store.mooncake_backend import MooncakeBackend, StoreError
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
 _LOCK = threading.Lock()
 _CLIENTS: dict[str, MooncakeBackend] = {}
 _OWNED_MASTERS: dict[str, EmbeddedMaster] = {}
+_SUPERVISORS: dict[str, MasterSupervisor] = {}
+_MONITORS: dict[str, threading.Event] = {}  # address -> stop flag of its epoch monitor
+EPOCH_CHECK_S = 2.0  # one existence query per client every this many seconds
 
 
 def _rendezvous_dir() -> Path:
@@ -56,8 +66,13 @@ def embedded_master_address(engine_id: str, lease_ttl_ms: int) -> tuple[str, boo
                     return info["address"], False
             master = EmbeddedMaster(default_kv_lease_ttl_ms=lease_ttl_ms)
             record.write_text(json.dumps({"address": master.address, "pid": master.pid}))
+
+            def republish(m: EmbeddedMaster) -> None:
+                record.write_text(json.dumps({"address": m.address, "pid": m.pid}))
+
             with _LOCK:
                 _OWNED_MASTERS[master.address] = master
+                _SUPERVISORS[master.address] = MasterSupervisor(master, on_restart=republish)
             logger.info("hybridkv: started embedded mooncake_master at %s (log %s)", master.address, master.log_path)
             return master.address, True
         finally:
@@ -105,7 +120,32 @@ def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBack
                 max_stuck_calls=settings.max_stuck_calls,
             )
             _CLIENTS[master_address] = client
+            _MONITORS[master_address] = _start_epoch_monitor(client)
         return client
+
+
+def _start_epoch_monitor(client: MooncakeBackend) -> threading.Event:
+    """A daemon thread that keeps ``client.master_epoch`` current (bounded calls, errors ignored)."""
+    stop = threading.Event()
+    try:
+        client.check_master_epoch()  # the marker goes in now: a restart right after start still shows
+    except StoreError:
+        pass
+
+    def run() -> None:
+        seen = client.master_epoch
+        while not stop.wait(EPOCH_CHECK_S):
+            try:
+                epoch = client.check_master_epoch(timeout_s=min(client.timeout_s or 1.0, 1.0))
+            except StoreError:
+                continue  # the master is down or slow: checked again once it answers
+            if epoch != seen:
+                logger.warning("hybridkv: the store master at %s lost its objects (restarted?): epoch %d",
+                               client.master_address, epoch)
+                seen = epoch
+
+    threading.Thread(target=run, name="hybridkv-store-epoch", daemon=True).start()
+    return stop
 
 
 def release_all() -> None:
@@ -113,8 +153,15 @@ def release_all() -> None:
     with _LOCK:
         clients = list(_CLIENTS.values())
         masters = list(_OWNED_MASTERS.values())
+        supervisors = list(_SUPERVISORS.values())
+        for stop in _MONITORS.values():
+            stop.set()
         _CLIENTS.clear()
         _OWNED_MASTERS.clear()
+        _SUPERVISORS.clear()
+        _MONITORS.clear()
+    for supervisor in supervisors:  # a master stopped on purpose must not be restarted
+        supervisor.stop()
     for client in clients:
         try:
             client.close()
