@@ -77,7 +77,14 @@ def test_mirror_hit_equals_manager_hit(geo, work, seed, eviction):
 @given(geo=geometries(), work=token_workloads(), seed=st.integers(0, 2**16), eviction=evictions())
 def test_local_dense_prefix_is_not_probed_and_does_not_change_hit(geo, work, seed, eviction):
     """Given the local dense hit, the mirror probes only beyond it and still
-    computes the hit over (local dense blocks + store)."""
+    computes the hit over (local dense blocks + store).
+
+    Two local lengths per query: the convergent hit, and the DIVERGED one the
+    connector's dense reference reports (the min of the dense groups' own hits),
+    where a sparse group may lack state: the local prefix vouches for dense blocks
+    only, so the hit must stay the convergent one (a mirror that took sparse keys
+    inside the local prefix as present would report the diverged length).
+    """
     prompts, queries = work
     rng = random.Random(seed)
     manager = geo.manager()
@@ -86,20 +93,31 @@ def test_local_dense_prefix_is_not_probed_and_does_not_change_hit(geo, work, see
     contents = cached_keys(manager)
     mirror = _mirror_for(manager)
     geometry = mirror.geometry
+    sbs = geometry.scheduler_block_size
+    diverged = 0
     for q in queries:
         req = make_request(geo, q)
         _, want, _ = manager.get_computed_blocks(req)
-        local = want // geometry.scheduler_block_size * geometry.scheduler_block_size
-        probe = mirror.probe_keys(req.block_hashes, req.num_tokens - 1, local)
-        unit = geometry.hash_block_size
-        local_hashes = {bytes(h) for h in req.block_hashes[: local // unit]}
-        for gid, h in probe:
-            if gid in geometry.dense_group_ids:
-                assert h not in local_hashes
-        got = mirror.longest_hit(
-            req.block_hashes,
-            req.num_tokens - 1,
-            lambda keys: [k in contents for k in keys],
-            local_dense_tokens=local,
-        )
-        assert got.tokens == want, geo.label
+        locals_ = {want // sbs * sbs}
+        if geometry.dense_group_ids and geometry.sparse_group_ids:  # a hybrid coordinator
+            _, per_group = manager.coordinator.find_longest_cache_hit_per_group(
+                req.block_hashes, req.num_tokens - 1
+            )
+            dense_local = min(per_group[g] for g in geometry.dense_group_ids) // sbs * sbs
+            diverged += dense_local > want
+            locals_.add(dense_local)
+        for local in sorted(locals_):
+            probe = mirror.probe_keys(req.block_hashes, req.num_tokens - 1, local)
+            unit = geometry.hash_block_size
+            local_hashes = {bytes(h) for h in req.block_hashes[: local // unit]}
+            for gid, h in probe:
+                if gid in geometry.dense_group_ids:
+                    assert h not in local_hashes
+            got = mirror.longest_hit(
+                req.block_hashes,
+                req.num_tokens - 1,
+                lambda keys: [k in contents for k in keys],
+                local_dense_tokens=local,
+            )
+            assert got.tokens == want, (geo.label, local)
+    event(f"a query's dense-reference local length exceeds the convergent hit: {diverged > 0}")
