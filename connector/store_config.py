@@ -63,8 +63,15 @@ class StoreConnectorConfig:
     lookup_timeout_s: float = 1.0
     # Also save blocks filled during decode (agentic turns re-send the answer).
     save_decode: bool = True
-    # Namespace mixed into every key (separate tenants sharing a master).
+    # Prefix mixed into every key. Names, it does not isolate: anyone reaching the master
+    # can read or write any key; tenants are kept apart only with auth_secret_file too
+    # (docs/security.md, Store).
     namespace: str = ""
+    # The deployment secret that MACs every stored object (the P/D secret, found the same
+    # way: this file, else $HYBRIDKV_AUTH_SECRET_FILE, else $HYBRIDKV_AUTH_SECRET). Unset
+    # and none in the environment: objects carry XXH3 only (a writer who reaches the
+    # master can plant loadable objects), logged at startup.
+    auth_secret_file: str = ""
     # Master lease TTL for the embedded master (ms); must exceed the slowest batch transfer.
     embedded_lease_ttl_ms: int = 30_000
     # Max blocks per store batch call (bounds one call's bytes and latency).

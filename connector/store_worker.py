@@ -53,7 +53,8 @@ from hybridkv.store.mooncake_backend import (
     code_name,
 )
 from hybridkv.store.call_pool import CallPool
-from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, checksum_parts, size_verdict
+from hybridkv.connector.store_auth import store_object_mac
+from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, checksum_parts, must_remove, size_verdict, tag_kind
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -151,7 +152,9 @@ class StoreWorker:
         self._done_saves: Counter[int] = Counter()
         self._released_loads: Counter[int] = Counter()
         self._stats = HybridStoreStats()
-        self._arenas: CallPool[TrailerArena] = CallPool(lambda: TrailerArena(cfg.max_batch_blocks, client.register))
+        self._mac = store_object_mac(cfg)  # None: XXH3 trailers (no deployment secret, logged)
+        self._arenas: CallPool[TrailerArena] = CallPool(
+            lambda: TrailerArena(cfg.max_batch_blocks, client.register, tag_kind(self._mac)))
         self._staging: dict[int, dict[str, StagerPool]] | None = None
         self._on_cuda = False
 
@@ -397,7 +400,7 @@ class StoreWorker:
             arena.clear(n)
         else:
             for j in range(n):
-                arena.write(j, checksum_parts(keys[j], addrs[j], sizes[j]))
+                arena.write(j, checksum_parts(keys[j], addrs[j], sizes[j], self._mac))
         t0 = time.perf_counter()
         op = "get_into_parts" if load else "put_from_parts"
         fn = self._client.get_into_parts if load else self._client.put_from_parts
@@ -420,8 +423,10 @@ class StoreWorker:
                 cause = f"load_{size_verdict(code, want)}"  # short, or another trailer format
             elif code < 0:
                 cause = f"load_{code_name(code).lower()}"
-            elif (bad := arena.verdict(j, checksum_parts(keys[j], addrs[j], sizes[j]))) is not None:
-                cause = f"load_{bad}"  # corrupt_object, or format_mismatch
+            elif (bad := arena.verdict(j, checksum_parts(keys[j], addrs[j], sizes[j], self._mac))) is not None:
+                cause = f"load_{bad}"  # corrupt_object, unauthenticated_object, or format_mismatch
+                if must_remove(bad):  # wrong for every reader: not offered again
+                    self._remove_refused(keys[j])
             else:
                 cause = None
             if cause is None:
@@ -439,6 +444,14 @@ class StoreWorker:
         with self._lock:
             self._stats.add_latency("load" if load else "save", dt)
         return all_ok, False, done
+
+    def _remove_refused(self, key: str) -> None:
+        """Remove an object that failed verification (force: our own get just renewed its lease)."""
+        try:
+            rc = self._client.remove(key, force=True)
+        except StoreError as e:
+            rc = e.code
+        self._stat("removed_objects" if rc == 0 else "fail.remove_refused_object")
 
     def _log_keys(self, blocks: BlockBatch) -> None:
         if not self._cfg.key_log_path:

@@ -21,7 +21,11 @@ from hybridkv.store.object_trailer import (
     FORMAT_VERSION,
     LEGACY_TRAILER_BYTES,
     MAGIC,
+    TAG_BLAKE3_KEYED_64,
     TAG_XXH3_64,
+    UNAUTHENTICATED,
+    ObjectMac,
+    must_remove,
     TRAILER_BYTES,
     TrailerArena,
     checksum_bytes,
@@ -154,3 +158,49 @@ def test_checksum_reads_memory_in_place(size):
     buf = np.arange(size, dtype=np.uint8)
     addrs, sizes = _regions([buf])
     assert checksum_parts("x", addrs, sizes) == checksum_bytes("x", buf.tobytes())
+
+
+# --- the keyed tag (issue 13) ----------------------------------------------------------
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def _load_mac(stored: bytes, key: str, payload_bytes: int, mac: ObjectMac | None) -> str | None:
+    buf = np.zeros(payload_bytes, dtype=np.uint8)
+    arena = TrailerArena(1, lambda a, n: None, TAG_XXH3_64 if mac is None else mac.kind)
+    if (bad := size_verdict(len(stored), payload_bytes)) is not None:
+        return bad
+    buf[:] = np.frombuffer(stored[:payload_bytes], dtype=np.uint8)
+    ctypes.memmove(arena.addr(0), stored[payload_bytes:], TRAILER_BYTES)
+    return arena.verdict(0, checksum_parts(key, *_regions([buf]), mac))
+
+
+def test_mac_over_regions_equals_mac_over_bytes_and_differs_per_secret_and_key():
+    rng = np.random.default_rng(9)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (4096, 17, 65536)]
+    payload = b"".join(p.tobytes() for p in parts)
+    mac = ObjectMac(SECRET)
+    assert checksum_parts("k", *_regions(parts), mac) == checksum_bytes("k", payload, mac)
+    assert checksum_bytes("k", payload, mac) != checksum_bytes("k", payload, ObjectMac(SECRET[::-1]))
+    assert checksum_bytes("k", payload, mac) != checksum_bytes("k2", payload, mac)
+    assert checksum_bytes("k", payload, mac) != checksum_bytes("k", payload)
+    assert seal("k", payload, mac)[-TRAILER_BYTES + 5] == TAG_BLAKE3_KEYED_64
+    assert "0123" not in repr(mac)
+
+
+def test_mac_verdicts():
+    payload, mac = _payload(11), ObjectMac(SECRET)
+    assert _load_mac(seal(KEY, payload, mac), KEY, len(payload), mac) is None
+    assert _load_mac(seal(KEY, payload), KEY, len(payload), mac) == UNAUTHENTICATED  # XXH3 only
+    flipped = bytearray(seal(KEY, payload, mac))
+    flipped[100] ^= 1
+    assert _load_mac(bytes(flipped), KEY, len(payload), mac) == CORRUPT
+    assert _load_mac(seal(KEY, payload, ObjectMac(SECRET[::-1])), KEY, len(payload), mac) == CORRUPT
+    assert _load_mac(seal(KEY, payload, mac), KEY, len(payload), None) == FORMAT_MISMATCH  # cannot check
+    assert [must_remove(v) for v in (None, CORRUPT, UNAUTHENTICATED, FORMAT_MISMATCH, "short_object")] == [
+        False, True, True, False, False]
+
+
+def test_mac_refuses_a_short_secret():
+    with pytest.raises(ValueError, match="at least 16"):
+        ObjectMac(b"short")

@@ -1,0 +1,41 @@
+"""The store's object MAC key, from the same deployment secret as P/D.
+
+Why: anyone who reaches the Mooncake master can write objects; without a keyed tag a
+planted object with a correct XXH3 trailer loads into another request's KV cache
+(issue 13). The secret is found exactly as ``pd_auth.load_key`` finds it
+(``auth_secret_file``, ``$HYBRIDKV_AUTH_SECRET_FILE``, ``$HYBRIDKV_AUTH_SECRET``): one
+loader, one set of file checks. Running without a secret stays allowed for the store
+(it is a cache; single-tenant loopback deployments are the default) and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from hybridkv.connector import pd_auth
+from hybridkv.connector.store_config import StoreConnectorConfig
+from hybridkv.store.object_trailer import ObjectMac
+
+logger = logging.getLogger("vllm." + __name__)
+
+
+def secret_configured(cfg: StoreConnectorConfig) -> bool:
+    return bool(cfg.auth_secret_file or os.environ.get(pd_auth.SECRET_FILE_ENV) or os.environ.get(pd_auth.SECRET_ENV))
+
+
+def store_object_mac(cfg: StoreConnectorConfig) -> ObjectMac | None:
+    """The MAC every object this worker writes carries and every object it loads must carry,
+    or None (logged) when no secret is configured. Raises ``ConfigError`` for a bad secret."""
+    if not secret_configured(cfg):
+        logger.warning(
+            "hybridkv store: no deployment secret (auth_secret_file / $%s / $%s): stored objects carry "
+            "XXH3 only, so anyone who can reach the master can plant objects that load into requests' KV; "
+            "set auth_secret_file unless every process reaching the master is trusted",
+            pd_auth.SECRET_FILE_ENV, pd_auth.SECRET_ENV,
+        )
+        return None
+    key = pd_auth.load_key(cfg.auth_secret_file or None, allow_unauthenticated=False)
+    assert key is not None  # load_key returns None only when allow_unauthenticated is set
+    logger.info("hybridkv store: objects are MACed with the deployment secret from %s", key.source)
+    return ObjectMac(key.secret)
