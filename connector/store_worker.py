@@ -19,6 +19,12 @@ share ONE budget per step (``step_save_budget_s``): a dead store costs the forwa
 pass at most that, whatever the number of groups or batches. Asynchronous saves
 queue up to ``save_queue_blocks`` blocks; a job beyond that is skipped at once
 (counted as ``skipped_saves``) so its source blocks are unpinned instead of held.
+
+Snapshots: a save job flagged ``snapshot`` (a partial tail: the block decode keeps
+writing beyond the key's boundary) is first copied into host staging slots, and
+the trailer's check and the put are computed from that copy, bytes that can no
+longer change. Zero-copy from live KV would checksum one version and store
+another, an object that then fails verification for as long as it is stored.
 """
 
 from __future__ import annotations
@@ -53,12 +59,14 @@ from hybridkv.store.mooncake_backend import (
     code_name,
 )
 from hybridkv.store.call_pool import CallPool
+from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.connector.store_auth import store_object_mac
 from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, checksum_parts, must_remove, size_verdict, tag_kind
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
 _MIN_CALL_S = 0.01  # less time left than this before a deadline: do not start the call
+_SNAPSHOT_SLOTS = 4  # objects per snapshot buffer (partial tails: about one per group and request)
 
 
 @dataclass
@@ -156,10 +164,13 @@ class StoreWorker:
         self._arenas: CallPool[TrailerArena] = CallPool(
             lambda: TrailerArena(cfg.max_batch_blocks, client.register, tag_kind(self._mac)))
         self._staging: dict[int, dict[str, StagerPool]] | None = None
+        self._snapshots: dict[int, dict[str, StagerPool]] | None = None  # built on first use
+        self._kv_caches: dict[str, torch.Tensor] = {}
         self._on_cuda = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layout = KVLayout.from_kv_caches(self._kv_cache_config, kv_caches)
+        self._kv_caches = dict(kv_caches)
         self._on_cuda = any(t.device.type == "cuda" for t in kv_caches.values())
         if needs_staging(kv_caches, self._cfg.staging):
             self._staging = build_stager_pools(self._layout, kv_caches, self._cfg.max_batch_blocks,
@@ -249,7 +260,8 @@ class StoreWorker:
             if fence is not None:
                 fence.synchronize()  # the forward that wrote these blocks has finished on the device
             if self._layout is not None:
-                ok, pending = self._move(job.blocks, load=False, deadline=deadline)
+                snapshot = getattr(job, "snapshot", False)
+                ok, pending = self._move(job.blocks, load=False, deadline=deadline, snapshot=snapshot)
                 if ok:
                     self._log_keys(job.blocks)
         finally:
@@ -298,7 +310,7 @@ class StoreWorker:
 
     # ---------------------------------------------------------------- transfer
     def _move(
-        self, blocks: BlockBatch, load: bool, deadline: float | None = None
+        self, blocks: BlockBatch, load: bool, deadline: float | None = None, snapshot: bool = False
     ) -> tuple[bool, "Future[Any] | None"]:
         """Move every object of ``blocks``, each checked by its trailer.
 
@@ -311,7 +323,10 @@ class StoreWorker:
             if self._layout.groups[gid] is not None:  # else this rank holds no layer of the group
                 by_group.setdefault(gid, []).append(i)
         if self._staging is not None:
-            return self._move_staged(blocks, by_group, load, deadline)
+            return self._move_staged(blocks, by_group, load, deadline, self._staging)
+        if snapshot and not load:  # staged saves are snapshots already
+            self._stat("snapshot_blocks", len(blocks))
+            return self._move_staged(blocks, by_group, load, deadline, self._snapshot_pools())
         keys, addrs, sizes, expect = [], [], [], []
         for gid, idxs in by_group.items():
             layout = self._layout.groups[gid]
@@ -322,14 +337,28 @@ class StoreWorker:
             expect.extend([layout.object_bytes] * len(idxs))
         return self._move_parts(keys, addrs, sizes, expect, load, deadline)
 
+    def _snapshot_pools(self) -> dict[int, dict[str, StagerPool]]:
+        """Host slots for snapshot saves of a zero-copy worker (only the save thread builds them)."""
+        if self._snapshots is None:
+            assert self._layout is not None
+            largest = max(g.object_bytes for g in self._layout.groups if g is not None)
+            with unpinned():
+                self._snapshots = build_stager_pools(self._layout, self._kv_caches, _SNAPSHOT_SLOTS,
+                                                     _SNAPSHOT_SLOTS * largest, self._client.register)
+        return self._snapshots
+
     def _move_staged(
-        self, blocks: BlockBatch, by_group: dict[int, list[int]], load: bool, deadline: float | None = None
+        self,
+        blocks: BlockBatch,
+        by_group: dict[int, list[int]],
+        load: bool,
+        deadline: float | None,
+        pools: dict[int, dict[str, StagerPool]],
     ) -> tuple[bool, "Future[Any] | None"]:
         """Through host staging slots: gather then put (save), get then scatter (load)."""
-        assert self._staging is not None
         all_ok = True
         for gid, idxs in by_group.items():
-            pool = self._staging[gid]["load" if load else "save"]
+            pool = pools[gid]["load" if load else "save"]
             for lo in range(0, len(idxs), pool.slots):
                 part = idxs[lo:lo + pool.slots]
                 ids = [blocks.block_ids[i] for i in part]
