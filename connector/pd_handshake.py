@@ -41,13 +41,16 @@ import numpy as np
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout
 from hybridkv.connector.pd_auth import PURPOSE_RPC_ANSWER, PURPOSE_RPC_REQUEST, DeploymentKey
+from hybridkv.connector.pd_transport import HOST, MemorySpace
 
 logger = logging.getLogger(__name__)
 
 # Bump on any change of the JSON schema or of what a field means.
 # 2: ReleaseBlocks (decode tells prefill a request's blocks are done with).
 # 3: ClaimLease, MACs on every call and answer (hkv-mac metadata), a nonce in every body.
-HANDSHAKE_VERSION = 3
+# 4: each group's memory type and device (mem_type/dev: VRAM KV caches), and its
+#    block formats (kernel-block split and VLLM_KV_CACHE_LAYOUT), refused on mismatch.
+HANDSHAKE_VERSION = 4
 
 SERVICE = "hybridkv.pd.Handshake"
 METHOD = "GetAgentInfo"
@@ -100,7 +103,12 @@ class GroupDescriptor:
     The compatibility fields (spec .. block_bytes) must agree between prefill
     and decode; ``bases``/``strides`` are the prefill side's addresses that
     decode builds its remote READ descriptors from (empty in the layout decode
-    sends as "expected": addresses are private to each process).
+    sends as "expected": addresses are private to each process). ``mem_type`` /
+    ``dev`` say where those addresses live (NIXL ``DRAM``/``VRAM`` and device id),
+    which the READ's remote descriptors must name; they need not agree between
+    the sides. ``block_formats`` (per layer view, ``GroupLayout.block_formats``)
+    must agree: equal block bytes in a different kernel-block split or
+    ``VLLM_KV_CACHE_LAYOUT`` are different bytes.
     """
 
     group_id: int
@@ -111,6 +119,15 @@ class GroupDescriptor:
     block_bytes: tuple[int, ...]
     bases: tuple[int, ...] = ()
     strides: tuple[int, ...] = ()
+    mem_type: str = HOST.kind
+    dev: int = HOST.dev
+    block_formats: tuple[str, ...] = ()
+
+    @property
+    def memory_space(self) -> MemorySpace:
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise HandshakeError(f"group {self.group_id}: unknown memory type {self.mem_type!r}")
+        return MemorySpace(self.mem_type, self.dev)  # type: ignore[arg-type]
 
     @property
     def num_layers(self) -> int:
@@ -141,13 +158,23 @@ class LayoutDescriptor:
     groups: tuple[GroupDescriptor | None, ...]  # None: the group has no layer on this worker
 
     @classmethod
-    def from_kv(cls, layout: KVLayout, rows: Sequence[dict], tp_size: int) -> "LayoutDescriptor":
+    def from_kv(
+        cls,
+        layout: KVLayout,
+        rows: Sequence[dict],
+        tp_size: int,
+        spaces: Sequence[MemorySpace | None] | None = None,
+    ) -> "LayoutDescriptor":
         """Combine the worker's addresses (``KVLayout``) with the spec facts of
-        ``block_layout.layout_rows(kv_cache_config)``."""
+        ``block_layout.layout_rows(kv_cache_config)``; ``spaces`` is each group's
+        memory space (``PDTransport.group_spaces``; None: host memory)."""
         if len(rows) != len(layout.groups):
             raise ValueError(f"{len(rows)} layout rows for {len(layout.groups)} groups")
+        if spaces is not None and len(spaces) != len(layout.groups):
+            raise ValueError(f"{len(spaces)} memory spaces for {len(layout.groups)} groups")
         groups: list[GroupDescriptor | None] = []
-        for row, g in zip(rows, layout.groups, strict=True):
+        for gi, (row, g) in enumerate(zip(rows, layout.groups, strict=True)):
+            space = (spaces[gi] if spaces is not None else None) or HOST
             if g is None:
                 groups.append(None)
                 continue
@@ -161,6 +188,9 @@ class LayoutDescriptor:
                     block_bytes=tuple(int(x) for x in g.block_bytes),
                     bases=tuple(int(x) for x in g.bases),
                     strides=tuple(int(x) for x in g.strides),
+                    mem_type=space.kind,
+                    dev=space.dev,
+                    block_formats=tuple(str(f) for f in g.block_formats),
                 )
             )
         return cls(tp_size=tp_size, groups=tuple(groups))
@@ -173,6 +203,10 @@ class LayoutDescriptor:
 
     def group_layouts(self) -> tuple[GroupLayout | None, ...]:
         return tuple(None if g is None else g.to_group_layout() for g in self.groups)
+
+    def memory_spaces(self) -> tuple[MemorySpace | None, ...]:
+        """Each group's memory space, for ``PDTransport.add_peer``."""
+        return tuple(None if g is None else g.memory_space for g in self.groups)
 
     # JSON ------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -191,6 +225,9 @@ class LayoutDescriptor:
                     "block_bytes": list(g.block_bytes),
                     "bases": list(g.bases),
                     "strides": list(g.strides),
+                    "mem_type": g.mem_type,
+                    "dev": g.dev,
+                    "block_formats": list(g.block_formats),
                 }
                 for g in self.groups
             ],
@@ -212,6 +249,10 @@ class LayoutDescriptor:
                 block_bytes=tuple(int(x) for x in g["block_bytes"]),
                 bases=tuple(int(x) for x in g.get("bases", ())),
                 strides=tuple(int(x) for x in g.get("strides", ())),
+                # absent before version 4, which meant exactly host memory, device 0
+                mem_type=str(g.get("mem_type", HOST.kind)),
+                dev=int(g.get("dev", HOST.dev)),
+                block_formats=tuple(str(f) for f in g.get("block_formats", ())),
             )
             if int(g.get("num_layers", d.num_layers)) != d.num_layers:
                 raise ValueError(
@@ -392,6 +433,17 @@ def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list
                     p.dtype,
                     d.dtype,
                     "start both instances with the same --dtype / --kv-cache-dtype",
+                )
+            )
+        if p.block_formats != d.block_formats:
+            out.append(
+                Mismatch(
+                    g,
+                    "block_formats",
+                    list(p.block_formats),
+                    list(d.block_formats),
+                    "the blocks are laid out differently (kernel-block split or head/token order): run the "
+                    "same attention backend / kernel block size / VLLM_KV_CACHE_LAYOUT on both instances",
                 )
             )
         if p.block_bytes != d.block_bytes:

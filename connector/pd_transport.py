@@ -13,9 +13,14 @@ polling it on every prefill engine step did not prevent the server-mode READ sta
 
 Facts this relies on (NIXL 1.5.1, UCX backend, checked on this CPU machine):
 
-- DRAM regions are registered as ``(addr, len, 0, "")`` tuples; on the CPU
-  engine every KV tensor is a view of one int8 allocation, so registration is
-  one region (``KVLayout.allocations``).
+- Regions are registered as ``(addr, len, dev, "")`` tuples under ONE memory
+  type per registration: host KV caches as ``"DRAM"`` (dev 0), CUDA ones as
+  ``"VRAM"`` with their CUDA device index (:func:`memory_space`); a transfer
+  descriptor list likewise has one memory type and a device per row. Each
+  side's type and devices travel in the handshake, so the READ plan names the
+  peer's memory as the peer registered it. On the CPU engine every KV tensor is
+  a view of one int8 allocation, so registration is one region
+  (``KVLayout.allocations``).
 - Both agents need NIXL's progress thread (the default): with it off, a READ
   never completes while the prefill process is not calling into NIXL.
 - With UCX's default transports on one host, ``cma`` moves the bytes and the
@@ -47,15 +52,100 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+import bisect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout
 
-_MEM = "DRAM"
+
+
+@dataclass(frozen=True)
+class MemorySpace:
+    """Where an allocation lives, as NIXL names it: memory type and device id.
+
+    Why it matters: registering CUDA memory as ``"DRAM"`` makes UCX treat device
+    pointers as host pointers (a failed or wrong copy), so each allocation is
+    registered, and each READ descriptor built, with its own type and device.
+    """
+
+    kind: Literal["DRAM", "VRAM"]
+    dev: int
+
+
+HOST = MemorySpace("DRAM", 0)
+
+
+def memory_space(device_type: str, index: int | None) -> MemorySpace:
+    """The NIXL memory space of a tensor on torch device ``(device_type, index)``.
+
+    cpu -> ``DRAM`` dev 0; cuda -> ``VRAM`` with the CUDA device index (which a
+    CUDA tensor always has). Anything else cannot be registered: ``ValueError``.
+    """
+    if device_type == "cpu":
+        return HOST
+    if device_type == "cuda":
+        if index is None:
+            raise ValueError("a CUDA KV cache without a device index (use the tensor's own device)")
+        return MemorySpace("VRAM", int(index))
+    raise ValueError(
+        f"KV cache on device type {device_type!r}: hybridkv P/D registers host (cpu) or CUDA memory only"
+    )
+
+
+def allocation_spaces(layout: KVLayout, kv_caches: Mapping[str, Any]) -> tuple[MemorySpace, ...]:
+    """The memory space of each of ``layout.allocations``, from the tensors' own devices."""
+    by_base: dict[int, MemorySpace] = {}
+    for name, t in kv_caches.items():
+        base = t.untyped_storage().data_ptr()
+        space = memory_space(t.device.type, t.device.index)
+        if by_base.setdefault(base, space) != space:
+            raise ValueError(f"{name}: allocation 0x{base:x} seen on {by_base[base]} and {space}")
+    try:
+        return tuple(by_base[base] for base, _ in layout.allocations)
+    except KeyError as e:
+        raise ValueError(f"allocation 0x{e.args[0]:x} of the layout is no tensor's storage") from None
+
+
+def group_spaces(
+    layout: KVLayout, spaces: Sequence[MemorySpace]
+) -> tuple[MemorySpace | None, ...]:
+    """Per group: the memory space of the allocation holding its regions (None: no layer).
+
+    A group whose regions lie in allocations of different spaces, or outside
+    every allocation, is refused (``ValueError``): its READ rows could not name
+    one device."""
+    if len(spaces) != len(layout.allocations):
+        raise ValueError(f"{len(spaces)} memory spaces for {len(layout.allocations)} allocations")
+    starts = [base for base, _ in layout.allocations]
+    out: list[MemorySpace | None] = []
+    for g in layout.groups:
+        if g is None:
+            out.append(None)
+            continue
+        found: set[MemorySpace] = set()
+        for base in g.bases.tolist():
+            i = bisect.bisect_right(starts, int(base)) - 1
+            if i < 0 or int(base) >= starts[i] + layout.allocations[i][1]:
+                raise ValueError(f"group {g.group_id}: region 0x{int(base):x} lies in no registered allocation")
+            found.add(spaces[i])
+        if len(found) != 1:
+            raise ValueError(f"group {g.group_id}: regions in several memory spaces {sorted(map(str, found))}")
+        out.append(found.pop())
+    return tuple(out)
+
+
+def _one_kind(spaces: Sequence[MemorySpace | None], whose: str) -> str:
+    """NIXL descriptor lists carry one memory type: a side must use one."""
+    kinds = {s.kind for s in spaces if s is not None}
+    if len(kinds) > 1:
+        raise TransferError(
+            f"{whose} KV cache mixes memory types {sorted(kinds)}; one P/D READ names one type per side"
+        )
+    return kinds.pop() if kinds else HOST.kind
 
 
 class TransferError(RuntimeError):
@@ -112,8 +202,13 @@ def read_descriptors(
     remote_groups: Sequence[GroupLayout | None],
     remote_block_ids: Sequence[Sequence[int]],
     local_block_ids: Sequence[Sequence[int]],
+    local_devs: Sequence[int | None] | None = None,
+    remote_devs: Sequence[int | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Local and remote ``(addr, len, dev)`` rows, uint64 ``[N, 3]``, of one batched READ.
+
+    ``dev`` is the group's device id on that side (``local_devs[g]`` /
+    ``remote_devs[g]``; None or omitted: 0, i.e. host memory).
 
     Row ``i`` of both arrays is the same layer of the same block: block
     ``remote_block_ids[g][k]`` of group ``g`` on the peer lands in block
@@ -130,6 +225,8 @@ def read_descriptors(
     local_parts: list[np.ndarray] = []
     remote_parts: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
+    l_devs: list[np.ndarray] = []
+    r_devs: list[np.ndarray] = []
     for gid, (lg, rg, r_ids, l_ids) in enumerate(
         zip(local_groups, remote_groups, remote_block_ids, local_block_ids, strict=True)
     ):
@@ -153,16 +250,18 @@ def read_descriptors(
         remote_parts.append(np.asarray(r_addr, dtype=np.uint64).reshape(-1))
         # regions() sizes are block_bytes per layer, block after block: same rows, no list trip
         sizes.append(np.tile(lg.block_bytes.astype(np.uint64), len(l_ids)))
+        n = len(sizes[-1])
+        l_devs.append(np.full(n, int((local_devs[gid] if local_devs else None) or 0), dtype=np.uint64))
+        r_devs.append(np.full(n, int((remote_devs[gid] if remote_devs else None) or 0), dtype=np.uint64))
     if not sizes:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return empty, empty.copy()
     size = np.concatenate(sizes)
     local = np.concatenate(local_parts)
     _check_disjoint(local, size)
-    dev = np.zeros_like(size)
     return (
-        np.stack([local, size, dev], axis=1),
-        np.stack([np.concatenate(remote_parts), size, dev], axis=1),
+        np.stack([local, size, np.concatenate(l_devs)], axis=1),
+        np.stack([np.concatenate(remote_parts), size, np.concatenate(r_devs)], axis=1),
     )
 
 
@@ -213,8 +312,17 @@ class PDTransport:
         *,
         backends: Sequence[str] = ("UCX",),
         progress_delay_us: int = 100,
+        memory: MemorySpace | Sequence[MemorySpace] = HOST,
     ) -> None:
+        """``memory``: the space of every allocation, or one per ``layout.allocations``
+        (:func:`allocation_spaces`); the default is host memory (CPU KV caches)."""
         *_, self._errors = _nixl()
+        spaces = (memory,) * len(layout.allocations) if isinstance(memory, MemorySpace) else tuple(memory)
+        try:
+            self.group_spaces = group_spaces(layout, spaces)
+        except ValueError as e:
+            raise TransferError(f"NIXL agent {agent_name!r}: {e}") from e
+        self.mem_kind = _one_kind(spaces, "this worker's")
         self.name = agent_name
         self.layout = layout
         self._lock = threading.Lock()
@@ -230,12 +338,12 @@ class PDTransport:
                 f"NIXL agent {agent_name!r}: none of the backends {list(backends)} is available "
                 f"(plugins: {self._agent.get_plugin_list()})"
             )
-        regions = [(int(base), int(n), 0, "") for base, n in layout.allocations]
+        regions = [(int(base), int(n), sp.dev, "") for (base, n), sp in zip(layout.allocations, spaces, strict=True)]
         try:
-            self._reg = self._agent.register_memory(regions, _MEM) if regions else None
+            self._reg = self._agent.register_memory(regions, self.mem_kind) if regions else None
         except self._errors as e:
             raise TransferError(f"NIXL agent {agent_name!r}: registering {len(regions)} KV region(s) failed: {e!r}") from e
-        self._peers: dict[str, tuple[GroupLayout | None, ...]] = {}
+        self._peers: dict[str, tuple[tuple[GroupLayout | None, ...], tuple[MemorySpace | None, ...], str]] = {}
         self._open: set[ReadHandle] = set()
         self._leaked: list[object] = []  # NIXL handles whose release failed; retried at shutdown
 
@@ -245,23 +353,34 @@ class PDTransport:
         with self._lock:
             return self._live().get_agent_metadata()
 
-    def add_peer(self, peer_metadata: bytes, peer_groups: Sequence[GroupLayout | None]) -> str:
+    def add_peer(
+        self,
+        peer_metadata: bytes,
+        peer_groups: Sequence[GroupLayout | None],
+        peer_spaces: Sequence[MemorySpace | None] | None = None,
+    ) -> str:
         """Load a peer's NIXL metadata and remember its block addressing; returns the peer name.
 
         ``peer_groups`` is the peer's layout from the handshake
-        (``AgentInfo.layout.group_layouts()``); it must have this worker's group count.
+        (``AgentInfo.layout.group_layouts()``), ``peer_spaces`` its memory space
+        per group (``AgentInfo.layout.memory_spaces()``; None: host memory); both
+        must have this worker's group count.
         """
         if len(peer_groups) != len(self.layout.groups):
             raise TransferError(
                 f"peer layout has {len(peer_groups)} groups but this worker has {len(self.layout.groups)}"
             )
+        spaces = tuple(peer_spaces) if peer_spaces is not None else tuple(None if g is None else HOST for g in peer_groups)
+        if len(spaces) != len(peer_groups):
+            raise TransferError(f"peer gave {len(spaces)} memory spaces for {len(peer_groups)} groups")
+        kind = _one_kind(spaces, "the peer's")
         with self._lock:
             try:
                 name = self._live().add_remote_agent(peer_metadata)
             except self._errors as e:
                 raise TransferError(f"NIXL agent {self.name!r}: loading peer metadata failed: {e!r}") from e
             name = name.decode() if isinstance(name, bytes) else str(name)
-            self._peers[name] = tuple(peer_groups)
+            self._peers[name] = (tuple(peer_groups), spaces, kind)
             return name
 
     def remove_peer(self, peer: str) -> None:
@@ -294,11 +413,15 @@ class PDTransport:
         if self._agent is None:
             raise TransferError(f"P/D transport {self.name!r} is shut down")
         try:
-            peer_groups = self._peers[peer]
+            peer_groups, peer_spaces, peer_kind = self._peers[peer]
         except KeyError:
             raise TransferError(f"unknown peer {peer!r}: call add_peer with its handshake answer first") from None
         try:
-            local, remote = read_descriptors(self.layout.groups, peer_groups, remote_block_ids, local_block_ids)
+            local, remote = read_descriptors(
+                self.layout.groups, peer_groups, remote_block_ids, local_block_ids,
+                [None if s is None else s.dev for s in self.group_spaces],
+                [None if s is None else s.dev for s in peer_spaces],
+            )
         except ValueError as e:
             raise TransferError(f"READ from {peer!r} refused: {e}") from e
         handle = ReadHandle(peer=peer, num_descs=len(local), nbytes=int(local[:, 1].sum()) if len(local) else 0)
@@ -313,8 +436,8 @@ class PDTransport:
             try:
                 xfer = self._agent.initialize_xfer(
                     "READ",
-                    self._agent.get_xfer_descs(local, _MEM),
-                    self._agent.get_xfer_descs(remote, _MEM),
+                    self._agent.get_xfer_descs(local, self.mem_kind),
+                    self._agent.get_xfer_descs(remote, peer_kind),
                     peer,
                     notif,
                 )
@@ -486,4 +609,15 @@ class PDTransport:
             self._leaked.append(xfer)
 
 
-__all__ = ["PDTransport", "ReadHandle", "TransferError", "TransferTimeout", "read_descriptors"]
+__all__ = [
+    "HOST",
+    "MemorySpace",
+    "PDTransport",
+    "ReadHandle",
+    "TransferError",
+    "TransferTimeout",
+    "allocation_spaces",
+    "group_spaces",
+    "memory_space",
+    "read_descriptors",
+]

@@ -53,7 +53,7 @@ from hybridkv.connector.pd_handshake import (
     release_blocks,
 )
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
-from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
+from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout, allocation_spaces
 
 # A claim can arrive before the prefill worker's next step hands it the lease (the
 # scheduler issued the params at finish): wait this long for it.
@@ -114,8 +114,10 @@ class PDWorker:
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
             os.environ.setdefault("UCX_MODULES", "^ib")
         name = f"hybridkv-{self._s.engine_id}-tp{self._s.tp_rank}"
-        self._transport = PDTransport(name, layout)
-        self._local = LayoutDescriptor.from_kv(layout, layout_rows(self._kv_cache_config), self._s.tp_size)
+        # CUDA caches register as VRAM on their own device, host caches as DRAM
+        self._transport = PDTransport(name, layout, memory=allocation_spaces(layout, kv_caches))
+        self._local = LayoutDescriptor.from_kv(layout, layout_rows(self._kv_cache_config), self._s.tp_size,
+                                               spaces=self._transport.group_spaces)
         info = AgentInfo(
             engine_id=self._s.engine_id,
             tp_rank=self._s.tp_rank,
@@ -264,7 +266,8 @@ class PDWorker:
                 tp_rank=self._s.tp_rank, timeout_s=self._s.handshake_timeout_s,
                 prefill_engine_id=job.remote_engine_id, key=self._s.key,
             )
-            peer = self._transport.add_peer(info.agent_metadata, info.layout.group_layouts())
+            peer = self._transport.add_peer(info.agent_metadata, info.layout.group_layouts(),
+                                            info.layout.memory_spaces())
             self._peers[key] = peer
         return peer
 

@@ -609,3 +609,74 @@ def test_release_reaches_the_prefill_worker_over_the_side_channel(expected):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(HandshakeError, match="release on"):
         release_blocks(server.address, ["req-3"], timeout_s=2)
+
+
+# ----------------------------------------------------------------------------- memory type per allocation
+from hybridkv.connector.pd_transport import (  # noqa: E402
+    HOST,
+    MemorySpace,
+    allocation_spaces,
+    group_spaces,
+    memory_space,
+    read_descriptors,
+)
+
+
+def test_memory_space_is_dram_for_cpu_and_vram_with_the_cuda_index():
+    """The one mem-type decision, a pure function of the torch device (no CUDA needed)."""
+    assert memory_space("cpu", None) == MemorySpace("DRAM", 0) == HOST
+    assert memory_space("cuda", 0) == MemorySpace("VRAM", 0)
+    assert memory_space("cuda", 3) == MemorySpace("VRAM", 3)
+    with pytest.raises(ValueError, match="without a device index"):
+        memory_space("cuda", None)
+    with pytest.raises(ValueError, match="device type 'xpu'"):
+        memory_space("xpu", 0)
+
+
+def test_cpu_kv_cache_registers_and_describes_dram_dev0_through_the_handshake():
+    kv = KV(seed=None)
+    spaces = allocation_spaces(kv.layout, kv.caches)
+    assert spaces == (MemorySpace("DRAM", 0),)
+    per_group = group_spaces(kv.layout, spaces)
+    assert per_group == (HOST, HOST, HOST, HOST)
+    with PDTransport("mem-cpu", kv.layout, memory=spaces) as t:
+        assert t.mem_kind == "DRAM" and t.group_spaces == per_group
+    desc = LayoutDescriptor.from_kv(kv.layout, layout_rows(kv.config), tp_size=1, spaces=per_group)
+    back = LayoutDescriptor.from_json(desc.to_json())
+    assert [(g.mem_type, g.dev) for g in back.groups] == [("DRAM", 0)] * 4
+    assert back.memory_spaces() == per_group
+
+
+def test_vram_spaces_travel_in_the_handshake_and_fill_the_dev_columns():
+    """Device ids are data here (a CPU layout labelled with made-up CUDA spaces, named as such):
+    the descriptor must carry them and read_descriptors must put each side's in its rows."""
+    kv = KV(seed=None)
+    made_up = group_spaces(kv.layout, [MemorySpace("VRAM", 2)])
+    assert made_up == (MemorySpace("VRAM", 2),) * 4
+    desc = LayoutDescriptor.from_kv(kv.layout, layout_rows(kv.config), tp_size=1, spaces=made_up)
+    js = desc.to_json()
+    assert [(g["mem_type"], g["dev"]) for g in js["groups"]] == [("VRAM", 2)] * 4
+    peer = LayoutDescriptor.from_json(js).memory_spaces()
+    assert peer == made_up
+    # a version-3 answer (no mem_type/dev) meant host memory, device 0
+    for g in js["groups"]:
+        del g["mem_type"], g["dev"]
+    assert LayoutDescriptor.from_json(js).memory_spaces() == (HOST,) * 4
+    ids = [[1], [2], [3], [4]]
+    local, remote = read_descriptors(kv.layout.groups, kv.layout.groups, ids, ids,
+                                     local_devs=[0, 1, 0, 1], remote_devs=[p.dev for p in peer])
+    per_group_rows = [len(g.block_bytes) for g in kv.layout.groups]
+    want_local = np.repeat([0, 1, 0, 1], per_group_rows)
+    assert local[:, 2].tolist() == want_local.tolist()
+    assert remote[:, 2].tolist() == [2] * sum(per_group_rows)
+    # defaults: host memory, device 0 on both sides
+    local, remote = read_descriptors(kv.layout.groups, kv.layout.groups, ids, ids)
+    assert local[:, 2].tolist() == remote[:, 2].tolist() == [0] * sum(per_group_rows)
+
+
+def test_a_group_outside_the_registered_allocations_is_refused():
+    kv = KV(seed=None)
+    other = KV(seed=None)
+    shifted = replace(kv.layout, allocations=other.layout.allocations)
+    with pytest.raises(ValueError, match="lies in no registered allocation"):
+        group_spaces(shifted, [HOST])
