@@ -41,3 +41,40 @@ def store_key_schema(
         identity=kv_identity(vllm_config),
     )
 
+
+
+def rank_schemas(schema: KeySchema) -> tuple[KeySchema, ...]:
+    """The schema as every tensor-parallel rank names its objects (rank 0 first).
+
+    Each rank stores its own shard of every group under its own rank part (KV heads,
+    Mamba/linear-attention heads and window tails alike: shards of one block are never
+    identical, so none is deduplicated). The scheduler holds rank 0's schema and needs
+    every rank's name to decide a hit.
+    """
+    return tuple(schema.for_rank(r, schema.pp_rank) for r in range(schema.tp_size))
+
+
+class AllRankKeys:
+    """One batched existence query over every rank's object of each block.
+
+    A block is present only when EVERY rank holds its object: a hit that one rank
+    cannot load fails that rank's load and the whole request recomputes.
+    """
+
+    def __init__(self, schema: KeySchema) -> None:
+        self._schemas = rank_schemas(schema)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._schemas)
+
+    def names(self, keys: list[tuple[int, bytes]]) -> list[str]:
+        """Store keys of ``keys`` (group, block hash), rank-major within each block."""
+        return [s.key(g, h) for g, h in keys for s in self._schemas]
+
+    def all_present(self, found: list[bool]) -> list[bool]:
+        """Fold :meth:`names`' answers back to one per block: present on every rank."""
+        n = len(self._schemas)
+        if len(found) % n:
+            raise ValueError(f"{len(found)} answers for {n} ranks")
+        return [all(found[i : i + n]) for i in range(0, len(found), n)]

@@ -24,6 +24,7 @@ from hybridkv.connector.block_copies import step_block_copies
 from hybridkv.connector.dense_reference import install_reconciled_lookup
 from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.store_config import StoreConnectorConfig
+from hybridkv.connector.store_keys import AllRankKeys
 from hybridkv.connector.store_metadata import (
     BlockBatch,
     LoadJob,
@@ -76,6 +77,7 @@ class StoreScheduler:
     ) -> None:
         self._cfg = cfg
         self._schema = schema
+        self._rank_keys = AllRankKeys(schema)  # a hit needs every tensor-parallel rank's object
         self._client = client
         self._world_size = world_size
         self._manager: KVCacheManager | None = None
@@ -172,10 +174,10 @@ class StoreScheduler:
         return ext, True
 
     def _exists(self, keys: list[BlockKey]) -> list[bool]:
-        """ONE batched existence query (a round trip) for the mirror's probe keys."""
-        return self._client.exists(
-            [self._schema.key(g, h) for g, h in keys], timeout_s=self._cfg.lookup_timeout_s
-        )
+        """ONE batched existence query (a round trip) for the mirror's probe keys, every
+        rank's object of each: a block counts only when all ranks hold it."""
+        found = self._client.exists(self._rank_keys.names(keys), timeout_s=self._cfg.lookup_timeout_s)
+        return self._rank_keys.all_present(found)
 
     def _count_probes(self, probed: ProbedHit) -> None:
         self._stats.add("lookup_round_trips", probed.round_trips)
