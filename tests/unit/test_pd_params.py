@@ -60,6 +60,28 @@ def _connector(role: str, secret_file: str | None, policy: str = "recompute", ge
     return conn, manager
 
 
+@pytest.fixture
+def vllm_caplog(caplog):
+    """caplog that sees the connector's records whatever earlier tests did to logging.
+
+    The connectors log under the "vllm" logger tree, which vLLM's logging config
+    stops from propagating to the root logger (where caplog listens); whether it
+    does depends on which vLLM module configured logging first in this process.
+    So the handler is attached to the "vllm" logger itself.
+    """
+    import logging
+
+    tree = logging.getLogger("vllm")
+    tree.addHandler(caplog.handler)
+    old_level = tree.level
+    tree.setLevel(min(old_level or logging.INFO, logging.INFO))
+    try:
+        yield caplog
+    finally:
+        tree.removeHandler(caplog.handler)
+        tree.setLevel(old_level)
+
+
 @pytest.fixture(scope="module")
 def secret_file() -> str:
     return SECRET
@@ -199,7 +221,8 @@ def test_valid_signed_params_are_read_exactly(decode, secret_file):
     ("remote_lease_id", 5), ("do_remote_prefill", "yes"), ("remote_mac", "0" * 64), ("remote_mac", None),
     ("remote_engine_id", "other-engine"), ("remote_port", PORT + 1), ("remote_host", "10.0.0.9"),
 ])
-def test_each_malformed_or_altered_field_is_refused_and_named(decode, secret_file, field, value, caplog):
+def test_each_malformed_or_altered_field_is_refused_and_named(decode, secret_file, field, value, vllm_caplog):
+    caplog = vllm_caplog
     conn, manager = decode
     tokens = _prompt(200, 3)
     params = _signed(secret_file, tokens) | {field: value}
