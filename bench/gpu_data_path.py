@@ -42,8 +42,8 @@ bench/store_data_path.py. Per scenario and batch of N manager blocks (random dis
   D2D copy and a pinned D2H / H2D copy of the batch bytes (contiguous).
 (b) P/D READ (``--part pd``): two processes on the GPU (prefill: KV cache + NIXL agent; decode:
 same layout). Decode reads N blocks with hybridkv's ``PDTransport.read_blocks`` + ``wait``
-(``read_descriptors`` over ``GroupLayout.regions`` on both sides; the bench sets
-``pd_transport._MEM = "VRAM"`` because PDTransport hard-codes ``"DRAM"``), alternated with a raw
+(``read_descriptors`` over ``GroupLayout.regions`` on both sides; both transports register VRAM
+through ``pd_transport.memory_space`` of the cache's device, as the connector does), alternated with a raw
 ``nixl_agent`` READ of the SAME descriptor arrays built before the clock, for each UCX setting in
 ``UCX_SETTINGS`` (agents read UCX_* at creation, so each setting is a fresh process pair).
 
@@ -615,11 +615,10 @@ def pd_prefill(conn, sc_name: str, device: str, sc: dict) -> None:
 
     import hybridkv.connector.pd_transport as pdt
 
-    pdt._MEM = "VRAM" if device != "cpu" else "DRAM"
     cache = make_cache(sc, torch.device(device))
     fill_random(cache, 21)
     _sync()
-    tr = pdt.PDTransport("prefill", cache.layout)
+    tr = pdt.PDTransport("prefill", cache.layout, memory=pdt.memory_space(torch.device(device).type, torch.device(device).index or 0))
     conn.send((tr.metadata(), cache.layout.groups))
     conn.recv()
     tr.shutdown()
@@ -636,7 +635,7 @@ def pd_decode(setting: str, sc_name: str, sc: dict, args, q) -> None:
 
     import hybridkv.connector.pd_transport as pdt
 
-    mem = pdt._MEM = "VRAM" if args.device != "cpu" else "DRAM"
+    mem = pdt.memory_space(torch.device(args.device).type, torch.device(args.device).index or 0).kind
     dev = torch.device(args.device)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
@@ -646,8 +645,8 @@ def pd_decode(setting: str, sc_name: str, sc: dict, args, q) -> None:
     cache = make_cache(sc, dev)
     ref_cache = make_cache(sc, dev)  # the prefill's bytes, regenerated from the same seed
     fill_random(ref_cache, 21)
-    tr = pdt.PDTransport("decode", cache.layout)
-    peer = tr.add_peer(meta, peer_groups)
+    tr = pdt.PDTransport("decode", cache.layout, memory=pdt.memory_space(dev.type, dev.index or 0))
+    peer = tr.add_peer(meta, peer_groups, tr.group_spaces)  # the prefill's cache is on the same device
     rawa = pdt._make_agent("raw", ["UCX"], 100)
     reg = rawa.register_memory([(int(b_), int(n_), 0, "") for b_, n_ in cache.layout.allocations], mem)
     rpeer = rawa.add_remote_agent(meta)
