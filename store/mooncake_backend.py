@@ -69,9 +69,12 @@ How calls are bounded (the choice made here)
 Every store call runs on a small pool of daemon worker threads and the caller waits at most
 ``timeout_s``; the binding releases the GIL, so waiting is cheap and the call keeps running in
 C++. On timeout the caller gets ``StoreError(CALL_TIMEOUT)`` (its ``pending`` future ends when
-the call really returns); while ``max_stuck_calls`` abandoned calls are still blocked (default 1),
-new calls fail at once with ``CLIENT_STUCK`` instead of queueing behind them (no thread pile-up,
-no unbounded latency), and the backend heals by itself when the abandoned calls return.
+the call really returns). New calls fail at once with ``CLIENT_STUCK`` instead of queueing behind
+abandoned calls still blocked (no thread pile-up, no unbounded latency): ANY call while a metadata
+call (exists, small objects, remove: the master alone answers those) is stuck, since then the
+master is hung; a data call (put_from / get_into, which also reach a segment owner) while
+``max_stuck_calls`` data calls are stuck (default 1; more lets requests served by healthy nodes
+go on while one node hangs). The backend heals by itself when the abandoned calls return.
 A call that answers RPC_FAIL/RPC_TIMEOUT opens a short circuit (``retry_after_s``): calls fail
 fast with ``MASTER_UNREACHABLE`` instead of each paying the ~4.4 s the binding needs to
 rediscover that the master is dead; after it one call is let through to probe again.
@@ -195,6 +198,8 @@ _FIXES: dict[int, str] = {
 }
 
 _UNREACHABLE_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
+# Calls that move object bytes to or from a segment owner; every other call needs the master only.
+_DATA_OPS = frozenset({"put_from", "get_into", "put_from_parts", "get_into_parts"})
 
 T = TypeVar("T")
 _DEFAULT = object()  # "use self.timeout_s" (None already means unbounded)
@@ -277,10 +282,10 @@ class MooncakeBackend:
     ``global_segment_size`` is the memory this process contributes to the store (0: it only
     reads/writes other nodes' segments). ``local_buffer_size`` stages ``put_bytes``/``get_bytes``.
     ``timeout_s`` bounds every store call (None or 0: call directly, unbounded).
-    ``max_stuck_calls``: abandoned calls tolerated before new calls are refused with
-    CLIENT_STUCK. 1 suits one caller; a data path with independent requests wants more, so
-    a call stuck on one hung segment owner does not refuse requests served by other nodes
-    (each later call is still bounded; a hung master sticks them all and trips the gate).
+    ``max_stuck_calls``: abandoned DATA calls tolerated before new data calls are refused with
+    CLIENT_STUCK (one stuck metadata call refuses everything: the master is hung). 1 suits one
+    caller; a data path with independent requests wants more, so a call stuck on one hung
+    segment owner does not refuse requests served by other nodes (each call is still bounded).
     """
 
     def __init__(
@@ -311,6 +316,7 @@ class MooncakeBackend:
         self._regions: dict[int, int] = {}
         self._lock = threading.Lock()
         self._stuck = 0
+        self._stuck_meta = 0  # of which metadata calls (the master alone answers them)
         self._stuck_op = ""
         self._unreachable_until = 0.0
         self._closed = False
@@ -365,7 +371,7 @@ class MooncakeBackend:
     def _admit(self, op: str) -> None:
         if self._closed:
             raise StoreError(op, CLIENT_CLOSED)
-        if self._stuck >= self.max_stuck_calls:
+        if self._stuck_meta or (op in _DATA_OPS and self._stuck - self._stuck_meta >= self.max_stuck_calls):
             raise StoreError(op, CLIENT_STUCK, f"{self._stuck} abandoned call(s), last: {self._stuck_op}")
         left = self._unreachable_until - time.monotonic()
         if left > 0:
@@ -381,17 +387,20 @@ class MooncakeBackend:
         try:
             return fut.result(timeout=wait)
         except FutureTimeout:
+            meta = op not in _DATA_OPS
             with self._lock:
                 self._stuck += 1
+                self._stuck_meta += meta
                 self._stuck_op = op
-            fut.add_done_callback(self._unstuck)
+            fut.add_done_callback(lambda _f: self._unstuck(meta))
             err = StoreError(op, CALL_TIMEOUT, f"no answer from {self.master_address} within {wait:.2f}s")
             err.pending = fut
             raise err from None
 
-    def _unstuck(self, _fut: "Future[Any]") -> None:
+    def _unstuck(self, meta: bool) -> None:
         with self._lock:
             self._stuck -= 1
+            self._stuck_meta -= meta
 
     def _call(self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT) -> T:
         self._admit(op)

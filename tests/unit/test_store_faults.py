@@ -353,3 +353,49 @@ def test_snapshot_save_of_a_block_being_written_stores_a_verifiable_object(maste
         assert rig.stats["fail.load_corrupt_object"] == 1  # (the first bad object stops the load)
     finally:
         rig.close(holders)
+
+
+def test_a_call_stuck_on_one_node_leaves_lookups_alone_a_hung_master_refuses_all(master, holders) -> None:
+    """Which stuck calls refuse which: a hung segment owner sticks only data calls (the
+    master still answers lookups), a hung master sticks metadata calls and then every call
+    must fail fast, whatever ``max_stuck_calls`` the data path tolerates."""
+    import numpy as np
+
+    from hybridkv.store.mooncake_backend import CALL_TIMEOUT, CLIENT_STUCK, StoreError
+
+    client = MooncakeBackend(master.address, global_segment_size=0, local_buffer_size=4 << 20,
+                             timeout_s=1.0, max_stuck_calls=4)
+    buf = np.zeros(8192, dtype=np.uint8)
+    client.register(buf.ctypes.data, buf.nbytes)
+    node = start_holder(master, {"faults/on-node": b"x" * 4096}, holders)
+    try:
+        node.stop()
+        with pytest.raises(StoreError) as ei:
+            client.get_into(["faults/on-node"], [buf.ctypes.data], [4096])
+        assert ei.value.code == CALL_TIMEOUT and client.stuck_calls == 1
+        t0 = time.monotonic()
+        assert client.exists(["faults/on-node"]) == [True]  # the lookup path is not refused
+        assert time.monotonic() - t0 < 0.5
+        node.cont()
+        assert _wait(lambda: client.stuck_calls == 0, 40.0)
+        os.kill(master.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreError) as ei:
+                client.exists(["faults/on-node"], timeout_s=0.5)
+            assert ei.value.code == CALL_TIMEOUT
+            t0 = time.monotonic()
+            for call in (lambda: client.get_into(["faults/on-node"], [buf.ctypes.data], [4096]),
+                         lambda: client.put_from(["faults/new"], [buf.ctypes.data], [4096]),
+                         lambda: client.exists(["faults/on-node"])):
+                with pytest.raises(StoreError) as ei:
+                    call()
+                assert ei.value.code == CLIENT_STUCK
+            assert time.monotonic() - t0 < 0.5
+        finally:
+            os.kill(master.pid, signal.SIGCONT)
+        assert _wait(lambda: client.stuck_calls == 0, 40.0)
+    finally:
+        for h in holders:
+            h.cont()
+        _wait(lambda: client.stuck_calls == 0, 40.0)
+        client.close()
