@@ -161,6 +161,9 @@ class PDWorker:
                 ok, straggler = self._read(job)
             except Exception:  # noqa: BLE001 - reported as a failed load, never a crash
                 logger.exception("hybridkv P/D: read for %s crashed", job.req_id)
+            if not ok:  # every time (the cause may be a warn_once): provenance checks look for it
+                logger.warning("hybridkv P/D: READ for %s from %s:%d failed or was refused; no KV used, "
+                               "kv_load_failure_policy applies", job.req_id, job.remote_host, job.remote_port)
             with self._lock:
                 self._recv_done.add(job.req_id)
                 if not ok:
@@ -244,6 +247,12 @@ class PDWorker:
             claim_lease(f"{job.remote_host}:{job.remote_port}", job.remote_req_id, job.lease_id,
                         self._s.handshake_timeout_s, self._s.key)
             self._send_release(job)
+            # Provenance: the one line that proves this request's KV arrived over NIXL (tests
+            # and operators match it; a failed or discarded READ never prints it).
+            per_group = [len(ids) for ids in job.remote_block_ids]
+            logger.info("hybridkv P/D: read %d blocks (%d bytes) for %s from %s at %s:%d (per group %s)",
+                        sum(per_group), handle.nbytes, job.req_id, job.remote_engine_id, job.remote_host,
+                        job.remote_port, per_group)
             return True, None
         except LeaseRefused as e:
             logger.warning("hybridkv P/D: read of request %s discarded, recomputing: %s", job.req_id, e)

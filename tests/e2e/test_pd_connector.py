@@ -11,7 +11,9 @@ planted-fault controls, which use the same check).
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -70,35 +72,92 @@ def _external_hits(llm) -> float:
     return metric(llm, "vllm:external_prefix_cache_hits")
 
 
+_READ_LINE = re.compile(r"hybridkv P/D: read (\d+) blocks \((\d+) bytes\) for (\S+) from (\S+) at (\S+) "
+                        r"\(per group \[([\d, ]*)\]\)")
+_FAILED_LINE = re.compile(r"hybridkv P/D: (READ for \S+ .*failed or was refused|read of \S+ .*(failed|discarded))")
+
+
+def _assert_provenance(log: str, want_groups: list[int], object_bytes: list[int]) -> str:
+    """The decode worker's own proof that ONE request's KV arrived over NIXL: no failed or
+    refused READ, exactly one read line, blocks per group and bytes as expected. Returns its
+    request id. (vLLM's external-hit counter cannot prove it: it counts offered tokens.)"""
+    failed = [line for line in log.splitlines() if _FAILED_LINE.search(line)]
+    assert not failed, f"a READ failed or was refused: {failed}"
+    reads = _READ_LINE.findall(log)
+    assert len(reads) == 1, f"expected one P/D read line, got {reads}"
+    blocks, nbytes, req, _engine, _addr, groups = reads[0]
+    per_group = [int(x) for x in groups.split(",")] if groups.strip() else []
+    assert per_group == want_groups, f"blocks read per group {per_group}, expected {want_groups}"
+    assert int(blocks) == sum(want_groups)
+    assert int(nbytes) == sum(n * b for n, b in zip(want_groups, object_bytes, strict=True))
+    return req
+
+
+def _geometry(worker) -> list[tuple[int, int, bool]]:  # noqa: ANN001 - runs in the decode worker
+    """Per KV-cache group: (block size, bytes of one block over this worker's layers, is Mamba)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group()._worker
+    out = []
+    for group, g in zip(w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True):
+        spec = group.kv_cache_spec
+        out.append((int(spec.block_size), 0 if g is None else g.object_bytes, "Mamba" in type(spec).__name__))
+    return out
+
+
+def _expected_blocks(geometry, remote_block_ids: list[list[int]], local_hit: int, handover: int) -> list[int]:
+    """What decode must read: per attention group the prefill side's non-null blocks of the
+    tokens [decode's own hit, hand-over); per Mamba group the one state block at the hand-over."""
+    want = []
+    for (bs, _, mamba), remote in zip(geometry, remote_block_ids, strict=True):
+        if mamba:
+            want.append(1 if handover > local_hit else 0)
+        else:
+            want.append(sum(1 for i, b in enumerate(remote) if b and i * bs >= local_hit and (i + 1) * bs <= handover))
+    return want
+
+
 @pytest.mark.parametrize("kind", list(CASES))
-def test_pd_three_turns_match_recompute(kind):
+def test_pd_three_turns_match_recompute(kind, monkeypatch, capfd):
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(_geometry)
     model_kind, prefill_args, decode_args = CASES[kind]
     model = tiny_model(model_kind)
     prefill = make_llm(model, pd_config("kv_producer"), **prefill_args)
     # The decode side resolves the connector by the name hybridkv registers (no module path).
     decode = make_llm(model, pd_config("kv_consumer", module_path=False), disable_log_stats=False, **decode_args)
+    geometry = decode.collective_rpc(_geometry)[0]
+    align = math.lcm(*(bs for bs, _, _ in geometry))
     session = Session(seed=21)
     rows = []
     for turn in range(1, 4):
         params = _prefill(prefill, session.prompt)
         assert params and params["do_remote_prefill"] and params["remote_block_ids"], params
-        before = _external_hits(decode)
+        before, local_before = _external_hits(decode), metric(decode, "vllm:prefix_cache_hits")
+        capfd.readouterr()  # this turn's decode log only
         got = _decode(decode, session.prompt, params)
+        log = "".join(capfd.readouterr())
         pulled = _external_hits(decode) - before
+        local_hit = int(metric(decode, "vllm:prefix_cache_hits") - local_before)
+        handover = (len(session.prompt) - 1) // align * align
+        want = _expected_blocks(geometry, params["remote_block_ids"], local_hit, handover)
+        print(log[-3000:] if "hybridkv P/D: read" not in log else "", end="")
+        req = _assert_provenance(log, want, [b for _, b, _ in geometry])
         ref = generate(decode, session.prompt, cache_salt=f"pd-recompute-{kind}-{turn}")
-        rows.append((turn, len(session.prompt), got.num_cached_tokens, int(pulled), matches(got, ref)))
+        rows.append((turn, len(session.prompt), handover, local_hit, int(pulled), want, req, matches(got, ref)))
         session.extend(got.token_ids)
-    # usage's cached tokens: vLLM reports the PREFILL side's own prefix hit there
-    # (remote_prefill_cached_tokens), not decode's.
-    print(f"\nP/D {kind}: turn, prompt, prefill-side cached (usage), tokens pulled from prefill, matches_recompute")
+    print(f"\nP/D {kind}: turn, prompt, hand-over, decode's own hit, tokens pulled, blocks read per group, "
+          "request, matches_recompute")
     for r in rows:
         print("  ", *r)
     prev = 0
-    for turn, prompt, local, pulled, ok in rows:
+    for turn, prompt, handover, local_hit, pulled, want, _req, ok in rows:
         assert ok, f"turn {turn} differs from recompute"
-        assert pulled > 0, f"turn {turn}: nothing was read from the prefill engine"
-        # At least the previous prompt's last scheduler-block boundary is reused.
-        assert local + pulled >= (prev - 1) // 256 * 256 if prev else True
+        assert pulled == handover - local_hit > 0, f"turn {turn}: pulled {pulled} != hand-over - own hits"
+        assert sum(want) > 0
+        if turn == 1:
+            assert local_hit == 0, "turn 1: decode holds nothing of this session"
+        else:  # the previous prompt's last scheduler-block boundary is decode's own hit at least
+            assert local_hit >= (prev - 1) // align * align
         prev = prompt
     del prefill, decode
 
@@ -314,4 +373,9 @@ def test_expired_lease_is_not_read_and_decode_recomputes(capfd):
     # refusal is visible in the worker's log, and the output must equal a recompute.)
     assert "lease on its blocks has expired" in out + err, "blocks were read after the prefill side's lease expired"
     assert matches(got, ref)
+    # Control for the provenance check of the turn test: this READ was refused (the lease
+    # ended before decode's claim), so the check must fail here, though the output matches.
+    with pytest.raises(AssertionError, match="a READ failed or was refused"):
+        _assert_provenance(out + err, [0, 0], [0, 0])
+    assert not _READ_LINE.search(out + err), "a refused READ printed the provenance line"
     del prefill, decode
