@@ -32,17 +32,21 @@ queried and not chosen). The "cached" column is the decode engine's own hit from
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
+from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.store.embedded_master import EmbeddedMaster
 from tests.e2e.engine_harness import (
     Completion,
     Session,
     completion_from,
     generate,
+    greedy_params,
     make_llm,
     matches,
     metric,
@@ -58,8 +62,10 @@ NAMESPACE = "pd-store-multi"
 LEASE_S = 60.0  # prefill's P/D lease; a release must come long before it
 # vLLM's scheduler adds remote_prefill_cached_tokens to any do_remote_prefill answer.
 PD_PARAM_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host",
-                 "remote_port", "remote_block_ids", "remote_num_tokens", "remote_lease_expires_at",
+                 "remote_port", "remote_block_ids", "remote_num_tokens", "remote_lease_id", "remote_mac",
                  "remote_prefill_cached_tokens"}
+# The pair's deployment secret (signs kv_transfer_params and the side channel), fresh per run.
+SECRET_FILE = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-multi-e2e-")) / "secret"))
 
 
 def _store_child(master_address: str) -> dict:
@@ -74,7 +80,7 @@ def prefill_config(master_address: str) -> dict:
     """Prefill instance (children with module paths: both resolution routes get covered)."""
     pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_producer",
           "kv_connector_module_path": "hybridkv.connector",
-          "kv_connector_extra_config": {"lease_s": LEASE_S}}
+          "kv_connector_extra_config": {"lease_s": LEASE_S, "auth_secret_file": SECRET_FILE}}
     store = {**_store_child(master_address), "kv_connector_module_path": "hybridkv.connector"}
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": [pd, store]}}
@@ -82,7 +88,8 @@ def prefill_config(master_address: str) -> dict:
 
 def decode_config(master_address: str) -> dict:
     """Decode instance: store first (its hit wins), peer second (children by registered name)."""
-    pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_both"}
+    pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"auth_secret_file": SECRET_FILE}}
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": [_store_child(master_address), pd]}}
 
@@ -98,14 +105,13 @@ def _prefill(llm, prompt: list[int]) -> dict:
 
 def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8,
             cache_salt: str | None = None) -> tuple[Completion, dict | None]:
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     p = TokensPrompt(prompt_token_ids=prompt)
     if cache_salt is not None:
         p["cache_salt"] = cache_salt
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True,
-                        extra_args={"kv_transfer_params": dict(params)})
+    sp = greedy_params(max_tokens)
+    sp.extra_args = {"kv_transfer_params": dict(params)}
     out = llm.generate([p], sp, use_tqdm=False)[0]
     return completion_from(out), out.kv_transfer_params
 
@@ -162,6 +168,7 @@ def _turn(prefill, decode, label, prompt: list[int], expected: int, decode_salt:
     delta = {k: v - before[k] for k, v in _snapshot(decode).items()}
     ref = generate(decode, prompt, cache_salt=f"multi-recompute-{uuid.uuid4()}")
     return dict(turn=label, prompt=len(prompt), expected=expected, answer=got.token_ids,
+                handover=int(params["remote_num_tokens"]),
                 # The decode engine's own hit, by tier. (RequestOutput.num_cached_tokens on a
                 # decode request is the PREFILL side's hit: vLLM copies remote_prefill_cached_tokens.)
                 cached=int(delta["host"] + delta["p2p"] + delta["device"]), source=_source(delta),
@@ -221,6 +228,10 @@ def test_pd_and_store_in_one_multiconnector_three_turns():
         assert r["release_s"] < LEASE_S / 4, f"turn {r['turn']}: prefill held its blocks {r['release_s']:.1f}s"
     for r in rows[1:3]:
         assert r["source"] == "store", f"turn {r['turn']}: the store holds the previous prompt, it must win"
-        assert r["store_tokens"] >= r["expected"] and r["store_bytes"] > 0
-    miss = rows[3]
-    assert miss["source"] == "peer" and miss["peer_tokens"] > 0 and miss["store_bytes"] == 0, miss
+        # Exactly the previous prompt's checkpoint from the store, nothing from the peer.
+        assert (r["store_tokens"], r["peer_tokens"]) == (r["expected"], 0), r
+        assert r["store_bytes"] > 0
+    for r in (rows[0], rows[3]):
+        # Turn 1 (the store is empty) and the salted miss: all of it from the peer's hand-over.
+        assert r["source"] == "peer" and r["store_bytes"] == 0, r
+        assert (r["store_tokens"], r["peer_tokens"]) == (0, r["handover"]), r
