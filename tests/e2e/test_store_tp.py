@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
+from hybridkv.store.cpu_affinity import usable_cpus
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from hybridkv.store.object_trailer import TRAILER_BYTES, seal
 from tests.e2e.engine_harness import (
@@ -49,7 +50,11 @@ from tests.e2e.engine_harness import (
 )
 
 FIRST, GROWTH = 600, 300  # short prompts: 3 turns of 600 / 908 / 1216 tokens
-RANK_BIND = "0|1"  # one core per rank (vLLM CPU backend, as PDStack gives engines disjoint cores)
+_CPUS = sorted(usable_cpus())
+# One core per rank (vLLM's CPU backend binds rank i to the i-th '|' part), as PDStack gives
+# engines disjoint cores; the TP1 instance shares rank 1's core (one engine steps at a time).
+RANK_BIND = f"{_CPUS[0]}|{_CPUS[-1]}"
+TP1_BIND = f"{_CPUS[-1]}"
 # model kind -> (hit alignment in tokens, extra engine args)
 MODELS = {
     "gemma3": (128, {}),
@@ -110,6 +115,8 @@ def served(llm, prompt: list[int]) -> tuple[int, float, "object"]:
 @pytest.fixture(scope="module", autouse=True)
 def insecure_serialization():
     """kv_cache_layout travels over collective_rpc: both the caller and the engine check it."""
+    if len(_CPUS) < 2:
+        pytest.fail(f"TP2 needs two usable CPUs (one per rank), this runner has {_CPUS}")
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     yield
@@ -209,7 +216,7 @@ def test_tp1_and_tp2_on_one_master_never_serve_each_other(master, gemma3_tp2, tm
     instance never reads TP2's half-head shards as whole blocks, nor the reverse."""
     tp2, tp2_log = gemma3_tp2
     tp1_log = tmp_path / "tp1-keys.log"
-    tp1 = start_engine("gemma3", 1, master.address, tp1_log, "tp-shared", "1")
+    tp1 = start_engine("gemma3", 1, master.address, tp1_log, "tp-shared", TP1_BIND)
     try:
         rng = random.Random("tp1-tp2")
         p1 = [rng.randrange(3, VOCAB) for _ in range(FIRST)]
