@@ -89,6 +89,7 @@ fails before any transfer when the master is the problem, but a slow peer could 
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -203,6 +204,9 @@ _DATA_OPS = frozenset({"put_from", "get_into", "put_from_parts", "get_into_parts
 
 T = TypeVar("T")
 _DEFAULT = object()  # "use self.timeout_s" (None already means unbounded)
+_CLOSE_WAIT_S = 12.0  # close(): how long calls in flight may take to return first (a call
+# against a dead master was seen blocking about 9 s; closing under it aborts the process)
+logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
 
 def code_name(code: int) -> str:
@@ -263,9 +267,19 @@ class _DaemonPool:
         self._q.put((fut, fn, args))
         return fut
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 0.0) -> bool:
+        """Stop the threads; wait up to ``wait_s`` for calls in flight. True if all returned.
+
+        Closing the Mooncake client while one of these threads is still inside a call
+        aborts the process (std::terminate, seen at interpreter exit after a test had
+        killed a master while an epoch check was in flight), so close() waits here first.
+        """
         for _ in self._threads:
             self._q.put(None)
+        deadline = time.monotonic() + wait_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
 
 def _parse_address(addr: str) -> tuple[str, int]:
@@ -606,8 +620,12 @@ class MooncakeBackend:
             if self._closed:
                 return
             self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown()
+        if self._pool is not None and not self._pool.shutdown(wait_s=_CLOSE_WAIT_S):
+            # A call is still inside Mooncake: closing under it would abort the
+            # process. Leave the client to the process's exit instead.
+            logger.warning("hybridkv: store client %s closed with a call still in flight; "
+                           "not closing the Mooncake client under it", self.master_address)
+            return
         store = getattr(self, "_store", None)
         if store is not None:
             store.close()

@@ -144,7 +144,9 @@ def _start_epoch_monitor(client: MooncakeBackend) -> threading.Event:
                                client.master_address, epoch)
                 seen = epoch
 
-    threading.Thread(target=run, name="hybridkv-store-epoch", daemon=True).start()
+    thread = threading.Thread(target=run, name="hybridkv-store-epoch", daemon=True)
+    stop.thread = thread  # type: ignore[attr-defined]  # joined by release_all
+    thread.start()
     return stop
 
 
@@ -154,12 +156,17 @@ def release_all() -> None:
         clients = list(_CLIENTS.values())
         masters = list(_OWNED_MASTERS.values())
         supervisors = list(_SUPERVISORS.values())
-        for stop in _MONITORS.values():
+        monitors = list(_MONITORS.values())
+        for stop in monitors:
             stop.set()
         _CLIENTS.clear()
         _OWNED_MASTERS.clear()
         _SUPERVISORS.clear()
         _MONITORS.clear()
+    for stop in monitors:  # no epoch check may be inside a client we close
+        thread = getattr(stop, "thread", None)
+        if thread is not None:
+            thread.join(timeout=3.0)
     for supervisor in supervisors:  # a master stopped on purpose must not be restarted
         supervisor.stop()
     for client in clients:
