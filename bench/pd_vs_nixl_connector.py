@@ -180,12 +180,31 @@ def env(**kv: str):
                 os.environ[k] = v
 
 
+_SECRET: list[str] = []
+
+
+def pd_secret_env() -> dict[str, str]:
+    """HybridPDConnector needs the pair's deployment secret (signs kv_transfer_params and the
+    side channel) or it refuses to start: one fresh secret per run, as PDStack does, unless
+    the caller set one."""
+    from hybridkv.connector.pd_auth import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
+
+    if os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV):
+        return {}
+    if not _SECRET:
+        import tempfile
+
+        _SECRET.append(str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-bench-")) / "secret")))
+    return {SECRET_FILE_ENV: _SECRET[0]}
+
+
 def start_pair(kind: str, model: str, max_model_len: int):
     from tests.e2e.engine_harness import make_llm
 
     llms = {}
+    secret = pd_secret_env() if kind == "hybridkv" else {}
     for role, core, cfg_role in (("prefill", "0", "kv_producer"), ("decode", "1", "kv_consumer")):
-        with env(VLLM_CPU_OMP_THREADS_BIND=core, VLLM_NIXL_SIDE_CHANNEL_PORT=str(NIXL_PORTS[role])):
+        with env(VLLM_CPU_OMP_THREADS_BIND=core, VLLM_NIXL_SIDE_CHANNEL_PORT=str(NIXL_PORTS[role]), **secret):
             llms[role] = make_llm(model, transfer_config(kind, cfg_role), max_model_len=max_model_len,
                                   disable_log_stats=False)
     return llms["prefill"], llms["decode"]
