@@ -370,11 +370,16 @@ def compare(a: Completion, b: Completion, tol: float) -> Comparison:
     """
     n = common_prefix(a.token_ids, b.token_ids)
     worst = 0.0
+
+    def worse(current: float, diff: float) -> float:
+        # max() would drop a NaN (nan > x is False): a NaN logprob must fail the check.
+        return diff if math.isnan(diff) or math.isnan(current) or diff > current else current
+
     for i in range(n):
-        worst = max(worst, abs(a.token_logprobs[i] - b.token_logprobs[i]))
+        worst = worse(worst, abs(a.token_logprobs[i] - b.token_logprobs[i]))
         ta, tb = a.top_logprobs[i], b.top_logprobs[i]
         for tok in ta.keys() & tb.keys():
-            worst = max(worst, abs(ta[tok] - tb[tok]))
+            worst = worse(worst, abs(ta[tok] - tb[tok]))
     if math.isnan(worst) or worst > tol:
         return Comparison(False, worst, why=f"logprobs differ by {worst:.4f} > {tol}")
     if len(a.token_ids) == len(b.token_ids) == n:

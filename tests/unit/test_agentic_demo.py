@@ -398,3 +398,13 @@ def test_demo_progress_flag():
     assert p.parse_args([]).progress is None
     assert p.parse_args(["--no-progress"]).progress is False
     assert p.parse_args(["--progress"]).progress is True
+
+
+def test_compare_fails_on_a_nan_logprob():
+    """A NaN logprob (e.g. NaN KV loaded from a corrupt block) must fail the check;
+    ``max(worst, nan)`` kept the old worst and passed it."""
+    good = Completion(token_ids=[5, 6], token_logprobs=[-0.1, -0.2], top_logprobs=[{5: -0.1}, {6: -0.2}])
+    bad = Completion(token_ids=[5, 6], token_logprobs=[-0.1, math.nan], top_logprobs=[{5: -0.1}, {6: math.nan}])
+    assert compare(good, good, 0.1).matches
+    assert not compare(bad, good, 0.1).matches
+    assert not compare(good, bad, 0.1).matches
