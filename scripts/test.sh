@@ -55,7 +55,9 @@ check() {  # pytest exit code -> ours (5 = nothing collected is a failure)
 }
 
 set +e
-HYBRIDKV_EXPECT_VLLM=0.32.0 .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
+# --hypothesis-show-statistics: the property tests print their event() distributions
+# (geometries with two dense block sizes + a sparse group, hits that differ from vLLM's, ...).
+HYBRIDKV_EXPECT_VLLM=0.32.0 .venv/bin/python -m pytest tests -q -p no:cacheprovider --hypothesis-show-statistics "$@"
 rc32=$?
 start=$SECONDS
 echo "== vLLM 0.33 pass: ${#VLLM033_TESTS[@]} path(s) -m 'not needs_engine' with PYTHONPATH=$VLLM033"
