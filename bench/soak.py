@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-s", type=float, default=10.0)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=48)
+    p.add_argument("--num-gpu-blocks", type=int, default=64)
     p.add_argument("--timeout-s", type=float, default=2.0, help="the connector's timeout_s")
     p.add_argument("--kind", default="gemma3")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak"))
@@ -80,17 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="hybridkv-soak-"))
-    tmp_before = {p.name for p in pathlib.Path(tempfile.gettempdir()).glob("hybridkv-mooncake-master-*")}
     model = str(write_tiny_model(args.kind, pathlib.Path.home() / ".cache" / "hybridkv" / "tiny-models"
                                  / f"{args.kind}-seed0", seed=0))
     master = EmbeddedMaster(default_kv_lease_ttl_ms=5000)
     port = master.rpc_port
+    master_dirs = [master.log_path.parent]  # each must be gone after shutdown
     kv = {"kv_connector": "HybridStoreConnector", "kv_connector_module_path": "hybridkv.connector",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
           "kv_connector_extra_config": {"master_address": master.address, "global_segment_size": "512MiB",
                                         "timeout_s": args.timeout_s, "lookup_timeout_s": min(1.0, args.timeout_s)}}
-    srv = VllmServer(model, max_model_len=4096, kv_transfer_config=kv, log_path=work / "vllm.log",
-                     extra_args=["--num-gpu-blocks-override", str(args.num_gpu_blocks), "--seed", "0"])
+    srv = VllmServer(model, max_model_len=2048, kv_transfer_config=kv, log_path=work / "vllm.log",
+                     extra_args=["--num-gpu-blocks-override", str(args.num_gpu_blocks), "--seed", "0",
+                                 "--max-num-batched-tokens", "512", "--max-num-seqs", "8"])
     records: list[dict] = []
     samples: list[dict] = []
     events: dict[str, float] = {}
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         master.kill()
         time.sleep(3.0)
         master = EmbeddedMaster(default_kv_lease_ttl_ms=5000, rpc_port=port)
+        master_dirs.append(master.log_path.parent)
         events["master_back"] = time.monotonic() - t0
         enter("after-kill")
         time.sleep(args.phase_s)
@@ -176,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(2.0)
     left_procs = [p_.pid for p_ in psutil.process_iter(["cmdline"])
                   if any(f"--rpc_port={port}" in a for a in (p_.info["cmdline"] or []))]
-    left_dirs = sorted({p_.name for p_ in pathlib.Path(tempfile.gettempdir()).glob("hybridkv-mooncake-master-*")}
-                       - tmp_before)
+    left_dirs = [str(d) for d in master_dirs if d.exists()]
 
     # Seconds from the new master until a store load is seen again.
     back = events["master_back"]

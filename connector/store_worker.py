@@ -231,7 +231,9 @@ class StoreWorker:
 
     def _reserve_save(self, n: int) -> bool:
         with self._lock:
-            if self._queued_save_blocks + n > self._limits.save_queue_blocks:
+            # An empty queue takes any job (a long prompt may exceed the bound alone):
+            # queued blocks stay below save_queue_blocks + one job.
+            if self._queued_save_blocks and self._queued_save_blocks + n > self._limits.save_queue_blocks:
                 return False
             self._queued_save_blocks += n
             return True

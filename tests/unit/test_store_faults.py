@@ -292,11 +292,12 @@ def test_full_save_queue_skips_and_counts(master, holders) -> None:
         assert rig.saw_acks == {2: 1}
         hung.cont()
         assert _wait(lambda: (rig.poll(), rig.saw_acks == {1: 1, 2: 1, 3: 1})[1], 40.0), rig.saw_acks
-        # Room again once the queue drained: a new job is written, not skipped.
         before = rig.stats.get("saved_blocks", 0)  # jobs 1 and 3: written if the owner resumed in time
-        rig.worker.wait_for_save(StoreConnectorMetadata(saves=[job(4, [6, 7, 8])]))
+        # Room again once the queue drained: a new job is written, not skipped, even one
+        # larger than the whole bound (a long prompt must not be refused for ever).
+        rig.worker.wait_for_save(StoreConnectorMetadata(saves=[job(4, [6, 7, 8, 9, 10])]))
         assert _wait(lambda: (rig.poll(), 4 in rig.saw_acks)[1], 10.0)
-        assert rig.stats["skipped_saves"] == 2 and rig.stats["saved_blocks"] - before == 3, rig.stats
+        assert rig.stats["skipped_saves"] == 2 and rig.stats["saved_blocks"] - before == 5, rig.stats
     finally:
         rig.close(holders)
 
