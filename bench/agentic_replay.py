@@ -91,6 +91,7 @@ from hybridkv.cli.agentic_demo import (  # noqa: E402
 )
 from hybridkv.cli.server import HOST, VllmServer, free_port  # noqa: E402
 from hybridkv.cli.pd_stack import disjoint_core_envs  # noqa: E402
+from hybridkv.connector.pd_auth import SECRET_ENV, SECRET_FILE_ENV, write_secret_file  # noqa: E402
 
 ALL_CONFIGS = ("none", "hybrid", "mooncake", "pd", "pd-store")
 LABELS = {
@@ -237,6 +238,12 @@ class Bench:
                               self._store_child(master.address), {**pd_child, "kv_role": "kv_both"}]}}
             # Disjoint cores, as PDStack does: on shared cores the two engines starve each other.
             pre_env, dec_env = disjoint_core_envs()
+            # The pair's deployment secret (signs kv_transfer_params and the P/D side channel;
+            # without one HybridPDConnector refuses to start), fresh per run, as PDStack does.
+            if not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
+                secret = write_secret_file(self.workdir / f"{name}-pd-secret")
+                for e in (pre_env, dec_env):
+                    e[SECRET_FILE_ENV] = str(secret)
             pre = self._server(f"{name}-prefill", pre_kv, pre_env)
             dec = self._server(f"{name}-decode", dec_kv, dec_env)
             self._start_all([pre, dec])
