@@ -303,19 +303,21 @@ def test_full_save_queue_skips_and_counts(master, holders) -> None:
 
 
 def _save_while_writing(rig: Rig, blocks: list[int], snapshot: bool, job_id: int) -> None:
-    """Save ``blocks`` while a thread keeps writing their V half (decode filling the block
-    past the key's boundary); the K half stays fixed, as positions below the boundary do."""
-    import threading
+    """Save ``blocks`` while decode writes their V half (filling the block past the key's
+    boundary; the K half stays fixed, as positions below the boundary do).
 
+    The write is injected at the worst moment, deterministically: after the worker computed
+    the trailer's check and right before the (real) put reads the bytes; a racing thread
+    hits that window only by chance. Named fault injection, the put itself is Mooncake's.
+    """
     words = rig.kv.view(torch.int16)
-    stop = threading.Event()
+    real_put = rig.client.put_from_parts
 
-    def decode() -> None:
-        while not stop.is_set():
-            words[blocks, 1] += 1  # releases the GIL: runs during checksum and put
+    def put_after_decode_wrote(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        words[blocks, 1] += 1
+        return real_put(*args, **kwargs)
 
-    writer = threading.Thread(target=decode, daemon=True)
-    writer.start()
+    rig.client.put_from_parts = put_after_decode_wrote
     try:
         batch = BlockBatch()
         for b in blocks:
@@ -325,8 +327,7 @@ def _save_while_writing(rig: Rig, blocks: list[int], snapshot: bool, job_id: int
         rig.worker.wait_for_save(StoreConnectorMetadata(saves=[job]))
         assert _wait(lambda: (rig.poll(), job_id in rig.saw_acks)[1], 20.0)
     finally:
-        stop.set()
-        writer.join()
+        del rig.client.put_from_parts
 
 
 def test_snapshot_save_of_a_block_being_written_stores_a_verifiable_object(master, holders) -> None:
@@ -344,8 +345,8 @@ def test_snapshot_save_of_a_block_being_written_stores_a_verifiable_object(maste
         assert torch.equal(rig.kv[dst, 0].view(torch.int16), keys_before.view(torch.int16))
         rig.poll()
         assert rig.stats["loaded_blocks"] == 4 and "failed_loads" not in rig.stats
-        # Control, same race without the snapshot: the check is computed over one version
-        # of the live bytes and another is stored, so the objects fail verification.
+        # Control, the same write without the snapshot: the check is computed over one
+        # version of the live bytes and another is stored, so the objects fail verification.
         _save_while_writing(rig, src, snapshot=False, job_id=2)
         t0 = time.monotonic()
         rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("Z", "tail2", src, dst, 32)]))
