@@ -32,7 +32,7 @@ from hybridkv.connector.store_metadata import (
     StoreConnectorMetadata,
     StoreWorkerMetadata,
 )
-from hybridkv.connector.store_stats import HybridStoreStats
+from hybridkv.connector.store_stats import HybridStoreStats, RequestLedger, covered_tokens
 from hybridkv.store.geometry import GroupGeometry
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mirror import BlockKey, ProbedHit, StoreHit, StoreMirror
@@ -97,6 +97,8 @@ class StoreScheduler:
         self._pins: dict[int, list[Any]] = {}
         self._acks: Counter[int] = Counter()
         self._stats = HybridStoreStats()
+        self._ledger = RequestLedger(lambda: self._stats)  # one counted decision per admission
+        self._master_epoch = client.master_epoch if client is not None else 0
 
     # ----------------------------------------------------------------- binding
     def bind(self, manager: "KVCacheManager", loads: bool = True) -> None:
@@ -149,8 +151,6 @@ class StoreScheduler:
         unit = mirror.geometry.hash_block_size
         if min(len(request.block_hashes) * unit, max_tokens) <= num_computed_tokens:
             return 0, False
-        self._stats.add("lookups")
-        self._stats.add("query_tokens", request.num_tokens)
         t0 = time.perf_counter()
         try:
             probed = mirror.lookup(request.block_hashes, max_tokens, self._exists, num_computed_tokens)
@@ -158,19 +158,19 @@ class StoreScheduler:
             self._stats.add("lookup_errors")
             self._stats.add(f"fail.lookup_{code_name(e.code).lower()}")
             warn_once(logger, f"lookup:{e.code}", "store lookup failed, treating as a miss: %s", e)
+            self._ledger.offered(request.request_id, request.num_tokens, 0)
             return 0, False
         finally:
             self._stats.add_latency("lookup", time.perf_counter() - t0)
         self._count_probes(probed)
         hit = probed.hit
         ext = hit.tokens - num_computed_tokens
+        self._ledger.offered(request.request_id, request.num_tokens, max(ext, 0))
         if ext <= 0:
             return 0, False
         self._plans[request.request_id] = _LoadPlan(
             hit, num_computed_tokens, probed.answers, request.num_tokens, time.monotonic()
         )
-        self._stats.add("lookup_hits")
-        self._stats.add("hit_tokens", ext)
         return ext, True
 
     def _exists(self, keys: list[BlockKey]) -> list[bool]:
@@ -195,6 +195,7 @@ class StoreScheduler:
         plan = self._plans.pop(req_id, None)
         self._recent_lookups.pop(req_id, None)  # admitted: the next lookup (after preemption) is fresh
         if num_external_tokens == 0 or plan is None:
+            self._ledger.admitted(req_id, 0)
             return
         assert self._mirror is not None
         hit = plan.hit
@@ -210,12 +211,14 @@ class StoreScheduler:
                 )
             except StoreError as e:
                 job.refused = f"granted {num_external_tokens} tokens; store lookup at {target} failed: {e}"
+                self._ledger.admitted(req_id, num_external_tokens, refused=True)
                 self._loads.append(job)
                 return
             self._count_probes(probed)
             hit = probed.hit
         if hit.tokens != target:
             job.refused = f"granted {num_external_tokens} tokens but the store has no state at {target}"
+            self._ledger.admitted(req_id, num_external_tokens, refused=True)
             self._loads.append(job)
             return
         for group, entries in zip(self._mirror.geometry.groups, hit.blocks):
@@ -239,8 +242,10 @@ class StoreScheduler:
             # Pinned until every worker's read into them has returned: a read that
             # timed out may still be writing while the request recomputes elsewhere.
             self._load_pins[job.load_id] = self._pin(job.blocks.block_ids)
-        for gid, n in Counter(job.blocks.group_ids).items():
-            self._stats.add(f"hit_tokens.g{gid}", n * self._mirror.geometry.groups[gid].block_size)
+        groups = [(g.block_size, g.is_mamba) for g in self._mirror.geometry.groups]
+        self._ledger.admitted(req_id, num_external_tokens, covered_tokens(groups, job.blocks.group_ids,
+                                                                          num_external_tokens),
+                              refused=job.refused is not None)
         self._loads.append(job)
 
     # -------------------------------------------------------------------- saves
@@ -250,6 +255,11 @@ class StoreScheduler:
         state = scheduler_output.kv_connector_block_state
         if self._mirror is None or self._client is None or state is None:
             return meta
+        if self._client.master_epoch != self._master_epoch:
+            # The master lost its objects (restart): keys saved before are gone, offer them again.
+            self._master_epoch = self._client.master_epoch
+            self._recent.clear()
+            self._stats.add("recent_saves_dropped")
         batch, states = BlockBatch(), BlockBatch()
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -379,7 +389,10 @@ class StoreScheduler:
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """Release pins of save jobs every worker has finished; remember failed loads."""
-        self._load_failed.update(r for r in (output.failed_recving or ()) if r in self._requests)
+        failed = output.failed_recving or set()
+        self._load_failed.update(r for r in failed if r in self._requests)
+        for r in output.finished_recving or ():
+            self._ledger.load_done(r, r not in failed)  # a set over workers: once per request
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, StoreWorkerMetadata):
             return
@@ -407,6 +420,7 @@ class StoreScheduler:
         self._tails_done.discard(req_id)
         self._load_failed.discard(req_id)
         self._recent_lookups.pop(req_id, None)
+        self._ledger.forget(req_id)
         return False, None
 
     def take_stats(self) -> HybridStoreStats | None:

@@ -43,6 +43,7 @@ COUNTERS: dict[str, str] = {
     "loaded_bytes": "Bytes read from the store",
     "load_seconds": "Seconds spent in store reads",
     "failed_loads": "Request loads that failed or were refused (once per request; it recomputes)",
+    "rank_failed_loads": "Worker-side loads that failed (once per TP rank of a failed request load)",
     "failed_saves": "Blocks whose write failed",
     "skipped_saves": "Blocks not written: save queue full or the step's synchronous save budget spent",
     "snapshot_blocks": "Blocks copied before their checksum and write (partial tails still being written)",

@@ -202,8 +202,8 @@ class StoreWorker:
             else:
                 ok, pending = self._move(job.blocks, load=True, deadline=deadline)
         finally:
-            if not ok:
-                self._stat("failed_loads")
+            if not ok:  # per worker (x TP); the request's one count is the scheduler's ledger
+                self._stat("rank_failed_loads")
             with self._lock:
                 self._done_loads.append(_LoadResult(job.req_id, ok))
             # The target blocks stay pinned by the scheduler until no read into them runs.

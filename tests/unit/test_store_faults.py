@@ -200,7 +200,7 @@ def test_load_from_sigstopped_owner_is_bounded_and_trips_the_stuck_gate(master, 
         rig.poll()
         # The backend's bounded call ran (the old private timeout thread left stuck_calls at 0).
         assert rig.client.stuck_calls == 1
-        assert rig.stats["fail.load_hkv_call_timeout"] == 2 and rig.stats["failed_loads"] == 1  # (blocks)
+        assert rig.stats["fail.load_hkv_call_timeout"] == 2 and rig.stats["rank_failed_loads"] == 1  # (blocks)
         assert 11 not in rig.saw_released  # the abandoned read may still write blocks 8-9
         # The stuck client is detected on the data path: the next load is refused at once.
         t1 = time.monotonic()
@@ -208,7 +208,7 @@ def test_load_from_sigstopped_owner_is_bounded_and_trips_the_stuck_gate(master, 
         res = rig.wait_loads({"B"}, t1, 10.0)
         assert res["B"][0] is False and res["B"][1] <= 0.25 + SLACK_S, res
         rig.poll()
-        assert rig.stats["fail.load_hkv_client_stuck"] == 1 and rig.stats["failed_loads"] == 2
+        assert rig.stats["fail.load_hkv_client_stuck"] == 1 and rig.stats["rank_failed_loads"] == 2
         assert 12 in rig.saw_released  # refused before any call: nothing can write block 10
         # The owner resumes: the abandoned call returns, its target blocks are released.
         hung.cont()
@@ -240,7 +240,7 @@ def test_one_request_against_a_hung_node_does_not_delay_another(master, holders)
             assert torch.equal(rig.kv[dst].view(torch.int16), rig.kv[src].view(torch.int16))
         rig.poll()
         assert rig.stats["loaded_blocks"] == 3
-        assert rig.stats["fail.load_hkv_call_timeout"] == 3 and rig.stats["failed_loads"] == 1
+        assert rig.stats["fail.load_hkv_call_timeout"] == 3 and rig.stats["rank_failed_loads"] == 1
     finally:
         rig.close(holders)
 
@@ -344,7 +344,7 @@ def test_snapshot_save_of_a_block_being_written_stores_a_verifiable_object(maste
         assert rig.wait_loads({"S"}, t0, 10.0)["S"][0] is True  # every object verified
         assert torch.equal(rig.kv[dst, 0].view(torch.int16), keys_before.view(torch.int16))
         rig.poll()
-        assert rig.stats["loaded_blocks"] == 4 and "failed_loads" not in rig.stats
+        assert rig.stats["loaded_blocks"] == 4 and "rank_failed_loads" not in rig.stats
         # Control, the same write without the snapshot: the check is computed over one
         # version of the live bytes and another is stored, so the objects fail verification.
         _save_while_writing(rig, src, snapshot=False, job_id=2)
