@@ -52,6 +52,10 @@ class SaveJob:
     job_id: int
     blocks: BlockBatch
     sync: bool = False  # state blocks: written before the next forward may touch them
+    # partial tails: decode keeps writing the block past the key's boundary, so the worker
+    # copies the bytes first and checksums + writes that copy (else the trailer covers bytes
+    # that change before the put and the object is stored corrupt)
+    snapshot: bool = False
 
 
 @dataclass

@@ -260,7 +260,7 @@ class StoreScheduler:
             self._master_epoch = self._client.master_epoch
             self._recent.clear()
             self._stats.add("recent_saves_dropped")
-        batch, states = BlockBatch(), BlockBatch()
+        batch, states, tails = BlockBatch(), BlockBatch(), BlockBatch()
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
@@ -273,18 +273,18 @@ class StoreScheduler:
             self._plan_block_saves(request, block_ids, end, batch)
             self._plan_state_saves(request, states)
             if end >= request.num_prompt_tokens:
-                self._plan_partial_tail_saves(request, batch)
+                self._plan_partial_tail_saves(request, tails)
         for req_id, offers in state.boundary_state_offloads.items():
             request = self._requests.get(req_id)
             if request is not None:
                 self._plan_offered_state_saves(request, offers, states)
-        for blocks, sync in ((batch, False), (states, True)):
+        for blocks, sync, snapshot in ((batch, False, False), (states, True, False), (tails, False, True)):
             if blocks:
-                meta.saves.append(self._pinned_job(blocks, sync))
+                meta.saves.append(self._pinned_job(blocks, sync, snapshot))
         return meta
 
-    def _pinned_job(self, blocks: BlockBatch, sync: bool) -> SaveJob:
-        job = SaveJob(next(self._job_ids), blocks, sync=sync)
+    def _pinned_job(self, blocks: BlockBatch, sync: bool, snapshot: bool = False) -> SaveJob:
+        job = SaveJob(next(self._job_ids), blocks, sync=sync, snapshot=snapshot)
         self._pins[job.job_id] = self._pin(blocks.block_ids)
         return job
 

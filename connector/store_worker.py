@@ -262,7 +262,7 @@ class StoreWorker:
             if fence is not None:
                 fence.synchronize()  # the forward that wrote these blocks has finished on the device
             if self._layout is not None:
-                snapshot = getattr(job, "snapshot", False)
+                snapshot = job.snapshot
                 ok, pending = self._move(job.blocks, load=False, deadline=deadline, snapshot=snapshot)
                 if ok:
                     self._log_keys(job.blocks)
