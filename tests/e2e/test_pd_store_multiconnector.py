@@ -13,11 +13,17 @@ once instead of holding them (and stepping) for ``lease_s``.
 
 3 turns, each prompt = previous prompt + answer + 500 new tokens; the decode engine's
 local prefix cache is reset before each turn, so every hit comes from the store or the
-peer. Each turn must equal a recompute on the decode engine under a fresh ``cache_salt``;
-from turn 2 the store must supply at least the previous prompt's last block boundary.
-A 4th request is the store-miss fallback: the decode request carries a cache_salt the
-prefill request did not, so the decode's store lookup (salted block hashes) finds nothing
-and the KV must come from the peer (P/D pairs blocks by position, not by hash).
+peer. Each turn must equal a recompute on the decode engine under a fresh ``cache_salt``.
+Before each decode leg the test waits until the prefill's store saves of that prompt have
+landed (its key log stops growing; checked afterwards: no object was logged between the
+decode leg and the prefill's release), so the store holds the whole hand-over and must
+supply exactly it, the peer nothing (the P/D child's release notification path). Without
+that wait the split depended on a race (in one run the store won all three turns).
+A 4th request is the store-miss fallback: a fresh prompt whose objects (saved by the
+prefill's store child, listed in its key log) are removed from the master before the decode
+leg, so the decode's store lookup finds nothing and the KV must come from the peer. (Not by
+salting the decode leg alone: prefill's MAC covers the prompt's block hashes, cache_salt
+included, so decode rightly refuses params issued for an unsalted prompt.)
 
 After each decode the prefill engine's prefix cache is reset: vLLM refuses while any block
 is held, so success within seconds shows the P/D lease was released (by the read's
@@ -36,8 +42,6 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-
-from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.store.embedded_master import EmbeddedMaster
@@ -68,27 +72,31 @@ PD_PARAM_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_engine_id", "r
 SECRET_FILE = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-multi-e2e-")) / "secret"))
 
 
-def _store_child(master_address: str) -> dict:
+def _store_child(master_address: str, key_log: str = "") -> dict:
     # The policy is repeated on the child: MultiConnector's scheduler uses the parent's, but
     # each child gets its own KVTransferConfig (default "fail") and the store child warns on it.
+    extra = {"master_address": master_address, "namespace": NAMESPACE, "global_segment_size": "256MiB"}
+    if key_log:
+        extra["key_log_path"] = key_log  # every object it saved, once the save succeeded
     return {"kv_connector": "HybridStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"master_address": master_address, "namespace": NAMESPACE,
-                                          "global_segment_size": "256MiB"}}
+            "kv_connector_extra_config": extra}
 
 
-def prefill_config(master_address: str) -> dict:
+def prefill_config(master_address: str, key_log: str = "") -> dict:
     """Prefill instance (children with module paths: both resolution routes get covered)."""
     pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_producer",
           "kv_connector_module_path": "hybridkv.connector",
           "kv_connector_extra_config": {"lease_s": LEASE_S, "auth_secret_file": SECRET_FILE}}
-    store = {**_store_child(master_address), "kv_connector_module_path": "hybridkv.connector"}
+    store = {**_store_child(master_address, key_log), "kv_connector_module_path": "hybridkv.connector"}
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": [pd, store]}}
 
 
 def decode_config(master_address: str) -> dict:
     """Decode instance: store first (its hit wins), peer second (children by registered name)."""
-    pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_both",
+    # The child's own policy too (its KVTransferConfig defaults to "fail"): a refused set
+    # then offers nothing (recompute) instead of an offer that fails as a load.
+    pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
           "kv_connector_extra_config": {"auth_secret_file": SECRET_FILE}}
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": [_store_child(master_address), pd]}}
@@ -156,15 +164,55 @@ def _release_seconds(prefill) -> float:
     return time.monotonic() - t0
 
 
-def _turn(prefill, decode, label, prompt: list[int], expected: int, decode_salt: str | None = None) -> dict:
+def _key_lines(key_log: Path) -> list[str]:
+    return key_log.read_text().splitlines() if key_log.exists() else []
+
+
+def _drop_saved_objects(master_address: str, key_log: Path, seen: int, expect: int) -> int:
+    """Remove from the master every object the prefill saved after key-log line ``seen``,
+    once ``expect`` of them have landed (a later save would make the decode's lookup hit,
+    which the exact store/peer split then fails). Returns how many were removed."""
+    from hybridkv.store.mooncake_backend import MooncakeBackend
+
+    deadline = time.monotonic() + LEASE_S / 4
+    while len(_key_lines(key_log)) - seen < expect:
+        assert time.monotonic() < deadline, f"prefill saved {len(_key_lines(key_log)) - seen} of {expect} objects"
+        time.sleep(0.1)
+    keys = [line.split()[0] for line in _key_lines(key_log)[seen:]]
+    with MooncakeBackend(master_address, global_segment_size=0) as client:
+        assert [client.remove(k, force=True) for k in keys] == [0] * len(keys), "remove refused"
+        assert client.exists(keys) == [False] * len(keys), "objects still listed after their removal"
+    return len(keys)
+
+
+def _wait_saves_settled(key_log: Path, seen: int, quiet_s: float = 1.0) -> int:
+    """Lines the key log holds once at least one new object is logged after line ``seen`` and
+    none for ``quiet_s`` (the prefill request has finished: its save jobs are all submitted)."""
+    deadline = time.monotonic() + LEASE_S / 4
+    n, since = len(_key_lines(key_log)), time.monotonic()
+    while n <= seen or time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"prefill logged {n - seen} objects and kept on saving"
+        time.sleep(0.1)
+        if (m := len(_key_lines(key_log))) != n:
+            n, since = m, time.monotonic()
+    return n
+
+
+def _turn(prefill, decode, label, prompt: list[int], expected: int, key_log: Path,
+          before_decode=None) -> dict:  # noqa: ANN001
+    seen = len(_key_lines(key_log))
     params = _prefill(prefill, prompt)
     # The children's kv_transfer_params merged without a clash (MultiConnector raises on one):
     # the store child adds nothing, the P/D child its hand-over.
     assert params and set(params) == PD_PARAM_KEYS, params
     assert len(params["remote_block_ids"]) == 2, "two KV cache groups (SW + FA): the hybrid allocator is on"
+    if before_decode is not None:
+        dropped, logged_at_decode = before_decode(seen), None
+    else:
+        dropped, logged_at_decode = 0, _wait_saves_settled(key_log, seen)
     reset_local_cache(decode)
     before = _snapshot(decode)
-    got, out_params = _decode(decode, prompt, params, cache_salt=decode_salt)
+    got, out_params = _decode(decode, prompt, params)
     delta = {k: v - before[k] for k, v in _snapshot(decode).items()}
     ref = generate(decode, prompt, cache_salt=f"multi-recompute-{uuid.uuid4()}")
     return dict(turn=label, prompt=len(prompt), expected=expected, answer=got.token_ids,
@@ -174,15 +222,17 @@ def _turn(prefill, decode, label, prompt: list[int], expected: int, decode_salt:
                 cached=int(delta["host"] + delta["p2p"] + delta["device"]), source=_source(delta),
                 store_tokens=int(delta["host"]), peer_tokens=int(delta["p2p"]), store_bytes=int(delta["store_bytes"]),
                 store_lookups=int(delta["store_lookups"]), prefill_cached=got.num_cached_tokens,
-                matches=matches(got, ref), ref_cached=ref.num_cached_tokens, out_params=out_params,
-                release_s=_release_seconds(prefill))
+                matches=matches(got, ref), ref_cached=ref.num_cached_tokens, out_params=out_params, dropped=dropped,
+                release_s=_release_seconds(prefill), logged_at_decode=logged_at_decode,
+                logged_at_release=len(_key_lines(key_log)))
 
 
 def test_pd_and_store_in_one_multiconnector_three_turns():
     t_start = time.monotonic()
     model = tiny_model("gemma3")
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
-        prefill = make_llm(model, prefill_config(master.address))
+        key_log = Path(tempfile.mkdtemp(prefix="hkv-multi-keys-")) / "prefill_keys.log"
+        prefill = make_llm(model, prefill_config(master.address, str(key_log)))
         decode = make_llm(model, decode_config(master.address), disable_log_stats=False)
         try:
             booted = time.monotonic() - t_start  # engine boots dominate the runtime (20-70 s each here)
@@ -193,15 +243,21 @@ def test_pd_and_store_in_one_multiconnector_three_turns():
 
             session = Session(seed=31)
             rows = []
-            prev_len = 0
+            turn1_objects = 0
             for turn in range(1, 4):
-                expected = get_mamba_prefill_checkpoint_position(prev_len, ALIGN, False) if prev_len else 0
-                rows.append(_turn(prefill, decode, turn, session.prompt, expected))
-                prev_len = len(session.prompt)
+                # The hand-over, from first principles: the last block boundary before the final token.
+                expected = (len(session.prompt) - 1) // ALIGN * ALIGN
+                rows.append(_turn(prefill, decode, turn, session.prompt, expected, key_log))
+                if turn == 1:  # the release above waited for prefill's saves: all are logged
+                    turn1_objects = len(_key_lines(key_log))
                 session.extend(rows[-1]["answer"])
-            # Store-miss fallback: decode's lookup uses salted hashes the store never saw.
-            rows.append(_turn(prefill, decode, "miss", Session(seed=32).prompt, 0,
-                              decode_salt=f"decode-only-{uuid.uuid4()}"))
+            # Store-miss fallback: a fresh prompt of turn 1's length (so as many objects as
+            # turn 1 saved), its objects removed from the master before the decode leg.
+            miss = Session(seed=32).prompt
+            assert len(miss) == rows[0]["prompt"] and turn1_objects > 0, (len(miss), turn1_objects)
+            rows.append(_turn(prefill, decode, "miss", miss, (len(miss) - 1) // ALIGN * ALIGN, key_log,
+                              before_decode=lambda seen: _drop_saved_objects(master.address, key_log, seen,
+                                                                              turn1_objects)))
         finally:
             _shutdown(prefill, decode)
             del prefill, decode
@@ -226,12 +282,16 @@ def test_pd_and_store_in_one_multiconnector_three_turns():
         # Prefill's blocks freed by the P/D child's read notification or, when the store was
         # chosen, its release notification: never by lease expiry.
         assert r["release_s"] < LEASE_S / 4, f"turn {r['turn']}: prefill held its blocks {r['release_s']:.1f}s"
-    for r in rows[1:3]:
-        assert r["source"] == "store", f"turn {r['turn']}: the store holds the previous prompt, it must win"
-        # Exactly the previous prompt's checkpoint from the store, nothing from the peer.
+        assert r["handover"] == r["expected"], r
+    for r in rows[0:3]:
+        # The decode leg's lookup ran after every save of this prompt: none logged after it.
+        assert r["logged_at_decode"] == r["logged_at_release"], r
+        assert r["source"] == "store", f"turn {r['turn']}: the store holds the whole hand-over, it must win"
+        # Exactly the hand-over from the store, nothing from the peer.
         assert (r["store_tokens"], r["peer_tokens"]) == (r["expected"], 0), r
         assert r["store_bytes"] > 0
-    for r in (rows[0], rows[3]):
-        # Turn 1 (the store is empty) and the salted miss: all of it from the peer's hand-over.
-        assert r["source"] == "peer" and r["store_bytes"] == 0, r
-        assert (r["store_tokens"], r["peer_tokens"]) == (0, r["handover"]), r
+    miss = rows[3]
+    assert miss["dropped"] == turn1_objects, miss
+    # The miss (its objects removed): all of it from the peer's hand-over.
+    assert miss["source"] == "peer" and miss["store_bytes"] == 0, miss
+    assert (miss["store_tokens"], miss["peer_tokens"]) == (0, miss["handover"]), miss
