@@ -251,6 +251,7 @@ def test_save_pins_wait_for_every_rank():
     from types import SimpleNamespace
 
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.outputs import KVConnectorOutput
 
     from hybridkv.connector.store_config import StoreConnectorConfig
     from hybridkv.connector.store_metadata import StoreWorkerMetadata
@@ -264,9 +265,7 @@ def test_save_pins_wait_for_every_rank():
     blocks = pool.get_new_blocks(2)
     sched._pins[7] = sched._pin([b.block_id for b in blocks])
     assert [b.ref_cnt for b in blocks] == [2, 2]
-    sched.update_connector_output(SimpleNamespace(failed_recving=None,
-                                                  kv_connector_worker_meta=StoreWorkerMetadata(Counter({7: 1}))))
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=StoreWorkerMetadata(Counter({7: 1}))))
     assert [b.ref_cnt for b in blocks] == [2, 2] and sched.has_pending_saves(), "unpinned after one rank"
-    sched.update_connector_output(SimpleNamespace(failed_recving=None,
-                                                  kv_connector_worker_meta=StoreWorkerMetadata(Counter({7: 1}))))
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=StoreWorkerMetadata(Counter({7: 1}))))
     assert [b.ref_cnt for b in blocks] == [1, 1] and not sched.has_pending_saves()
