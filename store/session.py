@@ -25,12 +25,13 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.store.embedded_master import EmbeddedMaster, MasterSupervisor, _port_open
+from hybridkv.store.embedded_master import EmbeddedMaster, MasterError, MasterSupervisor, _port_open
 from hybridkv.store.mooncake_backend import MooncakeBackend, StoreError
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
@@ -43,10 +44,105 @@ _MONITORS: dict[str, threading.Event] = {}  # address -> stop flag of its epoch 
 EPOCH_CHECK_S = 2.0  # one existence query per client every this many seconds
 
 
+class RendezvousError(MasterError):
+    """The rendezvous directory is not private to us: using it could join a stranger's master."""
+
+
+RENDEZVOUS_BASE: str | None = None  # None: tempfile.gettempdir(); tests point it elsewhere
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def _rendezvous_dir() -> Path:
-    d = Path(tempfile.gettempdir()) / f"hybridkv-{os.getuid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
+    """The private per-uid directory holding the lock and the master record.
+
+    Why: it lives under a shared, world-writable /tmp, so another local user could plant it
+    (or a symlink to it) and feed our engines a master of theirs. It is used only if it is a
+    real directory (lstat: not a symlink) owned by us with no group/other permissions.
+    """
+    d = Path(RENDEZVOUS_BASE or tempfile.gettempdir()) / f"hybridkv-{os.getuid()}"
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symlink"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != os.getuid():
+        problem = f"is owned by uid {st.st_uid}, not {os.getuid()}"
+    elif st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):o} (group/other may access it)"
+    if problem:
+        raise RendezvousError(
+            f"hybridkv: refusing the embedded master's rendezvous directory {d}: it {problem}. "
+            f"Remove it (rm -rf {d}) or, if it is yours, chmod 700 {d}; or set master_address "
+            "to an external master"
+        )
     return d
+
+
+def _open_nofollow(path: Path, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def _write_record(record: Path, address: str, pid: int | None) -> None:
+    """Write the record atomically: a fresh O_EXCL file of ours, renamed over the old one."""
+    tmp = record.with_name(f"{record.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = _open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"address": address, "pid": pid}))
+    os.replace(tmp, record)  # rename replaces a planted symlink itself, never its target
+
+
+def _read_record(record: Path) -> dict | None:
+    """The record if it is a regular file of ours (not followed through a symlink), else None."""
+    try:
+        fd = _open_nofollow(record, os.O_RDONLY)
+    except (FileNotFoundError, OSError):
+        return None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        try:
+            info = json.loads(f.read())
+        except ValueError:
+            return None
+    return info if isinstance(info, dict) else None
+
+
+def _trusted_address(info: dict) -> str | None:
+    """The recorded address if it is a loopback master our uid runs as that pid, else None.
+
+    Why: the record is only a hint; joining the wrong endpoint would hand our KV to it.
+    The pid must be alive, ours, a ``mooncake_master`` whose cmdline has ``--rpc_port=<port>``,
+    and the port must answer.
+    """
+    try:
+        address, pid = str(info["address"]), int(info["pid"])
+        host, _, port_s = address.rpartition(":")
+        port = int(port_s)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if host.strip("[]") not in _LOOPBACK_HOSTS or not 0 < port < 65536 or pid <= 0:
+        return None
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return None
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None  # dead (or not inspectable): not trusted
+    if not argv or "mooncake_master" not in os.path.basename(argv[0].decode(errors="replace")):
+        return None
+    if f"--rpc_port={port}".encode() not in argv:
+        return None
+    return address if _port_open(port) else None
 
 
 def embedded_master_address(engine_id: str, lease_ttl_ms: int) -> tuple[str, bool]:
@@ -56,19 +152,21 @@ def embedded_master_address(engine_id: str, lease_ttl_ms: int) -> tuple[str, boo
     """
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:128]
     record = _rendezvous_dir() / f"{safe}.master.json"
-    with open(record.with_suffix(".lock"), "w") as lock_file:
+    lock_fd = _open_nofollow(record.with_suffix(".lock"), os.O_RDWR | os.O_CREAT)
+    with os.fdopen(lock_fd, "r+") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
-            if record.exists():
-                info = json.loads(record.read_text())
-                port = int(info["address"].rpartition(":")[2])
-                if _pid_alive(int(info["pid"])) and _port_open(port):
-                    return info["address"], False
+            info = _read_record(record)
+            if info is not None:
+                address = _trusted_address(info)
+                if address is not None:
+                    return address, False
+                logger.warning("hybridkv: ignoring untrusted master record %s: %s", record, info)
             master = EmbeddedMaster(default_kv_lease_ttl_ms=lease_ttl_ms)
-            record.write_text(json.dumps({"address": master.address, "pid": master.pid}))
+            _write_record(record, master.address, master.pid)
 
             def republish(m: EmbeddedMaster) -> None:
-                record.write_text(json.dumps({"address": m.address, "pid": m.pid}))
+                _write_record(record, m.address, m.pid)
 
             with _LOCK:
                 _OWNED_MASTERS[master.address] = master
@@ -77,16 +175,6 @@ def embedded_master_address(engine_id: str, lease_ttl_ms: int) -> tuple[str, boo
             return master.address, True
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)
