@@ -31,7 +31,7 @@ import hashlib
 import json
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,7 +50,9 @@ logger = logging.getLogger(__name__)
 # 3: ClaimLease, MACs on every call and answer (hkv-mac metadata), a nonce in every body.
 # 4: each group's memory type and device (mem_type/dev: VRAM KV caches), and its
 #    block formats (kernel-block split and VLLM_KV_CACHE_LAYOUT), refused on mismatch.
-HANDSHAKE_VERSION = 4
+# 5: the layout carries ``kv_identity`` (store.keys.kv_identity: model, revision,
+#    quantization, kv-cache dtype as named, rope, ...), each differing key refused.
+HANDSHAKE_VERSION = 5
 
 SERVICE = "hybridkv.pd.Handshake"
 METHOD = "GetAgentInfo"
@@ -156,6 +158,10 @@ class LayoutDescriptor:
 
     tp_size: int
     groups: tuple[GroupDescriptor | None, ...]  # None: the group has no layer on this worker
+    # ``store.keys.kv_identity(vllm_config)`` as sorted (key, value) pairs (hashable): the
+    # config fields outside the geometry that change the KV bytes or their meaning (two fp8
+    # variants have equal block bytes; another revision has equal shapes).
+    kv_identity: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_kv(
@@ -164,10 +170,12 @@ class LayoutDescriptor:
         rows: Sequence[dict],
         tp_size: int,
         spaces: Sequence[MemorySpace | None] | None = None,
+        kv_identity: Mapping[str, str] | None = None,
     ) -> "LayoutDescriptor":
         """Combine the worker's addresses (``KVLayout``) with the spec facts of
         ``block_layout.layout_rows(kv_cache_config)``; ``spaces`` is each group's
-        memory space (``PDTransport.group_spaces``; None: host memory)."""
+        memory space (``PDTransport.group_spaces``; None: host memory);
+        ``kv_identity`` is ``store.keys.kv_identity(vllm_config)``."""
         if len(rows) != len(layout.groups):
             raise ValueError(f"{len(rows)} layout rows for {len(layout.groups)} groups")
         if spaces is not None and len(spaces) != len(layout.groups):
@@ -193,7 +201,10 @@ class LayoutDescriptor:
                     block_formats=tuple(str(f) for f in g.block_formats),
                 )
             )
-        return cls(tp_size=tp_size, groups=tuple(groups))
+        return cls(tp_size=tp_size, groups=tuple(groups), kv_identity=_identity_pairs(kv_identity or {}))
+
+    def identity(self) -> dict[str, str]:
+        return dict(self.kv_identity)
 
     def without_addresses(self) -> "LayoutDescriptor":
         return replace(
@@ -231,6 +242,7 @@ class LayoutDescriptor:
                 }
                 for g in self.groups
             ],
+            "kv_identity": dict(self.kv_identity),
         }
 
     @classmethod
@@ -259,7 +271,18 @@ class LayoutDescriptor:
                     f"group {d.group_id}: num_layers={g['num_layers']} but {d.num_layers} block_bytes"
                 )
             groups.append(d)
-        return cls(tp_size=int(obj["tp_size"]), groups=tuple(groups))
+        if not isinstance(obj.get("kv_identity"), dict):
+            raise ValueError(
+                f"layout has no kv_identity (added in handshake version 5; this side speaks "
+                f"HANDSHAKE_VERSION={HANDSHAKE_VERSION}): the peer runs an older hybridkv; install the "
+                "same hybridkv version on both instances"
+            )
+        return cls(tp_size=int(obj["tp_size"]), groups=tuple(groups),
+                   kv_identity=_identity_pairs(obj["kv_identity"]))
+
+
+def _identity_pairs(identity: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), str(v)) for k, v in identity.items()))
 
 
 @dataclass(frozen=True)
@@ -354,6 +377,22 @@ class Mismatch:
 
 
 _SAME_MODEL = "serve the same model (and speculative/drafter config) on both instances"
+_SAME_IDENTITY = (
+    "both instances must serve the same model with the same --kv-cache-dtype/quantization/rope settings"
+)
+_MISSING = "<absent>"
+
+
+def identity_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list[Mismatch]:
+    """One mismatch per ``kv_identity`` key the two sides disagree on (a key only one side
+    has counts: its value on the other side is ``<absent>``). Values are kv_identity's
+    canonical JSON text, shown as is."""
+    p, d = prefill.identity(), decode.identity()
+    return [
+        Mismatch("", f"kv_identity.{k}", p.get(k, _MISSING), d.get(k, _MISSING), _SAME_IDENTITY)
+        for k in sorted(p.keys() | d.keys())
+        if p.get(k) != d.get(k)
+    ]
 
 
 def version_mismatch(prefill: int, decode: int) -> Mismatch | None:
@@ -369,7 +408,7 @@ def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list
 
     The single compatibility rule of P/D; both the client and the server call it.
     """
-    out: list[Mismatch] = []
+    out: list[Mismatch] = identity_mismatches(prefill, decode)
     if prefill.tp_size != decode.tp_size:
         out.append(
             Mismatch(
@@ -786,6 +825,7 @@ __all__ = [
     "Mismatch",
     "fetch_agent_info",
     "find_mismatches",
+    "identity_mismatches",
     "request_agent_info",
     "version_mismatch",
 ]

@@ -75,6 +75,9 @@ class PDWorkerSettings:
     read_timeout_s: float
     serve_handshake: bool = True  # prefill-capable roles only
     key: DeploymentKey | None = None
+    # store.keys.kv_identity(vllm_config), compared with the peer's in the handshake; None:
+    # the caller has no config (an empty identity is sent, so a configured peer refuses it).
+    kv_identity: dict[str, str] | None = None
 
 
 @dataclass
@@ -116,8 +119,13 @@ class PDWorker:
         name = f"hybridkv-{self._s.engine_id}-tp{self._s.tp_rank}"
         # CUDA caches register as VRAM on their own device, host caches as DRAM
         self._transport = PDTransport(name, layout, memory=allocation_spaces(layout, kv_caches))
+        if self._s.kv_identity is None:
+            warn_once(logger, "pd-no-kv-identity",
+                      "P/D worker has no kv_identity: the handshake cannot check model, revision, "
+                      "quantization or --kv-cache-dtype against the peer")
         self._local = LayoutDescriptor.from_kv(layout, layout_rows(self._kv_cache_config), self._s.tp_size,
-                                               spaces=self._transport.group_spaces)
+                                               spaces=self._transport.group_spaces,
+                                               kv_identity=self._s.kv_identity)
         info = AgentInfo(
             engine_id=self._s.engine_id,
             tp_rank=self._s.tp_rank,
