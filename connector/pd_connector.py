@@ -30,6 +30,7 @@ from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
 from hybridkv.store.cpu_affinity import unpinned
+from hybridkv.store.keys import kv_identity
 from hybridkv.connector.store_config import ConfigError, refuse_unknown_keys
 
 if TYPE_CHECKING:
@@ -125,7 +126,8 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker = PDWorker(
                     PDWorkerSettings(engine_id, 0, 1, self._cfg.handshake_host, self._cfg.handshake_port,
                                      self._cfg.handshake_timeout_s, self._cfg.read_timeout_s,
-                                     serve_handshake=ktc.is_kv_producer, key=key),
+                                     serve_handshake=ktc.is_kv_producer, key=key,
+                                     kv_identity=kv_identity(vllm_config)),
                     kv_cache_config,
                 )
 
