@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -23,26 +23,9 @@ from hybridkv.connector.block_layout import KVLayout, layout_rows
 from hybridkv.connector.pd_handshake import HANDSHAKE_VERSION, LayoutDescriptor, find_mismatches
 from hybridkv.store.keys import kv_identity
 from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
+from tests.unit.tiny_vllm_config import model_dir, tiny_vllm_config  # noqa: F401 (model_dir: fixture)
 
-_TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "head_dim": 32, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
-}
 _FIX = "both instances must serve the same model with the same --kv-cache-dtype/quantization/rope settings"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps(_TINY_LLAMA))
-    return d
-
-
-def _vllm(model_dir, cache: dict | None = None, **model_kw) -> VllmConfig:
-    kw = {"model": str(model_dir), "skip_tokenizer_init": True, "dtype": "bfloat16", "enforce_eager": True,
-          "max_model_len": 4096, **model_kw}
-    return VllmConfig(model_config=ModelConfig(**kw), cache_config=CacheConfig(block_size=16, **(cache or {})))
 
 
 def _descriptor(vllm_config: VllmConfig) -> LayoutDescriptor:
@@ -58,14 +41,14 @@ def _descriptor(vllm_config: VllmConfig) -> LayoutDescriptor:
 
 
 def test_identical_configs_pass(model_dir):
-    a, b = _descriptor(_vllm(model_dir)), _descriptor(_vllm(model_dir))
+    a, b = _descriptor(tiny_vllm_config(model_dir)), _descriptor(tiny_vllm_config(model_dir))
     assert a.identity() == b.identity() and a.identity()["model"] == json.dumps(str(model_dir))
     assert find_mismatches(a, b) == []
 
 
 def test_fp8_variants_are_refused_naming_the_cache_dtype(model_dir):
-    p = _descriptor(_vllm(model_dir, cache={"cache_dtype": "fp8_e4m3"}))
-    d = _descriptor(_vllm(model_dir, cache={"cache_dtype": "fp8_e5m2"}))
+    p = _descriptor(tiny_vllm_config(model_dir, cache={"cache_dtype": "fp8_e4m3"}))
+    d = _descriptor(tiny_vllm_config(model_dir, cache={"cache_dtype": "fp8_e5m2"}))
     assert p.groups == d.groups  # the geometry cannot tell them apart ...
     problems = find_mismatches(p, d)  # ... the identity does
     assert [m.field for m in problems] == ["kv_identity.kv_cache_dtype"]
@@ -73,14 +56,14 @@ def test_fp8_variants_are_refused_naming_the_cache_dtype(model_dir):
 
 
 def test_revisions_are_refused_naming_the_revision(model_dir):
-    p, d = _descriptor(_vllm(model_dir, revision="r1")), _descriptor(_vllm(model_dir, revision="r2"))
+    p, d = _descriptor(tiny_vllm_config(model_dir, revision="r1")), _descriptor(tiny_vllm_config(model_dir, revision="r2"))
     problems = find_mismatches(p, d)
     assert [m.field for m in problems] == ["kv_identity.revision"]
     assert (problems[0].prefill, problems[0].decode) == ('"r1"', '"r2"')
 
 
 def test_an_answer_without_identity_is_refused_naming_the_version(model_dir):
-    old = _descriptor(_vllm(model_dir)).to_json()
+    old = _descriptor(tiny_vllm_config(model_dir)).to_json()
     del old["kv_identity"]  # what a version-4 peer sends
     with pytest.raises(ValueError, match=f"HANDSHAKE_VERSION={HANDSHAKE_VERSION}"):
         LayoutDescriptor.from_json(old)
@@ -89,7 +72,7 @@ def test_an_answer_without_identity_is_refused_naming_the_version(model_dir):
 
 def test_a_peer_without_a_config_is_refused(model_dir):
     """An empty identity (a worker built without one) does not match a configured peer."""
-    configured = _descriptor(_vllm(model_dir))
+    configured = _descriptor(tiny_vllm_config(model_dir))
     bare = LayoutDescriptor(tp_size=1, groups=configured.groups)
     fields = [m.field for m in find_mismatches(configured, bare)]
     assert fields == sorted(f"kv_identity.{k}" for k in configured.identity())

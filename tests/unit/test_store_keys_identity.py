@@ -15,33 +15,16 @@ import json
 
 import pytest
 import torch
-from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.config import VllmConfig
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from hybridkv.connector.block_layout import layout_rows
 from hybridkv.connector.store_keys import store_key_schema
 from tests.unit.harness import Geometry, fa
+from tests.unit.tiny_vllm_config import TINY_LLAMA, model_dir, tiny_vllm_config  # noqa: F401 (model_dir: fixture)
 
-_TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "head_dim": 32, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
-}
 _KV_SCHEME = {"type": "float", "num_bits": 8, "dynamic": False, "symmetric": True}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps(_TINY_LLAMA))
-    return d
-
-
-def _vllm(model_dir, cache: dict | None = None, **model_kw) -> VllmConfig:
-    kw = {"model": str(model_dir), "skip_tokenizer_init": True, "dtype": "bfloat16", "enforce_eager": True,
-          "max_model_len": 4096, **model_kw}
-    return VllmConfig(model_config=ModelConfig(**kw), cache_config=CacheConfig(block_size=16, **(cache or {})))
 
 
 def _kvc(spec=None, layout: str | None = "LBHNC") -> KVCacheConfig:
@@ -55,34 +38,34 @@ def _prefix(vllm_config: VllmConfig, kvc: KVCacheConfig | None = None) -> str:
 
 
 def test_identical_configs_give_identical_prefixes(model_dir):
-    assert _prefix(_vllm(model_dir)) == _prefix(_vllm(model_dir))
+    assert _prefix(tiny_vllm_config(model_dir)) == _prefix(tiny_vllm_config(model_dir))
 
 
 def test_model_path(model_dir, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(_TINY_LLAMA))
-    assert _prefix(_vllm(model_dir)) != _prefix(_vllm(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert _prefix(tiny_vllm_config(model_dir)) != _prefix(tiny_vllm_config(tmp_path))
 
 
 def test_revision(model_dir):
-    assert _prefix(_vllm(model_dir, revision="r1")) != _prefix(_vllm(model_dir, revision="r2"))
+    assert _prefix(tiny_vllm_config(model_dir, revision="r1")) != _prefix(tiny_vllm_config(model_dir, revision="r2"))
 
 
 def test_code_revision(model_dir):
-    assert _prefix(_vllm(model_dir, code_revision="c1")) != _prefix(_vllm(model_dir, code_revision="c2"))
+    assert _prefix(tiny_vllm_config(model_dir, code_revision="c1")) != _prefix(tiny_vllm_config(model_dir, code_revision="c2"))
 
 
 def test_model_dtype(model_dir):
-    assert _prefix(_vllm(model_dir)) != _prefix(_vllm(model_dir, dtype="float16"))
+    assert _prefix(tiny_vllm_config(model_dir)) != _prefix(tiny_vllm_config(model_dir, dtype="float16"))
 
 
 def test_quantization(model_dir):
-    assert _prefix(_vllm(model_dir)) != _prefix(_vllm(model_dir, quantization="fp8"))
+    assert _prefix(tiny_vllm_config(model_dir)) != _prefix(tiny_vllm_config(model_dir, quantization="fp8"))
 
 
 @pytest.mark.parametrize(("a", "b"), [("fp8", "fp8_e5m2"), ("fp8_e4m3", "fp8_e5m2"), ("fp8", "fp8_e4m3")])
 def test_kv_cache_dtype_fp8_variants(model_dir, a, b):
     """All three store uint8 pages of one size: the layout rows cannot tell them apart."""
-    va, vb = _vllm(model_dir, cache={"cache_dtype": a}), _vllm(model_dir, cache={"cache_dtype": b})
+    va, vb = tiny_vllm_config(model_dir, cache={"cache_dtype": a}), tiny_vllm_config(model_dir, cache={"cache_dtype": b})
     specs = [FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32,
                                dtype=kv_cache_dtype_str_to_dtype(v.cache_config.cache_dtype, v.model_config))
              for v in (va, vb)]
@@ -93,8 +76,8 @@ def test_kv_cache_dtype_fp8_variants(model_dir, a, b):
 
 
 def test_kv_cache_dtype_skip_layers(model_dir):
-    assert _prefix(_vllm(model_dir, cache={"cache_dtype": "fp8"})) != _prefix(
-        _vllm(model_dir, cache={"cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["0"]}))
+    assert _prefix(tiny_vllm_config(model_dir, cache={"cache_dtype": "fp8"})) != _prefix(
+        tiny_vllm_config(model_dir, cache={"cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["0"]}))
 
 
 def test_kv_scales_scheme_of_the_checkpoint(tmp_path):
@@ -103,14 +86,14 @@ def test_kv_scales_scheme_of_the_checkpoint(tmp_path):
     for strategy in ("tensor", "attn_head"):
         quant = {"quant_method": "fp8", "activation_scheme": "static", "kv_cache_scheme": {**_KV_SCHEME,
                                                                                           "strategy": strategy}}
-        (tmp_path / "config.json").write_text(json.dumps({**_TINY_LLAMA, "quantization_config": quant}))
-        prefixes.append(_prefix(_vllm(tmp_path, cache={"cache_dtype": "fp8"})))
+        (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "quantization_config": quant}))
+        prefixes.append(_prefix(tiny_vllm_config(tmp_path, cache={"cache_dtype": "fp8"})))
     assert prefixes[0] != prefixes[1]
 
 
 def test_rope_scaling_override(model_dir):
-    plain = _vllm(model_dir)
-    scaled = _vllm(model_dir, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    plain = tiny_vllm_config(model_dir)
+    scaled = tiny_vllm_config(model_dir, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     assert layout_rows(_kvc()) == layout_rows(_kvc())
     assert _prefix(plain) != _prefix(scaled)
 
@@ -119,27 +102,27 @@ def test_rope_theta_in_the_checkpoint(tmp_path):
     """The same path and revision with another rope_theta in config.json (K rotates differently)."""
     prefixes = []
     for theta in (10000.0, 500000.0):
-        (tmp_path / "config.json").write_text(json.dumps({**_TINY_LLAMA, "rope_theta": theta}))
-        prefixes.append(_prefix(_vllm(tmp_path)))
+        (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "rope_theta": theta}))
+        prefixes.append(_prefix(tiny_vllm_config(tmp_path)))
     assert prefixes[0] != prefixes[1]
 
 
 def test_kv_cache_layout(model_dir):
     """LBHNC vs LBNHC: equal block sizes, different byte order."""
-    v = _vllm(model_dir)
+    v = tiny_vllm_config(model_dir)
     a, b = _kvc(layout="LBHNC"), _kvc(layout="LBNHC")
     assert [r["kv_cache_layout"] for r in layout_rows(a)] == ["LBHNC"]
     assert _prefix(v, a) != _prefix(v, b)
 
 
 def test_block_size(model_dir):
-    v = _vllm(model_dir)
+    v = tiny_vllm_config(model_dir)
     assert _prefix(v, _kvc(fa(16))) != _prefix(v, _kvc(fa(32)))
 
 
 def test_page_size(model_dir):
     """Same block size, twice the heads: twice the page bytes."""
-    v = _vllm(model_dir)
+    v = tiny_vllm_config(model_dir)
     a, b = _kvc(fa(16, heads=1)), _kvc(fa(16, heads=2))
     assert layout_rows(a)[0]["block_size"] == layout_rows(b)[0]["block_size"] == 16
     assert layout_rows(a)[0]["page_bytes"] * 2 == layout_rows(b)[0]["page_bytes"]
@@ -147,5 +130,5 @@ def test_page_size(model_dir):
 
 
 def test_mamba_state_dtype(model_dir):
-    assert _prefix(_vllm(model_dir, cache={"mamba_cache_dtype": "float32"})) != _prefix(
-        _vllm(model_dir, cache={"mamba_cache_dtype": "float16"}))
+    assert _prefix(tiny_vllm_config(model_dir, cache={"mamba_cache_dtype": "float32"})) != _prefix(
+        tiny_vllm_config(model_dir, cache={"mamba_cache_dtype": "float16"}))
