@@ -45,6 +45,20 @@ config whose server is found dead between levels is redeployed and the level rer
 Writes ``bench/results/agentic_replay.{md,json,png}`` (``--out-dir``) after every level (a
 killed run keeps what it measured; SIGTERM stops the servers and masters it started) and
 prints the table at the end.
+
+Geometries (issue 16): ``--models gemma4,gemma3-eagle,qwen3next-pmu64`` runs the single-engine
+configs (default none, hybrid, mooncake) on each named model of :data:`MODELS` in turn, one
+model's engines at a time: the tiny seeded-random-weight models of ``cli/tiny_models.py`` whose
+KV-cache layouts are what hybridkv exists for (two dense groups at different block sizes; a
+target + EAGLE drafter at another block size; Mamba + full attention with sub-block
+``--prefix-match-unit 64`` hits). ``NAME:BLOCKS`` sets that model's
+``--num-gpu-blocks-override`` (a local cache small enough that local hits diverge between
+configs). A config that refuses to start on a model (e.g. an unsupported geometry) is recorded
+as that cell's result with its error line. Every sampled output that differs from its recompute
+is recorded with its failing input (model, session seed, turn), and every turn where in-tree
+got fewer cached tokens than hybridkv on the same prompt is listed (users 1 replays the same
+request sequence on every config). Writes ``agentic_replay_geometries.{md,json,png}``
+(``--out-stem``). Without ``--models`` the bench is what it was (``--kind``/``--model``).
 """
 
 from __future__ import annotations
@@ -104,6 +118,49 @@ LABELS = {
 SEGMENT = "512MiB"  # store memory per engine, the same for both store connectors
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of the geometries run: a tiny kind, an optional drafter, extra engine args."""
+
+    name: str
+    kind: str
+    geometry: str  # the KV-cache layout, in words (what the row is about)
+    drafter: str | None = None  # a cli/tiny_models DRAFTER_KINDS kind, served as EAGLE
+    engine_args: tuple[str, ...] = ()
+    num_gpu_blocks: int | None = None  # None: --num-gpu-blocks
+
+
+NUM_SPECULATIVE_TOKENS = 2  # as tests/e2e/test_store_eagle.py
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (
+    ModelSpec("gemma3", "gemma3", "sliding (bs 128) + full attention (bs 128): one dense group"),
+    ModelSpec("gemma4", "gemma4", "sliding (bs 256) + full attention bs 128 (head 128) + full attention "
+              "bs 256 (head 64): two dense groups at different block sizes"),
+    ModelSpec("gemma3-eagle", "gemma3", "gemma3 sliding + full (bs 256) + EAGLE drafter full attention "
+              "(bs 128, head 128)", drafter="eagle-gemma3"),
+    ModelSpec("qwen3next-pmu64", "qwen3next", "Gated-DeltaNet (Mamba align) + full attention, bs 256, "
+              "--prefix-match-unit 64 (sub-block hits)",
+              engine_args=("--block-size", "256", "--prefix-match-unit", "64")),
+)}
+
+
+def parse_models(value: str) -> list[ModelSpec]:
+    """``NAME[:BLOCKS],...`` -> specs (BLOCKS: that model's --num-gpu-blocks-override)."""
+    out = []
+    for item in (x.strip() for x in value.split(",")):
+        if not item:
+            continue
+        name, _, blocks = item.partition(":")
+        if name not in MODELS:
+            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        spec = MODELS[name]
+        if blocks:
+            from dataclasses import replace
+
+            spec = replace(spec, num_gpu_blocks=int(blocks))
+        out.append(spec)
+    return out
+
+
 # ------------------------------------------------------------------------ deployments
 
 
@@ -121,20 +178,29 @@ class Deployment:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, spec: ModelSpec | None = None) -> None:
         self.args = args
+        self.spec = spec  # None: the single --kind/--model of the original bench
         self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="hybridkv-agentic-replay-"))
         self.model = self._model()
+        self.drafter = self._tiny(spec.drafter) if spec and spec.drafter else None
+        self.num_gpu_blocks = (spec.num_gpu_blocks if spec and spec.num_gpu_blocks
+                               else args.num_gpu_blocks)
 
     # -- model
-    def _model(self) -> str:
+    @staticmethod
+    def _tiny(kind: str) -> str:
         from hybridkv.cli.tiny_models import write_tiny_model
 
+        base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+        return str(write_tiny_model(kind, base / "hybridkv" / "tiny-models" / f"{kind}-seed0", seed=0))
+
+    def _model(self) -> str:
+        if self.spec is not None:
+            return self._tiny(self.spec.kind)
         if self.args.model:
             return self.args.model
-        base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-        out = base / "hybridkv" / "tiny-models" / f"{self.args.kind}-seed0"
-        return str(write_tiny_model(self.args.kind, out, seed=0))
+        return self._tiny(self.args.kind)
 
     def model_summary(self) -> dict:
         path = pathlib.Path(self.model)
@@ -153,13 +219,22 @@ class Bench:
                     n += math.prod(shape)
             info["parameters"] = n
             info["safetensors_mib"] = round(st.stat().st_size / 2**20, 1)
+        if self.spec is not None:
+            info.update(name=self.spec.name, kind=self.spec.kind, geometry=self.spec.geometry,
+                        drafter=self.drafter, engine_args=list(self.spec.engine_args),
+                        num_gpu_blocks=self.num_gpu_blocks)
         return info
 
     # -- servers
     def _server(self, tag: str, kv: dict | None, env: dict | None = None) -> VllmServer:
-        extra = ["--num-gpu-blocks-override", str(self.args.num_gpu_blocks),
+        extra = ["--num-gpu-blocks-override", str(self.num_gpu_blocks),
                  "--max-num-batched-tokens", str(self.args.max_num_batched_tokens),
                  "--max-num-seqs", str(self.args.max_num_seqs), "--seed", "0"]
+        if self.spec is not None:
+            extra += list(self.spec.engine_args)
+        if self.drafter:
+            extra += ["--speculative-config", json.dumps(
+                {"method": "eagle", "model": self.drafter, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})]
         return VllmServer(self.model, max_model_len=self.args.max_model_len, kv_transfer_config=kv,
                           extra_args=extra, log_path=self.workdir / f"vllm-{tag}.log",
                           startup_timeout_s=self.args.startup_timeout, env=env)
@@ -374,6 +449,7 @@ class Record:
     output_tokens: int
     prompt: str = field(repr=False, default="")
     completion: Completion | None = field(repr=False, default=None)
+    seed: int = 0  # the session's Trajectory seed: with turn, the request's input
 
 
 @dataclass
@@ -407,6 +483,12 @@ class LevelResult:
     check_errors: int
     check_notes: list[str]
     note: str = ""
+    model: str = ""  # the --models name (empty without --models)
+    # Sampled turns that differ from their recompute: the failing inputs (session seed, turn).
+    failing_inputs: list[dict] = field(default_factory=list)
+    # Every request in order (seed, 1-based turn, prompt and cached tokens, TTFT): lets a
+    # report compare the same turn across configs.
+    turns: list[dict] = field(default_factory=list)
 
 
 def _seed(level: int, slot: int, generation: int) -> int:
@@ -502,7 +584,7 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
                 continue
             latency = time.perf_counter() - t_start
             rec = Record(user, slot, s["gen"], s["turn"], t_start, c.prompt_tokens, c.cached_tokens or 0,
-                         c.ttft_s * 1e3, latency * 1e3, len(c.token_ids), prompt, c)
+                         c.ttft_s * 1e3, latency * 1e3, len(c.token_ids), prompt, c, traj.seed)
             with lock:
                 records.append(rec)
             if s["turn"] + 1 >= args.turns:
@@ -529,6 +611,7 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
     checker = Client(dep.check_url, timeout_s=args.request_timeout)
     differ = ties = identical = check_errors = 0
     notes: list[str] = []
+    failing: list[dict] = []
     for r in sample:
         try:
             ref = checker.complete(model, r.prompt, args.max_tokens,
@@ -545,6 +628,11 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
         if not ok or cmp.tie_at is not None:
             notes.append(f"turn {r.turn + 1} (cached {r.cached_tokens}/{r.prompt_tokens}): "
                          f"{cmp.why or 'recompute was not a miss'}")
+        if not ok:
+            failing.append({"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
+                            "cached_tokens": r.cached_tokens, "recompute_cached": ref.cached_tokens or 0,
+                            "why": cmp.why or "recompute was not a miss",
+                            "served_tokens": list(r.completion.token_ids), "recompute_tokens": list(ref.token_ids)})
 
     later = [r for r in records if r.turn > 0]
     hit_later = [r for r in later if r.cached_tokens > 0]
@@ -569,6 +657,9 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
         output_tokens=out_tokens, output_tok_s=out_tokens / wall if wall else 0.0,
         engine_metrics=engine_metrics, checked=len(sample) - check_errors, differ=differ, near_ties=ties,
         identical_tokens=identical, check_errors=check_errors, check_notes=notes[:10],
+        failing_inputs=failing,
+        turns=[{"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens, "ttft_ms": round(r.ttft_ms, 1)} for r in records],
     )
 
 
@@ -718,7 +809,13 @@ def plot(results: list[LevelResult], path: pathlib.Path, model: str = "tiny gemm
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/agentic_replay.py", description=__doc__.splitlines()[0])
-    p.add_argument("--configs", default=",".join(ALL_CONFIGS))
+    p.add_argument("--configs", default=None,
+                   help=f"default: {','.join(ALL_CONFIGS)}; with --models: {','.join(SINGLE_ENGINE)}")
+    p.add_argument("--models", default=None,
+                   help=f"NAME[:BLOCKS],... of {', '.join(MODELS)}: the geometries run (issue 16), one model "
+                   "after the other; BLOCKS overrides --num-gpu-blocks for that model")
+    p.add_argument("--out-stem", default=None,
+                   help="result file names (default agentic_replay; with --models agentic_replay_geometries)")
     p.add_argument("--users", default="1,2,4")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of traffic per (config, users)")
     p.add_argument("--kind", default="gemma3")
@@ -747,6 +844,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.check_sample = 10.0, 3
+    try:
+        specs = parse_models(args.models) if args.models else None
+    except ValueError as e:
+        p.error(str(e))
+    if args.configs is None:
+        args.configs = ",".join(SINGLE_ENGINE if specs else ALL_CONFIGS)
+    if args.out_stem is None:
+        args.out_stem = "agentic_replay_geometries" if specs else "agentic_replay"
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in ALL_CONFIGS]
     if bad:
@@ -758,26 +863,68 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     load_start = os.getloadavg()
-    bench = Bench(args)
-    model_info = bench.model_summary()
-    print(f"model: {model_info}\nlogs: {bench.workdir}", file=sys.stderr)
     results: list[LevelResult] = []
-    deployments: dict[str, dict] = {}
-    errors: dict[str, str] = {}
-
-    progress = Progress(len(configs) * len(levels), desc="levels", unit="level", enabled=args.progress)
+    progress = Progress(len(configs) * len(levels) * (len(specs) if specs else 1), desc="levels", unit="level",
+                        enabled=args.progress)
 
     def log(msg: str) -> None:
         progress.write(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr)  # above the bar
 
-    # Single-engine configs are up together and their levels interleaved (users level by users
-    # level, config order rotated), so a change of the shared machine's load hits all of them;
-    # each P/D config (two engines + proxy) runs alone, to bound memory.
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if specs is None:  # the original bench: one model, all configs
+        bench = Bench(args)
+        model_info = bench.model_summary()
+        print(f"model: {model_info}\nlogs: {bench.workdir}", file=sys.stderr)
+        deployments: dict[str, dict] = {}
+        errors: dict[str, str] = {}
+        write_report = make_reporter(args, argv, configs, started, load_start, model_info, deployments, errors)
+        try:
+            run_configs(bench, configs, levels, args, log, progress, deployments, errors,
+                        lambda r: (results.append(r), write_report(results, final=False)))
+        except KeyboardInterrupt as e:
+            log(f"interrupted ({e}); stopping what this run started, writing the partial report")
+            errors["(run)"] = f"interrupted: {e}; results are partial"
+        finally:
+            progress.close()
+        return write_report(results, final=True)
+
+    # Geometries: one model's engines at a time (three CPU engines of one model are what the
+    # 2-core machine holds), the same configs and seeds on each.
+    per_model: dict[str, dict] = {}
+    write_report = make_geometries_reporter(args, argv, configs, specs, started, load_start, per_model)
+    try:
+        for spec in specs:
+            bench = Bench(args, spec)
+            entry = per_model[spec.name] = {"model": bench.model_summary(), "deployments": {}, "errors": {}}
+            log(f"model {spec.name}: {spec.geometry}; --num-gpu-blocks-override {bench.num_gpu_blocks}; "
+                f"logs {bench.workdir}")
+
+            def done(r: LevelResult, name: str = spec.name) -> None:
+                r.model = name
+                results.append(r)
+                write_report(results, final=False)
+
+            run_configs(bench, configs, levels, args, log, progress, entry["deployments"], entry["errors"], done)
+            write_report(results, final=False)  # a config that never started shows up at once
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({e}); stopping what this run started, writing the partial report")
+        per_model.setdefault("(run)", {"errors": {}})["errors"]["(run)"] = f"interrupted: {e}; results are partial"
+    finally:
+        progress.close()
+    return write_report(results, final=True)
+
+
+def run_configs(bench: Bench, configs: list[str], levels: list[int], args: argparse.Namespace, log, progress,
+                deployments: dict[str, dict], errors: dict[str, str], on_result) -> None:  # noqa: ANN001
+    """Every (config, users) level of one model; ``on_result(LevelResult)`` after each.
+
+    Single-engine configs are up together and their levels interleaved (users level by users
+    level, config order rotated), so a change of the shared machine's load hits all of them;
+    each P/D config (two engines + proxy) runs alone, to bound memory. Stops what it started
+    (also on KeyboardInterrupt, which it re-raises)."""
     singles = [c for c in configs if c in SINGLE_ENGINE]
     groups = ([singles] if singles else []) + [[c] for c in configs if c not in SINGLE_ENGINE]
     live: dict[str, tuple] = {}  # name -> (context manager, Deployment)
-    write_report = make_reporter(args, argv, configs, started, load_start, model_info, deployments, errors)
-    signal.signal(signal.SIGTERM, _on_sigterm)
 
     def up(names: list[str]) -> None:
         cms = {n: bench.deploy(n) for n in names}
@@ -787,8 +934,9 @@ def main(argv: list[str] | None = None) -> int:
             info = deployments.setdefault(name, {"restarts": 0})
             info.update(commands=dep.commands, logs=info.get("logs", []) + dep.logs)
             info.setdefault("boot_s", []).append(round(boot, 1))
+            info["kv_cache_tokens"] = _kv_cache_tokens(dep.logs)
             errors.pop(name, None)
-            log(f"{name}: up in {boot:.0f} s")
+            log(f"{name}: up in {boot:.0f} s (local KV cache {info['kv_cache_tokens']} tokens)")
             try:
                 Client(dep.url).complete(bench.model, "warm up", 2, cache_salt=f"warmup-{uuid.uuid4().hex}")
             except Exception as e:  # noqa: BLE001 - reported; the levels will show failures
@@ -836,25 +984,35 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     if attempt == 2:
                         r.note = (r.note + "; " if r.note else "") + "rerun after a server died"
-                    results.append(r)
-                    write_report(results, final=False)  # a killed run keeps what it measured
+                    on_result(r)
                     log(f"{name} x{users}: {r.requests} req, {r.failures} failed, hit {_f(_pc(r.hit_rate))} %, "
                         f"TTFT p50 {_f(r.ttft_p50_ms)} ms (hit turns {_f(r.ttft_p50_hit_ms)}), "
                         f"{r.output_tok_s:.1f} tok/s, differ {r.differ}/{r.checked}, "
                         "local/external hit tokens " + ", ".join(
                             f"{role} {int(m['local_hits'])}/{int(m['external_hits'])}"
                             for role, m in r.engine_metrics.items()))
+                for name in [n for n in group if n not in live and n in errors]:
+                    progress.update()  # a config that never started: its level is done (as an error)
             for name in group:
                 if name in live:
                     down(name)
-    except KeyboardInterrupt as e:
-        log(f"interrupted ({e}); stopping what this run started, writing the partial report")
-        errors["(run)"] = f"interrupted: {e}; results are partial"
     finally:
-        progress.close()
         for name in list(live):
             down(name)
-    return write_report(results, final=True)
+
+
+def _kv_cache_tokens(logs: list[str]) -> int | None:
+    """The engine's local KV cache size in tokens, from its log (``GPU KV cache size: N tokens``)."""
+    import re
+
+    for path in logs:
+        try:
+            m = re.findall(r"KV cache size: ([\d,]+) tokens", pathlib.Path(path).read_text(errors="replace"))
+        except OSError:
+            continue
+        if m:
+            return int(m[-1].replace(",", ""))
+    return None
 
 
 def _on_sigterm(signum, frame) -> None:  # noqa: ARG001
@@ -874,7 +1032,7 @@ def make_reporter(args, argv, configs, started, load_start, model_info, deployme
             print("\n".join(tgt))
             print(f"runtime {runtime:.0f} s")
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        mpl_version = (plot(results, args.out_dir / "agentic_replay.png",
+        mpl_version = (plot(results, args.out_dir / f"{args.out_stem}.png",
                             f"tiny {args.kind}" if not args.model else pathlib.Path(args.model).name)
                        if results else "n/a")
         given = argv if argv is not None else sys.argv[1:]
@@ -890,10 +1048,10 @@ def make_reporter(args, argv, configs, started, load_start, model_info, deployme
             "deployments": deployments, "errors": errors, "runtime_s": round(runtime, 1),
             "results": [asdict(r) for r in results], "targets": tgt, "store_rows": store_rows(results),
         }
-        (args.out_dir / "agentic_replay.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        (args.out_dir / "agentic_replay.md").write_text(_markdown(doc, lines, tgt, args))
+        (args.out_dir / f"{args.out_stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        (args.out_dir / f"{args.out_stem}.md").write_text(_markdown(doc, lines, tgt, args))
         if final:
-            print(f"wrote {args.out_dir / 'agentic_replay.md'}, .json, .png", file=sys.stderr)
+            print(f"wrote {args.out_dir / (args.out_stem + '.md')}, .json, .png", file=sys.stderr)
         return 0 if not errors else 1
 
     return write_report
@@ -926,7 +1084,7 @@ def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
         f"- checks: per level {s['check_sample']} hit turns (spread over the level) re-sent with a fresh "
         f"`cache_salt` to the decoding engine; greedy tokens + top-5 logprobs compared (tolerance "
         f"{s['logprob_tolerance']}, greedy near-ties excused, as in `hybridkv demo`)",
-        f"- plot: `agentic_replay.png` (matplotlib {doc['matplotlib']})",
+        f"- plot: `{args.out_stem}.png` (matplotlib {doc['matplotlib']})",
         "",
         "Columns: hit rate = cached / prompt tokens over all requests (turns 2+: excluding each session's "
         "cold first turn); local/external hit tokens = the hit engine's `vllm:prefix_cache_hits` / "
@@ -963,6 +1121,262 @@ def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
         out += ["## Check notes", "", *notes, ""]
     if fails:
         out += ["## Failures (first 5 per level)", "", *fails, ""]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------ geometries report
+
+GEO_HEAD = ("| model | config | requests | hit rate | local / external hit tokens (% of prompt) | hit turns "
+            "| TTFT p50 / p90 hit turns ms | TTFT p50 miss ms | differ / sampled | near-ties |")
+_GENERIC_ERRORS = ("ServerStartError", "Engine core initialization failed", "RuntimeError: Engine process failed",
+                   "see root cause above")
+
+
+def error_line(text: str) -> str:
+    """The line of a start failure that says why: the first ``...Error: ...`` line of the log
+    tail that is not a generic wrapper (engine core failed, server did not start)."""
+    import re
+
+    lines = [ln.strip() for ln in text.splitlines()]
+    errs = [ln for ln in lines if re.search(r"(\w+(Error|Exception)|AssertionError)(: |$)", ln)]
+    specific = [ln for ln in errs if not any(g in ln for g in _GENERIC_ERRORS)]
+    pick = (specific or errs or [ln for ln in lines if ln] or ["?"])[0]
+    pick = re.sub(r"^\(\w+ pid=\d+\)\s*", "", pick)  # "(EngineCore pid=123) " prefix
+    return pick[:400]
+
+
+def _hits_vs(results: list[LevelResult], model: str, base: str, other: str) -> tuple[list[dict], int]:
+    """Turns where ``other`` cached fewer tokens than ``base`` on the same input (seed, turn,
+    prompt length), and how many such inputs both served. With one user both configs replay
+    the same request sequence, so the local cache saw the same history up to that turn."""
+    by = {r.config: r for r in results if r.model == model and r.users == 1}
+    if base not in by or other not in by:
+        return [], 0
+    key = lambda t: (t["seed"], t["turn"], t["prompt_tokens"])  # noqa: E731
+    b = {key(t): t["cached_tokens"] for t in by[base].turns}
+    lost, common = [], 0
+    for t in by[other].turns:
+        k = key(t)
+        if k not in b:
+            continue
+        common += 1
+        if t["cached_tokens"] < b[k]:
+            lost.append({"seed": k[0], "turn": k[1], "prompt_tokens": k[2], base: b[k], other: t["cached_tokens"]})
+    return lost, common
+
+
+def geometries_findings(results: list[LevelResult], specs: list[ModelSpec], per_model: dict) -> list[str]:
+    out = []
+    for spec in specs:
+        errs = per_model.get(spec.name, {}).get("errors", {})
+        for cfg, text in errs.items():
+            out.append(f"- **{spec.name} / {cfg}: did not start** -- `{error_line(text)}`")
+        for r in (r for r in results if r.model == spec.name):
+            for f in r.failing_inputs:
+                out.append(f"- **{spec.name} / {r.config}: output differs from recompute** -- failing input: "
+                           f"model {spec.name}, session seed {f['seed']}, turn {f['turn']} (prompt "
+                           f"{f['prompt_tokens']} tokens, cached {f['cached_tokens']}): {f['why']}")
+        for other in ("mooncake", "none"):
+            lost, common = _hits_vs(results, spec.name, "hybrid", other)
+            if lost and other == "mooncake":
+                ex = "; ".join(f"seed {x['seed']} turn {x['turn']}: {x['hybrid']} vs {x['mooncake']}"
+                               for x in lost[:4])
+                out.append(f"- **{spec.name} / mooncake: fewer cached tokens than hybridkv** on {len(lost)} of "
+                           f"{common} identical turns (hybridkv vs in-tree cached tokens; e.g. {ex})")
+        lost, common = _hits_vs(results, spec.name, "mooncake", "hybrid")
+        if lost:
+            ex = "; ".join(f"seed {x['seed']} turn {x['turn']}: {x['mooncake']} vs {x['hybrid']}" for x in lost[:4])
+            out.append(f"- {spec.name} / hybrid: fewer cached tokens than in-tree on {len(lost)} of {common} "
+                       f"identical turns (in-tree vs hybridkv; e.g. {ex})")
+    return out or ["- nothing: every config started, no sampled output differed, in-tree lost no hits"]
+
+
+def geometries_rows(results: list[LevelResult], specs: list[ModelSpec], configs: list[str],
+                    per_model: dict) -> list[str]:
+    lines = [GEO_HEAD, "|" + "---|" * (GEO_HEAD.count("|") - 1)]
+    for spec in specs:
+        errs = per_model.get(spec.name, {}).get("errors", {})
+        for cfg in configs:
+            rs = [r for r in results if r.model == spec.name and r.config == cfg]
+            if not rs and cfg in errs:
+                lines.append(f"| {spec.name} | {cfg} | did not start: `{error_line(errs[cfg])[:200]}` "
+                             "| | | | | | | |")
+            for r in rs:
+                m = r.engine_metrics.get(HIT_ENGINE[r.config], {})
+                loc, ext = m.get("local_hits", 0.0), m.get("external_hits", 0.0)
+                pt = r.prompt_tokens or 1
+                lines.append(
+                    f"| {spec.name} | {r.config} | {r.requests}{f' ({r.failures} failed)' if r.failures else ''} "
+                    f"| {_f(_pc(r.hit_rate))} % | {int(loc)} / {int(ext)} ({100 * loc / pt:.1f} / {100 * ext / pt:.1f} %) "
+                    f"| {r.hit_turns}/{r.later_turns} | {_f(r.ttft_p50_hit_ms)} / {_f(r.ttft_p90_hit_ms)} "
+                    f"| {_f(r.ttft_p50_miss_ms)} | {r.differ} / {r.checked}"
+                    f"{f' (+{r.check_errors} failed)' if r.check_errors else ''} | {r.near_ties} |")
+    return lines
+
+
+def plot_geometries(results: list[LevelResult], specs: list[ModelSpec], configs: list[str],
+                    path: pathlib.Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s.name for s in specs]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    width = 0.8 / max(len(configs), 1)
+    for ci, cfg in enumerate(configs):
+        xs, loc, ext, p50, p90, dif, chk = [], [], [], [], [], [], []
+        for mi, name in enumerate(names):
+            r = next((r for r in results if r.model == name and r.config == cfg), None)
+            if r is None:
+                continue
+            m = r.engine_metrics.get(HIT_ENGINE[r.config], {})
+            pt = r.prompt_tokens or 1
+            xs.append(mi + (ci - (len(configs) - 1) / 2) * width)
+            loc.append(100 * m.get("local_hits", 0.0) / pt)
+            ext.append(100 * m.get("external_hits", 0.0) / pt)
+            p50.append(r.ttft_p50_hit_ms or 0.0)
+            p90.append(r.ttft_p90_hit_ms or 0.0)
+            dif.append(r.differ)
+            chk.append(r.checked)
+        color = f"C{ci}"
+        axes[0].bar(xs, loc, width, color=color, alpha=0.5, label=f"{cfg} local")
+        axes[0].bar(xs, ext, width, bottom=loc, color=color, label=f"{cfg} external")
+        axes[1].bar(xs, p50, width, color=color, label=f"{cfg} p50")
+        axes[1].scatter(xs, p90, color=color, marker="_", s=300, label=f"{cfg} p90")
+        axes[2].bar(xs, dif, width, color=color, label=cfg)
+        for x, d, c in zip(xs, dif, chk):
+            axes[2].text(x, d, f"{d}/{c}", ha="center", va="bottom", fontsize=7)
+    for ax, title in zip(axes, ("hit tokens, % of prompt (light: local, dark: external)",
+                                "TTFT on hit turns (ms): bar p50, tick p90",
+                                "sampled outputs differing from recompute")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=7, ncol=2)
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle("agentic replay on hybrid KV-cache geometries, vLLM CPU engine, small local KV cache (1 user)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return matplotlib.__version__
+
+
+def make_geometries_reporter(args, argv, configs, specs, started, load_start, per_model):  # noqa: ANN001
+    def write_report(results: list[LevelResult], final: bool) -> int:
+        runtime = time.monotonic() - started
+        order = {s.name: i for i, s in enumerate(specs)}
+        results = sorted(results, key=lambda r: (order.get(r.model, 99), configs.index(r.config), r.users))
+        rows = geometries_rows(results, specs, configs, per_model)
+        findings = geometries_findings(results, specs, per_model)
+        run_error = per_model.get("(run)", {}).get("errors", {})
+        if final:
+            print("\n".join(rows))
+            print("\n".join(findings))
+            print(f"runtime {runtime:.0f} s")
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        mpl_version = (plot_geometries(results, specs, configs, args.out_dir / f"{args.out_stem}.png")
+                       if results else "n/a")
+        given = argv if argv is not None else sys.argv[1:]
+        cmd = "python bench/agentic_replay.py" + (" " + shlex.join(given) if given else "")
+        doc = {
+            "command": cmd,
+            "reproduce": ("flock /tmp/hybridkv-engine.lock env VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 "
+                          ".venv/bin/" + cmd),
+            "complete": final and not run_error,
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                     "python": platform.python_version(), "loadavg_start": load_start,
+                     "loadavg_end": os.getloadavg()},
+            "matplotlib": mpl_version,
+            "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+            "models": per_model, "runtime_s": round(runtime, 1), "findings": findings,
+            "error_lines": {f"{m}/{c}": error_line(t) for m, e in per_model.items()
+                            for c, t in e.get("errors", {}).items()},
+            "results": [asdict(r) for r in results],
+        }
+        (args.out_dir / f"{args.out_stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        (args.out_dir / f"{args.out_stem}.md").write_text(_geometries_markdown(doc, rows, findings, specs, args))
+        if final:
+            print(f"wrote {args.out_dir / (args.out_stem + '.md')}, .json, .png", file=sys.stderr)
+        # A config refusing a geometry is a result; a run that did not finish, or where hybridkv
+        # or the no-connector baseline did not start, is a failure of the bench.
+        broken = [f"{m}/{c}" for m, e in per_model.items() for c in e.get("errors", {}) if c != "mooncake"]
+        return 0 if not broken else 1
+
+    return write_report
+
+
+def _geometries_markdown(doc: dict, rows: list[str], findings: list[str], specs: list[ModelSpec], args) -> str:
+    h, s = doc["host"], doc["settings"]
+    out = [
+        "# Agentic replay on the hybrid geometries: hybridkv vs vLLM's in-tree MooncakeStoreConnector",
+        "",
+        "Reproduce (from the repository root):",
+        "",
+        f"    {doc['reproduce']}",
+        "",
+        f"- runtime {doc['runtime_s']:.0f} s, {doc['date']}" + ("" if doc["complete"] else
+                                                              " -- PARTIAL: the run did not finish"),
+        f"- host: {h['machine']}, {h['cpus']} cores, {h['platform']}, Python {h['python']}; load average at "
+        f"start / end: {h['loadavg_start'][0]:.2f} / {h['loadavg_end'][0]:.2f} (shared machine)",
+        f"- workload: {s['users']} user(s), {s['sessions']} agent sessions round robin, {s['turns']} turns each "
+        f"(first prompt {s['first_prompt_tokens']} tokens, +answer +{s['turn_growth_tokens']} per turn, "
+        f"{s['max_tokens']} greedy output tokens), {s['duration']:.0f} s of traffic per (model, config); the same "
+        "seeded trajectories on every config",
+        f"- engines: vLLM 0.32 CPU, prefix caching on, `--max-num-batched-tokens {s['max_num_batched_tokens']} "
+        f"--max-num-seqs {s['max_num_seqs']} --max-model-len {s['max_model_len']}`, a small local KV cache per "
+        f"model (below); stores: {SEGMENT} segment per engine, lease TTL {s['lease_ttl_ms']} ms; in-tree "
+        f"MooncakeStoreConnector with `save_decode_cache: true`, local buffer {s['mooncake_local_buffer']}, tcp",
+        f"- checks: {s['check_sample']} hit turns per (model, config) re-sent with a fresh `cache_salt` to the "
+        f"same engine; greedy tokens + top-5 logprobs compared (tolerance {s['logprob_tolerance']}, greedy "
+        "near-ties excused, as in `hybridkv demo`)",
+        f"- plot: `{args.out_stem}.png` (matplotlib {doc['matplotlib']})",
+        "",
+        "Models (tiny, seeded random weights, cli/tiny_models.py):",
+        "",
+    ]
+    for spec in specs:
+        e = doc["models"].get(spec.name, {})
+        m = e.get("model", {})
+        kv = {c: d.get("kv_cache_tokens") for c, d in e.get("deployments", {}).items()}
+        out.append(f"- `{spec.name}`: {spec.geometry}; `--num-gpu-blocks-override {m.get('num_gpu_blocks')}`"
+                   + (f" {' '.join(spec.engine_args)}" if spec.engine_args else "")
+                   + (f", EAGLE drafter `{spec.drafter}` ({NUM_SPECULATIVE_TOKENS} speculative tokens)"
+                      if spec.drafter else "")
+                   + (f"; local KV cache (engine log) {kv} tokens" if kv else ""))
+    out += [
+        "",
+        "## Findings",
+        "",
+        *findings,
+        "",
+        "## Per (model, config)",
+        "",
+        "hit rate = cached / prompt tokens over all requests (usage); local / external hit tokens = the "
+        "engine's `vllm:prefix_cache_hits` / `vllm:external_prefix_cache_hits` deltas over the run (in % of "
+        "the prompt tokens); hit turns = turns 2+ with cached > 0 (of turns 2+); TTFT at the first streamed "
+        "token; differ / sampled = sampled hit turns whose output differs from the recompute.",
+        "",
+        *rows,
+        "",
+    ]
+    fails = [(r["model"], r["config"], f) for r in doc["results"] for f in r["failing_inputs"]]
+    if fails:
+        out += ["## Failing inputs (differ from recompute)", "",
+                "| model | config | session seed | turn | prompt tokens | cached | why |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {m} | {c} | {f['seed']} | {f['turn']} | {f['prompt_tokens']} | {f['cached_tokens']} | {f['why']} |"
+                for m, c, f in fails]
+        out.append("")
+    notes = [f"- {r['model']} / {r['config']}: " + "; ".join(([r["note"]] if r.get("note") else []) + r["check_notes"])
+             for r in doc["results"] if r["check_notes"] or r.get("note")]
+    if notes:
+        out += ["## Check notes", "", *notes, ""]
+    if doc["error_lines"]:
+        out += ["## Configs that did not start (error line; full log tail in the json)", ""]
+        out += [f"- {k}: `{v}`" for k, v in doc["error_lines"].items()]
+        out.append("")
     return "\n".join(out)
 
 
