@@ -69,6 +69,59 @@ _MIN_CALL_S = 0.01  # less time left than this before a deadline: do not start t
 _SNAPSHOT_SLOTS = 4  # objects per snapshot buffer (partial tails: about one per group and request)
 
 
+_UNCHECKED = "unchecked"  # a load's object whose trailer has not been checked (yet)
+
+
+def plan_spans(
+    object_bytes: list[int], max_objects: int, first_bytes: int, max_bytes: int, ramp_down: bool = False
+) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) sub-batches of a job's objects, one store call each.
+
+    Why a ramp: a save must hash sub-batch 0 before its put can start, and a load can
+    verify its last sub-batch only after the last get; every other hash runs during a
+    call. So sizes double from ``first_bytes`` up to ``max_bytes`` (at least one object,
+    at most ``max_objects`` per call; ``ramp_down``: mirrored, the last one smallest).
+    ``first_bytes`` <= 0: plain batches of ``max_objects`` (no overlap).
+    """
+    n = len(object_bytes)
+    sizes = object_bytes[::-1] if ramp_down else object_bytes
+    spans: list[tuple[int, int]] = []
+    lo, target = 0, first_bytes
+    while lo < n:
+        hi, acc = lo, 0
+        while hi < n and hi - lo < max_objects and (
+                first_bytes <= 0 or hi == lo or acc + sizes[hi] <= target):
+            acc += sizes[hi]
+            hi += 1
+        spans.append((lo, hi))
+        lo, target = hi, min(2 * target, max_bytes)
+    if ramp_down:
+        spans = [(n - hi, n - lo) for lo, hi in reversed(spans)]
+    return spans
+
+
+class _SpanRun:
+    """One job's objects, its sub-batches and what each has become (one job thread owns it)."""
+
+    def __init__(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], expect: list[int],
+                 spans: list[tuple[int, int]]) -> None:
+        self.keys, self.addrs, self.sizes, self.expect, self.spans = keys, addrs, sizes, expect, spans
+        self.arenas: dict[int, tuple[TrailerArena, "Future[Any] | None"]] = {}  # span -> (arena, call still running)
+        self.codes: list[int] = [0] * len(keys)
+        self.verdicts: list[str | None] = [_UNCHECKED] * len(keys)
+        self.sealed: set[int] = set()
+        self.pending: "Future[Any] | None" = None  # an abandoned call (its span's buffers are not free)
+        self._span_index = [i for i, (lo, hi) in enumerate(spans) for _ in range(lo, hi)]
+
+    def arena(self, i: int, pool: CallPool[TrailerArena]) -> TrailerArena:
+        if i not in self.arenas:
+            self.arenas[i] = (pool.acquire(), None)
+        return self.arenas[i][0]
+
+    def span_of(self, j: int) -> int:
+        return self._span_index[j]
+
+
 @dataclass
 class _LoadResult:
     req_id: str
@@ -87,6 +140,11 @@ class WorkerLimits:
     load_deadline_s: float = 5.0  # one request's whole load, queueing included
     step_save_budget_s: float = 5.0  # all synchronous saves of one step together
     save_queue_blocks: int = 1024  # async save blocks queued or in flight; beyond: skipped
+    # Sub-batches whose trailer hash overlaps the store call (see ``plan_spans``): the
+    # first (save) / last (load) one is hashed exposed, so it starts small and doubles.
+    # 0: one call per max_batch_blocks, hashed before the put / after the get (serial).
+    overlap_first_bytes: int = 8 << 20
+    overlap_max_bytes: int = 128 << 20
 
     @classmethod
     def from_config(cls, cfg: StoreConnectorConfig) -> "WorkerLimits":
@@ -288,7 +346,7 @@ class StoreWorker:
 
     def _bounded_call(
         self, op: str, fn: Callable[..., list[int]], keys: list[str], addrs: list, sizes: list,
-        deadline: float | None,
+        deadline: float | None, side: Callable[[], None] | None = None,
     ) -> tuple[list[int] | None, StoreError | None, "Future[Any] | None"]:
         """One store call through the backend's bounded call, WITHOUT letting it outlive its buffers.
 
@@ -297,6 +355,7 @@ class StoreWorker:
         after a timeout it may still read or write the KV blocks, so the returned
         future (None when no call is left running) tells when it really ended; the
         blocks and buffers stay pinned until then and are never reused under it.
+        ``side`` runs on this thread while the call is in flight (the next sub-batch's hash).
         """
         timeout = self._cfg.timeout_s
         if deadline is not None:
@@ -304,7 +363,7 @@ class StoreWorker:
             if timeout < _MIN_CALL_S:
                 return None, StoreError(op, CALL_TIMEOUT, "the request's deadline passed before the call"), None
         try:
-            return fn(keys, addrs, sizes, timeout_s=timeout), None, None
+            return fn(keys, addrs, sizes, timeout_s=timeout, while_waiting=side), None, None
         except StoreError as e:
             return None, e, e.pending
         except Exception as e:  # noqa: BLE001 - surfaced as a store failure
@@ -393,88 +452,152 @@ class StoreWorker:
         load: bool,
         deadline: float | None = None,
     ) -> tuple[bool, "Future[Any] | None"]:
-        """Objects given as host regions, in batches of ``max_batch_blocks``."""
-        all_ok = True
-        step = self._cfg.max_batch_blocks
-        for lo in range(0, len(keys), step):
-            hi = min(lo + step, len(keys))
-            arena = self._arenas.acquire()
-            done: "Future[Any] | None" = None
-            try:
-                ok, call_failed, done = self._move_batch(
-                    keys[lo:hi], addrs[lo:hi], sizes[lo:hi], expect[lo:hi], arena, load, deadline)
-            finally:
-                # The arena is reused only once no store call can still touch it.
-                self._after(done, lambda arena=arena: self._arenas.release(arena))
-            all_ok = all_ok and ok
-            # A failed load makes the rest of the request's blocks useless (it recomputes);
-            # after a failed save call the store is unwell: stop, and unpin when it returns.
-            if (load and not ok) or call_failed:
-                return False, done  # (None unless the call timed out and still runs)
-        return all_ok, None
+        """Objects given as host regions, in sub-batches whose trailer work overlaps the calls.
 
-    def _move_batch(
-        self,
-        keys: list[str],
-        addrs: list[list[int]],
-        sizes: list[list[int]],
-        expect: list[int],
-        arena: TrailerArena,
-        load: bool,
-        deadline: float | None = None,
-    ) -> tuple[bool, bool, "Future[Any] | None"]:
-        """One batched store call: (every object moved and verified, the call failed, call ended)."""
-        n = len(keys)
-        part_addrs = [a + [arena.addr(j)] for j, a in enumerate(addrs)]
-        part_sizes = [s + [TRAILER_BYTES] for s in sizes]
-        if load:
-            arena.clear(n)
-        else:
-            for j in range(n):
-                arena.write(j, checksum_parts(keys[j], addrs[j], sizes[j], self._mac))
-        t0 = time.perf_counter()
+        A save hashes sub-batch i+1 while sub-batch i is in the put; a load verifies
+        sub-batch i-1 while sub-batch i is in the get (the binding and XXH3/BLAKE3 all
+        release the GIL: the hash runs on this thread, the copy on the call's). Only the
+        first (save) or last (load) sub-batch's hash is exposed, and ``plan_spans`` keeps
+        that one small. Each object is still checked against its own trailer exactly as
+        a serial pass would; a load reports success only once every object passed.
+        """
+        spans = plan_spans(expect, self._cfg.max_batch_blocks, self._limits.overlap_first_bytes,
+                           self._limits.overlap_max_bytes, ramp_down=load)
+        overlap = self._limits.overlap_first_bytes > 0 and len(spans) > 1
+        run = _SpanRun(keys, addrs, sizes, expect, spans)
+        try:
+            return (self._load_spans if load else self._save_spans)(run, overlap, deadline)
+        finally:
+            # An arena is reused only once no store call can still touch it.
+            for arena, done in run.arenas.values():
+                self._after(done, lambda arena=arena: self._arenas.release(arena))
+
+    def _span_call(
+        self, run: "_SpanRun", i: int, load: bool, deadline: float | None, side: Callable[[], None] | None,
+    ) -> tuple[list[int] | None, StoreError | None]:
+        """The store call of sub-batch ``i`` (objects + their trailer slots), ``side`` run meanwhile."""
+        lo, hi = run.spans[i]
+        arena = run.arena(i, self._arenas)
+        part_addrs = [run.addrs[j] + [arena.addr(j - lo)] for j in range(lo, hi)]
+        part_sizes = [run.sizes[j] + [TRAILER_BYTES] for j in range(lo, hi)]
         op = "get_into_parts" if load else "put_from_parts"
         fn = self._client.get_into_parts if load else self._client.put_from_parts
-        codes, err, done = self._bounded_call(op, fn, keys, part_addrs, part_sizes, deadline)
+        t0 = time.perf_counter()
+        codes, err, done = self._bounded_call(op, fn, run.keys[lo:hi], part_addrs, part_sizes, deadline, side)
+        run.arenas[i] = (arena, done)
         if err is not None:
-            self._fail(f"{'load' if load else 'save'}_{code_name(err.code).lower()}", str(err), n=n, load=load)
-            return False, True, done
+            run.pending = done
+            self._fail(f"{'load' if load else 'save'}_{code_name(err.code).lower()}", str(err), n=hi - lo, load=load)
+            return None, err
         dt = time.perf_counter() - t0
+        self._stat("load_seconds" if load else "save_seconds", dt)
+        with self._lock:
+            self._stats.add_latency("load" if load else "save", dt)
+        return codes, None
+
+    def _seal_span(self, run: "_SpanRun", i: int) -> None:
+        """Write the trailer of every object of sub-batch ``i`` (its arena acquired already)."""
+        lo, hi = run.spans[i]
+        arena = run.arenas[i][0]
+        for j in range(lo, hi):
+            arena.write(j - lo, checksum_parts(run.keys[j], run.addrs[j], run.sizes[j], self._mac))
+
+    def _save_spans(self, run: "_SpanRun", overlap: bool, deadline: float | None) -> tuple[bool, "Future[Any] | None"]:
+        all_ok = True
+        n_spans = len(run.spans)
+        for i, (lo, hi) in enumerate(run.spans):
+            if i not in run.sealed:
+                run.arena(i, self._arenas)
+                self._seal_span(run, i)  # exposed: the first sub-batch (or every one, serially)
+                run.sealed.add(i)
+            side = None
+            if overlap and i + 1 < n_spans:
+                run.arena(i + 1, self._arenas)  # acquired here, not in the side work (it may register)
+
+                def side(i: int = i + 1) -> None:
+                    self._seal_span(run, i)
+                    run.sealed.add(i)
+            codes, err = self._span_call(run, i, False, deadline, side)
+            if err is not None:  # the store is unwell: stop; unpin when the call returns
+                return False, run.pending
+            moved = moved_bytes = 0
+            for j, code in zip(range(lo, hi), codes):
+                if code == 0:
+                    moved += 1
+                    moved_bytes += run.expect[j]
+                else:
+                    all_ok = False
+                    self._fail(f"save_{code_name(code).lower()}", f"{run.keys[j]}: code {code}, expected 0", load=False)
+            self._stat("saved_blocks", moved)
+            self._stat("saved_bytes", moved_bytes)
+        return all_ok, None
+
+    def _verdict(self, run: "_SpanRun", j: int, arena: TrailerArena, lo: int) -> str | None:
+        """Check object ``j`` (slot ``j - lo`` of ``arena``) against its trailer; kept in ``run``."""
+        bad = run.verdicts[j] = arena.verdict(
+            j - lo, checksum_parts(run.keys[j], run.addrs[j], run.sizes[j], self._mac))
+        return bad
+
+    def _check_span(self, run: "_SpanRun", i: int) -> None:
+        """Verdicts of sub-batch ``i``'s objects that arrived whole, up to the first refused one."""
+        lo, hi = run.spans[i]
+        arena = run.arenas[i][0]
+        for j in range(lo, hi):
+            if run.codes[j] != run.expect[j] + TRAILER_BYTES:
+                return  # accounted (and the load refused) without a check
+            if self._verdict(run, j, arena, lo) is not None:
+                return  # the request recomputes; its other objects need no checking
+
+    def _load_spans(self, run: "_SpanRun", overlap: bool, deadline: float | None) -> tuple[bool, "Future[Any] | None"]:
+        fetched = 0  # objects whose call answered
+        for i, (lo, hi) in enumerate(run.spans):
+            run.arena(i, self._arenas).clear(hi - lo)
+            side = None
+            if overlap and i > 0:
+                def side(i: int = i - 1) -> None:
+                    self._check_span(run, i)
+            codes, err = self._span_call(run, i, True, deadline, side)
+            if err is not None:
+                break  # the request fails; what arrived before is still accounted (as one call was)
+            run.codes[lo:hi] = codes
+            fetched = hi
+            if not overlap:
+                self._check_span(run, i)
+            # Stop at the first refused object: the request recomputes.
+            if any(c != run.expect[j] + TRAILER_BYTES for j, c in zip(range(lo, hi), codes)) or any(
+                    v is not None and v != _UNCHECKED for v in run.verdicts[run.spans[max(0, i - 1)][0]:hi]):
+                break
         moved = moved_bytes = 0
         all_ok = True
-        for j, (code, want) in enumerate(zip(codes, expect)):
+        for j in range(fetched):
+            code, want = run.codes[j], run.expect[j]
             total = want + TRAILER_BYTES
-            if not load and code == 0:
-                cause = None
-            elif not load:
-                cause = f"save_{code_name(code).lower()}"
-            elif code == OBJECT_NOT_FOUND:
+            if code == OBJECT_NOT_FOUND:
                 cause = "load_evicted"
             elif code >= 0 and code != total:
                 cause = f"load_{size_verdict(code, want)}"  # short, or another trailer format
             elif code < 0:
                 cause = f"load_{code_name(code).lower()}"
-            elif (bad := arena.verdict(j, checksum_parts(keys[j], addrs[j], sizes[j], self._mac))) is not None:
-                cause = f"load_{bad}"  # corrupt_object, unauthenticated_object, or format_mismatch
-                if must_remove(bad):  # wrong for every reader: not offered again
-                    self._remove_refused(keys[j])
             else:
-                cause = None
+                bad = run.verdicts[j]
+                if bad == _UNCHECKED:  # the last sub-batch (exposed: ramped small), or one left
+                    # unchecked because the load stopped at a refused object after it
+                    i = run.span_of(j)
+                    bad = self._verdict(run, j, run.arenas[i][0], run.spans[i][0])
+                cause = None if bad is None else f"load_{bad}"  # corrupt, unauthenticated, format_mismatch
+                if must_remove(bad):  # wrong for every reader: not offered again
+                    self._remove_refused(run.keys[j])
             if cause is None:
                 moved += 1
                 moved_bytes += want
                 continue
             all_ok = False
-            self._fail(cause, f"{keys[j]}: code {code}, expected {total if load else 0}", load=load)
-            if load:
-                break  # the request recomputes; its other objects need no checking
-        kind = "loaded" if load else "saved"
-        self._stat(f"{kind}_blocks", moved)
-        self._stat(f"{kind}_bytes", moved_bytes)
-        self._stat("load_seconds" if load else "save_seconds", dt)
-        with self._lock:
-            self._stats.add_latency("load" if load else "save", dt)
-        return all_ok, False, done
+            self._fail(cause, f"{run.keys[j]}: code {code}, expected {total}", load=True)
+            break  # the request recomputes; its other objects need no checking
+        self._stat("loaded_blocks", moved)
+        self._stat("loaded_bytes", moved_bytes)
+        return all_ok and fetched == len(run.keys), run.pending
+
 
     def _remove_refused(self, key: str) -> None:
         """Remove an object that failed verification (force: our own get just renewed its lease)."""

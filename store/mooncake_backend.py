@@ -391,15 +391,36 @@ class MooncakeBackend:
         if left > 0:
             raise StoreError(op, MASTER_UNREACHABLE, f"{self.master_address}; next probe in {left:.2f}s")
 
-    def _bounded(self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT) -> T:
+    def _bounded(
+        self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
+        while_waiting: Callable[[], None] | None = None,
+    ) -> T:
+        """``fn(*args)`` on a pool thread, waited for at most ``timeout``.
+
+        ``while_waiting`` runs on the calling thread while the call is in flight (the
+        binding releases the GIL, so both proceed at once): the data path hashes the
+        next sub-batch there. Its time counts against the bound. If it raises, the call
+        is still waited for (bounded as ever) and the exception re-raised only once the
+        call has returned; an abandoned call raises CALL_TIMEOUT with ``pending`` as usual.
+        """
         wait = self.timeout_s if timeout is _DEFAULT else timeout
         if wait is not None and wait <= 0:
             wait = None
         if wait is None or self._pool is None:
-            return fn(*args)
+            out = fn(*args)
+            if while_waiting is not None:
+                while_waiting()
+            return out
+        t0 = time.monotonic()
         fut = self._pool.submit(fn, *args)
+        side_error: BaseException | None = None
+        if while_waiting is not None:
+            try:
+                while_waiting()
+            except Exception as e:  # noqa: BLE001 - re-raised once the call cannot touch buffers
+                side_error = e
         try:
-            return fut.result(timeout=wait)
+            out = fut.result(timeout=max(0.0, wait - (time.monotonic() - t0)))
         except FutureTimeout:
             meta = op not in _DATA_OPS
             with self._lock:
@@ -409,16 +430,22 @@ class MooncakeBackend:
             fut.add_done_callback(lambda _f: self._unstuck(meta))
             err = StoreError(op, CALL_TIMEOUT, f"no answer from {self.master_address} within {wait:.2f}s")
             err.pending = fut
-            raise err from None
+            raise err from side_error
+        if side_error is not None:
+            raise side_error
+        return out
 
     def _unstuck(self, meta: bool) -> None:
         with self._lock:
             self._stuck -= 1
             self._stuck_meta -= meta
 
-    def _call(self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT) -> T:
+    def _call(
+        self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
+        while_waiting: Callable[[], None] | None = None,
+    ) -> T:
         self._admit(op)
-        return self._bounded(op, fn, *args, timeout=timeout)
+        return self._bounded(op, fn, *args, timeout=timeout, while_waiting=while_waiting)
 
     def _note_codes(self, codes: Sequence[int]) -> None:
         if any(c in _UNREACHABLE_CODES for c in codes):
@@ -543,17 +570,20 @@ class MooncakeBackend:
         addrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
         timeout_s: Any = _DEFAULT,
+        while_waiting: Callable[[], None] | None = None,
     ) -> list[int]:
         """Like ``put_from`` but each object is the concatenation of several regions.
 
         A KV block of a group lives in one region per layer; gathering them in
-        C++ avoids a staging copy per block.
+        C++ avoids a staging copy per block. ``while_waiting``: work for the calling
+        thread while the call runs (see ``_bounded``); not run if the call is refused.
         """
         keys, addrs, sizes = self._check_parts("put_from_parts", keys, addrs, sizes)
         if not keys:
             return []
         codes = self._call(
-            "put_from_parts", self._store.batch_put_from_multi_buffers, keys, addrs, sizes, timeout=timeout_s
+            "put_from_parts", self._store.batch_put_from_multi_buffers, keys, addrs, sizes, timeout=timeout_s,
+            while_waiting=while_waiting,
         )
         self._note_codes(codes)
         return list(codes)
@@ -564,13 +594,16 @@ class MooncakeBackend:
         addrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
         timeout_s: Any = _DEFAULT,
+        while_waiting: Callable[[], None] | None = None,
     ) -> list[int]:
-        """Per key total bytes read into its regions (in order) or a negative code."""
+        """Per key total bytes read into its regions (in order) or a negative code.
+        ``while_waiting`` as for ``put_from_parts``."""
         keys, addrs, sizes = self._check_parts("get_into_parts", keys, addrs, sizes)
         if not keys:
             return []
         codes = self._call(
-            "get_into_parts", self._store.batch_get_into_multi_buffers, keys, addrs, sizes, timeout=timeout_s
+            "get_into_parts", self._store.batch_get_into_multi_buffers, keys, addrs, sizes, timeout=timeout_s,
+            while_waiting=while_waiting,
         )
         self._note_codes(codes)
         return list(codes)
