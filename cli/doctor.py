@@ -617,6 +617,11 @@ def pd_groups_check(use: ConnectorUse, vllm_config: Any, kv_cache_config: Any) -
             HybridPDConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
         except Exception as e:  # noqa: BLE001 - ConfigError and whatever else stops the engine
             return Check(name, FAIL, f"HybridPDConnector refuses this engine: {e}", "see the message")
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if not kv_cache_config.kv_cache_groups:
+        return Check(name, OK, f"accepts tensor_parallel_size {tp} (groups not built here): each decode rank "
+                     "reads its prefill rank when both run the same --tensor-parallel-size; across sizes only "
+                     "attention KV heads are re-sliced (a model with Mamba/linear-attention groups recomputes)")
     moves = []
     for gid, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec

@@ -81,6 +81,20 @@ class PDConnectorConfig:
         return cls(**extra)
 
 
+def check_parallel_supported(parallel: Any) -> None:
+    """Refuse at startup what P/D cannot pair: pipeline or context parallelism (each rank's
+    blocks would hold other layers or other tokens). Any --tensor-parallel-size works; a
+    decode instance reads prefill instances of another TP size when the model's KV heads
+    re-slice (pd_tp), else that request recomputes, saying why."""
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size != 1:
+            raise ConfigError(
+                f"HybridPDConnector supports tensor parallelism only in this version: {name}={size}; "
+                f"start vLLM with --{name.replace('_', '-')} 1 (any --tensor-parallel-size works)"
+            )
+
+
 def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
     return tuple(
         gid
@@ -99,11 +113,10 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = self._kv_transfer_config
         self._cfg = PDConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise ConfigError(
-                "HybridPDConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 in this "
-                f"version (got tp={parallel.tensor_parallel_size}, pp={parallel.pipeline_parallel_size})"
-            )
+        check_parallel_supported(parallel)
+        tp_size = int(parallel.tensor_parallel_size)
+        model_config = vllm_config.model_config  # None in configs built without a model (tests)
+        total_kv_heads = int(model_config.get_total_num_kv_heads()) if model_config is not None else 0
         engine_id = str(ktc.engine_id)
         mamba = _mamba_group_ids(kv_cache_config)
         key = load_key(self._cfg.auth_secret_file, self._cfg.allow_unauthenticated)
@@ -120,14 +133,20 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
                 group_block_sizes=tuple(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups),
                 num_blocks=kv_cache_config.num_blocks, key=key,
                 fail_on_refusal=ktc.kv_load_failure_policy == "fail",
+                tp_size=tp_size, total_kv_heads=total_kv_heads,
             )
         else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = int(get_tensor_model_parallel_rank()) if tp_size > 1 else 0
+            # A configured port is rank 0's; rank r serves port + r (each worker its own service).
+            port = self._cfg.handshake_port + rank if self._cfg.handshake_port else 0
             with unpinned():  # its read thread must not share the engine's pinned core
                 self._worker = PDWorker(
-                    PDWorkerSettings(engine_id, 0, 1, self._cfg.handshake_host, self._cfg.handshake_port,
+                    PDWorkerSettings(engine_id, rank, tp_size, self._cfg.handshake_host, port,
                                      self._cfg.handshake_timeout_s, self._cfg.read_timeout_s,
                                      serve_handshake=ktc.is_kv_producer, key=key,
-                                     kv_identity=kv_identity(vllm_config)),
+                                     kv_identity=kv_identity(vllm_config), total_kv_heads=total_kv_heads),
                     kv_cache_config,
                 )
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout
 from hybridkv.connector.pd_auth import PURPOSE_RPC_ANSWER, PURPOSE_RPC_REQUEST, DeploymentKey
+from hybridkv.connector.pd_tp import MAX_TP, head_outermost, ratio_problem
 from hybridkv.connector.pd_transport import HOST, MemorySpace
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,11 @@ logger = logging.getLogger(__name__)
 #    block formats (kernel-block split and VLLM_KV_CACHE_LAYOUT), refused on mismatch.
 # 5: the layout carries ``kv_identity`` (store.keys.kv_identity: model, revision,
 #    quantization, kv-cache dtype as named, rope, ...), each differing key refused.
-HANDSHAKE_VERSION = 5
+# 6: tensor parallelism across sizes: each group's per-rank KV heads, kernel rows and
+#    kv_cache_layout, the model's total KV heads; the request names the prefill rank it
+#    wants (``prefill_rank``); ClaimLease / ReleaseBlocks carry the reader (decode rank)
+#    and how many decode ranks read this prefill rank.
+HANDSHAKE_VERSION = 6
 
 SERVICE = "hybridkv.pd.Handshake"
 METHOD = "GetAgentInfo"
@@ -124,6 +129,11 @@ class GroupDescriptor:
     mem_type: str = HOST.kind
     dev: int = HOST.dev
     block_formats: tuple[str, ...] = ()
+    # TP across sizes (pd_tp): this rank's KV heads (0: not attention), kernel rows per
+    # layer view, and vLLM's resolved kv_cache_layout name.
+    kv_heads: int = 0
+    kernel_rows: tuple[int, ...] = ()
+    kv_cache_layout: str = ""
 
     @property
     def memory_space(self) -> MemorySpace:
@@ -162,6 +172,9 @@ class LayoutDescriptor:
     # config fields outside the geometry that change the KV bytes or their meaning (two fp8
     # variants have equal block bytes; another revision has equal shapes).
     kv_identity: tuple[tuple[str, str], ...] = ()
+    # The model's KV heads per attention layer over all ranks (0: unknown); with the
+    # per-rank kv_heads it tells a head split from vLLM's replication of too few heads.
+    total_kv_heads: int = 0
 
     @classmethod
     def from_kv(
@@ -171,11 +184,14 @@ class LayoutDescriptor:
         tp_size: int,
         spaces: Sequence[MemorySpace | None] | None = None,
         kv_identity: Mapping[str, str] | None = None,
+        kv_heads: Sequence[int] | None = None,
+        total_kv_heads: int = 0,
     ) -> "LayoutDescriptor":
         """Combine the worker's addresses (``KVLayout``) with the spec facts of
         ``block_layout.layout_rows(kv_cache_config)``; ``spaces`` is each group's
         memory space (``PDTransport.group_spaces``; None: host memory);
-        ``kv_identity`` is ``store.keys.kv_identity(vllm_config)``."""
+        ``kv_identity`` is ``store.keys.kv_identity(vllm_config)``; ``kv_heads`` each
+        group's KV heads on this rank (0 for state groups), ``total_kv_heads`` the model's."""
         if len(rows) != len(layout.groups):
             raise ValueError(f"{len(rows)} layout rows for {len(layout.groups)} groups")
         if spaces is not None and len(spaces) != len(layout.groups):
@@ -199,9 +215,13 @@ class LayoutDescriptor:
                     mem_type=space.kind,
                     dev=space.dev,
                     block_formats=tuple(str(f) for f in g.block_formats),
+                    kv_heads=int(kv_heads[gi]) if kv_heads is not None else 0,
+                    kernel_rows=tuple(int(k) for k in g.kernel_rows),
+                    kv_cache_layout=str(row.get("kv_cache_layout") or ""),
                 )
             )
-        return cls(tp_size=tp_size, groups=tuple(groups), kv_identity=_identity_pairs(kv_identity or {}))
+        return cls(tp_size=tp_size, groups=tuple(groups), kv_identity=_identity_pairs(kv_identity or {}),
+                   total_kv_heads=int(total_kv_heads))
 
     def identity(self) -> dict[str, str]:
         return dict(self.kv_identity)
@@ -239,10 +259,14 @@ class LayoutDescriptor:
                     "mem_type": g.mem_type,
                     "dev": g.dev,
                     "block_formats": list(g.block_formats),
+                    "kv_heads": g.kv_heads,
+                    "kernel_rows": list(g.kernel_rows),
+                    "kv_cache_layout": g.kv_cache_layout,
                 }
                 for g in self.groups
             ],
             "kv_identity": dict(self.kv_identity),
+            "total_kv_heads": self.total_kv_heads,
         }
 
     @classmethod
@@ -265,6 +289,9 @@ class LayoutDescriptor:
                 mem_type=str(g.get("mem_type", HOST.kind)),
                 dev=int(g.get("dev", HOST.dev)),
                 block_formats=tuple(str(f) for f in g.get("block_formats", ())),
+                kv_heads=int(g.get("kv_heads", 0)),
+                kernel_rows=tuple(int(k) for k in g.get("kernel_rows", ())),
+                kv_cache_layout=str(g.get("kv_cache_layout", "")),
             )
             if int(g.get("num_layers", d.num_layers)) != d.num_layers:
                 raise ValueError(
@@ -278,7 +305,7 @@ class LayoutDescriptor:
                 "same hybridkv version on both instances"
             )
         return cls(tp_size=int(obj["tp_size"]), groups=tuple(groups),
-                   kv_identity=_identity_pairs(obj["kv_identity"]))
+                   kv_identity=_identity_pairs(obj["kv_identity"]), total_kv_heads=int(obj.get("total_kv_heads", 0)))
 
 
 def _identity_pairs(identity: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -332,15 +359,21 @@ class AgentInfoRequest:
     server refuse too."""
 
     engine_id: str
-    tp_rank: int
+    tp_rank: int  # the decode rank asking
     expected: LayoutDescriptor | None
     version: int = HANDSHAKE_VERSION
+    prefill_rank: int | None = None  # the prefill rank it wants (None: its own rank)
+
+    @property
+    def wanted_rank(self) -> int:
+        return self.tp_rank if self.prefill_rank is None else self.prefill_rank
 
     def to_json(self) -> dict[str, Any]:
         return {
             "version": self.version,
             "engine_id": self.engine_id,
             "tp_rank": self.tp_rank,
+            "prefill_rank": self.wanted_rank,
             "expected_layout": None if self.expected is None else self.expected.to_json(),
         }
 
@@ -352,6 +385,7 @@ class AgentInfoRequest:
             engine_id=str(obj["engine_id"]),
             tp_rank=int(obj["tp_rank"]),
             expected=None if exp is None else LayoutDescriptor.from_json(exp),
+            prefill_rank=int(obj.get("prefill_rank", obj["tp_rank"])),
         )
 
 
@@ -409,17 +443,18 @@ def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list
     The single compatibility rule of P/D; both the client and the server call it.
     """
     out: list[Mismatch] = identity_mismatches(prefill, decode)
-    if prefill.tp_size != decode.tp_size:
-        out.append(
-            Mismatch(
-                "",
-                "tp_size",
-                prefill.tp_size,
-                decode.tp_size,
-                "start both instances with the same --tensor-parallel-size "
-                "(hybridkv P/D reads rank r from rank r)",
-            )
-        )
+    hetero = prefill.tp_size != decode.tp_size
+    if hetero:
+        problem = ratio_problem(prefill.tp_size, decode.tp_size)
+        if problem:
+            out.append(Mismatch("", "tp_size", prefill.tp_size, decode.tp_size, problem))
+            return out
+        if prefill.total_kv_heads != decode.total_kv_heads or prefill.total_kv_heads < max(
+            prefill.tp_size, decode.tp_size
+        ):
+            out.append(Mismatch("", "total_kv_heads", prefill.total_kv_heads, decode.total_kv_heads,
+                                "heads re-sliced between TP sizes need the same model with at least as many "
+                                "KV heads as ranks on each side; else use the same --tensor-parallel-size"))
     if len(prefill.groups) != len(decode.groups):
         out.append(Mismatch("", "num_groups", len(prefill.groups), len(decode.groups), _SAME_MODEL))
         return out
@@ -474,6 +509,9 @@ def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list
                     "start both instances with the same --dtype / --kv-cache-dtype",
                 )
             )
+        if hetero:
+            out.extend(_heterogeneous_group_mismatches(g, p, d, prefill, decode))
+            continue
         if p.block_formats != d.block_formats:
             out.append(
                 Mismatch(
@@ -500,6 +538,43 @@ def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list
     return out
 
 
+def _heterogeneous_group_mismatches(
+    g: str, p: GroupDescriptor, d: GroupDescriptor, prefill: LayoutDescriptor, decode: LayoutDescriptor
+) -> list[Mismatch]:
+    """What stops decode assembling its blocks of one group from head ranges of prefill's
+    (prefill and decode at different TP sizes; see pd_tp)."""
+    same_tp = "start both instances with the same --tensor-parallel-size"
+    if "Mamba" in p.spec:
+        return [Mismatch(g, "tp_size", prefill.tp_size, decode.tp_size,
+                         f"{p.spec} state is not re-sliced between TP sizes (only attention KV heads are); "
+                         f"{same_tp} for this model")]
+    if p.kv_heads < 1 or d.kv_heads < 1:
+        return [Mismatch(g, "kv_heads", p.kv_heads, d.kv_heads,
+                         f"a side did not say how many KV heads its {p.spec} blocks hold; {same_tp}")]
+    out = []
+    total = prefill.total_kv_heads
+    if p.kv_heads * prefill.tp_size != total or d.kv_heads * decode.tp_size != total:
+        out.append(Mismatch(g, "kv_heads", p.kv_heads, d.kv_heads,
+                            f"per-rank KV heads x TP size must be the model's {total} heads on both sides "
+                            f"(vLLM replicates heads when there are fewer than ranks); {same_tp}"))
+    for side, layout_name in (("prefill", p.kv_cache_layout), ("decode", d.kv_cache_layout)):
+        if not head_outermost(layout_name):
+            out.append(Mismatch(g, "kv_cache_layout", p.kv_cache_layout, d.kv_cache_layout,
+                                f"the {side} side's layout {layout_name or '<unknown>'} is not head-outermost within a "
+                                f"block; use LBHNC (VLLM_KV_CACHE_LAYOUT unset) on both, or {same_tp}"))
+            break
+    if p.kernel_rows != d.kernel_rows:
+        out.append(Mismatch(g, "kernel_rows", list(p.kernel_rows), list(d.kernel_rows),
+                            "run the same attention backend / kernel block size on both instances"))
+    for layer, (a, b) in enumerate(zip(p.block_bytes, d.block_bytes)):
+        if a * d.kv_heads != b * p.kv_heads:
+            out.append(Mismatch(f"{g} layer {layer}", "block_bytes", a, b,
+                                f"block bytes must be proportional to the KV heads ({p.kv_heads} vs {d.kv_heads}): "
+                                "same model, --kv-cache-dtype and --block-size"))
+            break
+    return out
+
+
 def _refusal(peer: str, problems: Sequence[Mismatch]) -> str:
     return f"P/D handshake with {peer} refused: " + "; ".join(str(m) for m in problems)
 
@@ -519,12 +594,15 @@ class HandshakeServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_workers: int = 2,
-        on_release: Callable[[list[str]], None] | None = None,
-        on_claim: Callable[[str, str], float] | None = None,
+        on_release: Callable[[list[str], int, int], None] | None = None,
+        on_claim: Callable[[str, str, int, int], float] | None = None,
         key: DeploymentKey | None = None,
     ):
-        """``on_claim(request_id, lease_id)`` returns the seconds the blocks are still held
-        or raises :class:`LeaseRefused`; ``key`` None: an unauthenticated deployment."""
+        """``on_claim(request_id, lease_id, reader, readers)`` returns the seconds the blocks
+        are still held or raises :class:`LeaseRefused`; ``on_release(request_ids, reader,
+        readers)``: ``reader`` is the calling decode rank, ``readers`` how many decode
+        ranks read this prefill rank (decode TP > prefill TP: more than one). ``key``
+        None: an unauthenticated deployment."""
         self._info = info
         self._on_release = on_release
         self._on_claim = on_claim
@@ -607,10 +685,10 @@ class HandshakeServer:
             req = AgentInfoRequest.from_json(obj)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GetAgentInfo request: {e!r}")
-        if req.tp_rank != self._info.tp_rank:
+        if req.wanted_rank != self._info.tp_rank:
             self._refuse(
                 context,
-                f"P/D handshake with {peer} refused: it asked for tp_rank {req.tp_rank} but this is "
+                f"P/D handshake with {peer} refused: it asked for prefill rank {req.wanted_rank} but this is "
                 f"prefill engine {self._info.engine_id!r} rank {self._info.tp_rank}: check the "
                 "handshake address used for that rank",
             )
@@ -625,13 +703,15 @@ class HandshakeServer:
         now instead of at lease expiry. Over gRPC, not a NIXL notification: polling NIXL for
         notifications on every engine step stalled incoming READs until the lease expired."""
         try:
-            ids = json.loads(body)["request_ids"]
+            obj = json.loads(body)
+            ids = obj["request_ids"]
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
                 raise TypeError("request_ids must be a list of strings")
+            reader, readers = _reader_fields(obj)
         except (ValueError, KeyError, TypeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ReleaseBlocks request: {e!r}")
         if self._on_release is not None:
-            self._on_release(ids)
+            self._on_release(ids, reader, readers)
         return b"{}"
 
     def _claim_lease(self, body: bytes, context: grpc.ServicerContext) -> bytes:
@@ -642,12 +722,13 @@ class HandshakeServer:
             rid, lid = obj["request_id"], obj["lease_id"]
             if not isinstance(rid, str) or not isinstance(lid, str):
                 raise TypeError("request_id and lease_id must be strings")
+            reader, readers = _reader_fields(obj)
         except (ValueError, KeyError, TypeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ClaimLease request: {e!r}")
         if self._on_claim is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this instance holds no leases")
         try:
-            remaining = self._on_claim(rid, lid)
+            remaining = self._on_claim(rid, lid, reader, readers)
         except LeaseRefused as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return json.dumps({"request_id": rid, "remaining_s": remaining}).encode()
@@ -657,6 +738,15 @@ class HandshakeServer:
         """Log on the prefill side (the operator looks there too) and answer FAILED_PRECONDITION."""
         logger.warning("%s", message)
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def _reader_fields(obj: dict[str, Any]) -> tuple[int, int]:
+    """(reader, readers) of a claim or release (absent: one reader, rank 0)."""
+    reader, readers = obj.get("reader", 0), obj.get("readers", 1)
+    for name, v, lo in (("reader", reader, 0), ("readers", readers, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_TP:
+            raise TypeError(f"{name} must be an integer in [{lo}, {MAX_TP}]")
+    return reader, readers
 
 
 # --------------------------------------------------------------------------- client
@@ -681,16 +771,18 @@ def _call(address: str, method: str, obj: dict[str, Any], timeout_s: float, key:
 
 
 def release_blocks(address: str, request_ids: Sequence[str], timeout_s: float,
-                   key: DeploymentKey | None = None) -> None:
-    """Tell the prefill worker at ``address`` it may free these requests' blocks now."""
+                   key: DeploymentKey | None = None, reader: int = 0, readers: int = 1) -> None:
+    """Tell the prefill worker at ``address`` it may free these requests' blocks now
+    (once all ``readers`` decode ranks that read it said so; ``reader``: this one)."""
     try:
-        _call(address, RELEASE_METHOD, {"request_ids": list(request_ids)}, timeout_s, key)
+        _call(address, RELEASE_METHOD, {"request_ids": list(request_ids), "reader": reader, "readers": readers},
+              timeout_s, key)
     except grpc.RpcError as e:
         raise HandshakeError(f"P/D release on {address} failed: {e.code().name}: {e.details()}") from None
 
 
 def claim_lease(address: str, request_id: str, lease_id: str, timeout_s: float,
-                key: DeploymentKey | None = None) -> float:
+                key: DeploymentKey | None = None, reader: int = 0, readers: int = 1) -> float:
     """Claim the prefill side's lease on ``request_id``'s blocks once a READ of them ended.
 
     Success proves the blocks were held (not expired, released or claimed by another
@@ -699,7 +791,8 @@ def claim_lease(address: str, request_id: str, lease_id: str, timeout_s: float,
     or :class:`HandshakeError`.
     """
     try:
-        raw = _call(address, CLAIM_METHOD, {"request_id": request_id, "lease_id": lease_id}, timeout_s, key)
+        raw = _call(address, CLAIM_METHOD, {"request_id": request_id, "lease_id": lease_id, "reader": reader,
+                                            "readers": readers}, timeout_s, key)
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
             raise LeaseRefused(f"{e.details()} (prefill worker at {address})") from None
@@ -760,6 +853,7 @@ def check_agent_info(
     tp_rank: int,
     prefill_engine_id: str | None = None,
 ) -> None:
+    """``tp_rank``: the prefill rank this worker asked for."""
     """Decode side: refuse an answer this worker cannot READ from (raises :class:`HandshakeError`)."""
     peer = f"prefill engine {info.engine_id!r} rank {info.tp_rank} at {address}"
     v = version_mismatch(info.version, HANDSHAKE_VERSION)
@@ -773,7 +867,7 @@ def check_agent_info(
         )
     if info.tp_rank != tp_rank:
         raise HandshakeError(
-            f"P/D handshake with {peer}: decode rank {tp_rank} reached prefill rank "
+            f"P/D handshake with {peer}: asked for prefill rank {tp_rank} but reached prefill rank "
             f"{info.tp_rank}; check the handshake address used for that rank"
         )
     problems = find_mismatches(info.layout, local)
@@ -790,6 +884,7 @@ def fetch_agent_info(
     timeout_s: float = 5.0,
     prefill_engine_id: str | None = None,
     key: DeploymentKey | None = None,
+    prefill_rank: int | None = None,
 ) -> AgentInfo:
     """Decode side: ask ``address`` for its agent and layout, and refuse any incompatibility.
 
@@ -798,13 +893,15 @@ def fetch_agent_info(
     answering engine. Raises :class:`HandshakeError` naming the field, both
     values and the fix, or the address and what to check when there is no answer.
     """
+    wanted = tp_rank if prefill_rank is None else prefill_rank
     info = request_agent_info(
         address,
-        AgentInfoRequest(engine_id=engine_id, tp_rank=tp_rank, expected=local.without_addresses()),
+        AgentInfoRequest(engine_id=engine_id, tp_rank=tp_rank, expected=local.without_addresses(),
+                         prefill_rank=wanted),
         timeout_s,
         key,
     )
-    check_agent_info(info, local, address=address, tp_rank=tp_rank, prefill_engine_id=prefill_engine_id)
+    check_agent_info(info, local, address=address, tp_rank=wanted, prefill_engine_id=prefill_engine_id)
     return info
 
 

@@ -35,6 +35,13 @@ class ReadJob:
     # The prefill side's lease on these blocks, claimed (once) when the READ has ended:
     # the bytes count only if the claim is granted.
     lease_id: str = ""
+    # Each prefill rank's handshake port (on remote_host), rank order; its length is the
+    # prefill instance's tensor_parallel_size. Empty: [remote_port] (one rank).
+    remote_ports: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.remote_ports:
+            self.remote_ports = [self.remote_port]
 
 
 @dataclass

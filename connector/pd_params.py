@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.connector.pd_auth import PURPOSE_PARAMS, DeploymentKey
+from hybridkv.connector.pd_tp import MAX_TP, heterogeneous_tp_problem
 
 MAX_ENGINE_ID_CHARS = 256
 MAX_REQUEST_ID_CHARS = 1024
@@ -43,6 +44,11 @@ class LocalLayout:
     group_block_sizes: tuple[int, ...]
     num_blocks: int
     hash_block_size: int
+    # Tensor parallelism: this instance's size, its Mamba groups and the model's KV heads
+    # decide which prefill TP sizes it can read from (pd_tp.heterogeneous_tp_problem).
+    tp_size: int = 1
+    mamba_group_ids: tuple[int, ...] = ()
+    total_kv_heads: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,12 +87,17 @@ class RemotePrefill:
     block_ids: tuple[tuple[int, ...], ...]  # per group, by block position; 0 = null
     num_tokens: int
     lease_id: str
+    ports: tuple[int, ...] = ()  # each prefill rank's handshake port on ``host`` (rank order)
+
+    @property
+    def rank_ports(self) -> tuple[int, ...]:
+        return self.ports or (self.port,)
 
     def signed_fields(self, covered_hashes: Sequence[bytes]) -> list[Any]:
         """What the prefill side's MAC covers: every field decode acts on, and the
         prompt block hashes the KV belongs to (so it cannot be replayed for another prompt)."""
         return [self.engine_id, self.request_id, self.host, self.port, [list(g) for g in self.block_ids],
-                self.num_tokens, self.lease_id, [bytes(h).hex() for h in covered_hashes]]
+                self.num_tokens, self.lease_id, [bytes(h).hex() for h in covered_hashes], list(self.rank_ports)]
 
 
 ParsedParams = RemoteDecode | RemotePrefill | Refused | None
@@ -112,6 +123,7 @@ def issue_remote_prefill(
         "remote_block_ids": [list(g) for g in p.block_ids],
         "remote_num_tokens": p.num_tokens,
         "remote_lease_id": p.lease_id,
+        "remote_ports": list(p.rank_ports),
     }
     if key is not None:
         hashes = covered_hashes(block_hashes, p.num_tokens, hash_block_size)
@@ -186,6 +198,27 @@ def _block_ids(raw: dict, prompt: PromptView, local: LocalLayout) -> tuple[tuple
     return tuple(out)
 
 
+def _ports(raw: dict, port: int | Refused, local: LocalLayout) -> tuple[int, ...] | Refused:
+    """``remote_ports``: one handshake port per prefill rank; absent means one rank."""
+    name = "remote_ports"
+    if isinstance(port, Refused):
+        return port
+    ports = raw.get(name, [port])
+    if not isinstance(ports, list) or not 1 <= len(ports) <= MAX_TP:
+        return Refused(name, f"is {_short(ports)}, not a list of 1 to {MAX_TP} ports (one per prefill rank)",
+                       _SAME_PARAMS)
+    for v in ports:
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65535:
+            return Refused(name, f"holds {_short(v)}, not a TCP port", _SAME_PARAMS)
+    if ports[0] != port:
+        return Refused(name, f"starts with {ports[0]} but remote_port is {port} (rank 0's port)", _SAME_PARAMS)
+    problem = heterogeneous_tp_problem(len(ports), local.tp_size, local.mamba_group_ids, local.total_kv_heads)
+    if problem:
+        return Refused(name, f"lists {len(ports)} prefill ranks: {problem}",
+                       "pair instances whose --tensor-parallel-size this model can be re-sliced between")
+    return tuple(ports)
+
+
 def parse_kv_transfer_params(
     raw: object, prompt: PromptView, local: LocalLayout, key: DeploymentKey | None
 ) -> ParsedParams:
@@ -227,6 +260,7 @@ def parse_kv_transfer_params(
         "lease_id": _str(raw, "remote_lease_id", LEASE_ID_HEX_CHARS, _HEX, exact=LEASE_ID_HEX_CHARS),
         "block_ids": _block_ids(raw, prompt, local),
     }
+    fields["ports"] = _ports(raw, fields["port"], local)
     for v in fields.values():
         if isinstance(v, Refused):
             return v

@@ -82,7 +82,7 @@ class PDScheduler:
         self, engine_id: str, has_recurrent_state: bool, lease_s: float, mamba_group_ids: tuple[int, ...],
         align_tokens: int, *, can_prefill: bool = True, can_decode: bool = True,
         group_block_sizes: tuple[int, ...] = (), num_blocks: int = 0, key: DeploymentKey | None = None,
-        fail_on_refusal: bool = False,
+        fail_on_refusal: bool = False, tp_size: int = 1, total_kv_heads: int = 0,
     ) -> None:
         self._engine_id = engine_id
         self._recurrent = has_recurrent_state
@@ -95,7 +95,10 @@ class PDScheduler:
         # kv_load_failure_policy=fail: a refused set fails its request (through a refused
         # load) instead of recomputing silently.
         self._fail_on_refusal = fail_on_refusal
+        self._tp_size, self._total_kv_heads = tp_size, total_kv_heads
         self._handshake: PDHandshakeMetadata | None = None
+        self._rank_ports: tuple[int, ...] = ()  # every worker's handshake port, rank order
+        self._released_counts: dict[str, int] = {}  # decode: ranks whose READ target is free
         self._reads: list[ReadJob] = []
         self._leases: list[Lease] = []
         self._block_pool: Any = None
@@ -110,7 +113,9 @@ class PDScheduler:
     # ------------------------------------------------------------- parameters
     def local_layout(self) -> LocalLayout:
         hash_bs = getattr(self._block_pool, "hash_block_size", None) or self._align
-        return LocalLayout(self._can_prefill, self._can_decode, self._group_block_sizes, self._num_blocks, hash_bs)
+        return LocalLayout(self._can_prefill, self._can_decode, self._group_block_sizes, self._num_blocks, hash_bs,
+                           tp_size=self._tp_size, mamba_group_ids=tuple(sorted(self._mamba)),
+                           total_kv_heads=self._total_kv_heads)
 
     def params(self, request: "Request") -> ParsedParams:
         """The request's validated ``kv_transfer_params`` (parsed on first use, then cached)."""
@@ -135,9 +140,20 @@ class PDScheduler:
 
     # ------------------------------------------------------------- handshake
     def set_handshake(self, metadata: dict[int, Any]) -> None:
-        rank0 = metadata.get(0)
-        if isinstance(rank0, PDHandshakeMetadata):
-            self._handshake = rank0
+        """Every worker's handshake address (vLLM collects one per rank). The decode side
+        is told each rank's port; a prefill instance whose ranks are not all known, or
+        not on one host, hands nothing over (decode would miss a rank's heads)."""
+        ranks = {r: m for r, m in metadata.items() if isinstance(m, PDHandshakeMetadata)}
+        if not ranks:
+            return
+        hosts = {m.host for m in ranks.values()}
+        if sorted(ranks) != list(range(self._tp_size)) or len(hosts) != 1:
+            logger.error("hybridkv P/D: handshake addresses for ranks %s on hosts %s, expected ranks 0..%d on one "
+                         "host; this prefill instance hands no KV over (decode recomputes)", sorted(ranks),
+                         sorted(hosts), self._tp_size - 1)
+            return
+        self._handshake = ranks[0]
+        self._rank_ports = tuple(ranks[r].port for r in range(self._tp_size))
 
     # --------------------------------------------------------------- prefill
     def on_new_request(self, request: "Request") -> None:
@@ -187,7 +203,7 @@ class PDScheduler:
             RemotePrefill(
                 engine_id=self._engine_id, request_id=request.request_id, host=self._handshake.host,
                 port=self._handshake.port, block_ids=tuple(tuple(g) for g in remote), num_tokens=num_tokens,
-                lease_id=lease.lease_id,
+                lease_id=lease.lease_id, ports=self._rank_ports,
             ),
             self._key, request.block_hashes, hash_bs,
         )
@@ -228,6 +244,7 @@ class PDScheduler:
             remote_block_ids=[],
             local_block_ids=[],
             lease_id=parsed.lease_id,
+            remote_ports=list(parsed.rank_ports),
         )
         if num_external_tokens == 0:
             # The local prefix cache covers it, or another connector was chosen (the store
@@ -261,7 +278,12 @@ class PDScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PDWorkerMetadata):
             return
-        for req_id in meta.released:
+        for req_id, count in meta.released.items():
+            # Every rank reads into the same local blocks: free them once every rank's READ settled.
+            done = self._released_counts.pop(req_id, 0) + count
+            if done < self._tp_size:
+                self._released_counts[req_id] = done
+                continue
             pinned = self._pins.pop(req_id, None)
             if pinned is not None:
                 self._block_pool.free_blocks(pinned)

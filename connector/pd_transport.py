@@ -204,6 +204,7 @@ def read_descriptors(
     local_block_ids: Sequence[Sequence[int]],
     local_devs: Sequence[int | None] | None = None,
     remote_devs: Sequence[int | None] | None = None,
+    slices: Sequence[Sequence[Sequence[tuple[int, int, int]]] | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Local and remote ``(addr, len, dev)`` rows, uint64 ``[N, 3]``, of one batched READ.
 
@@ -216,6 +217,11 @@ def read_descriptors(
     :meth:`GroupLayout.regions` on both sides. Raises ``ValueError`` for a
     request that would read wrong bytes (length or size mismatch, a group
     absent on one side, two rows writing the same local bytes).
+
+    ``slices[g]`` (prefill and decode at different TP sizes, ``pd_tp.head_slices``):
+    per region of group ``g``, the ``(local offset, remote offset, length)`` spans of a
+    block to move instead of the whole region; the regions' sizes then differ between
+    the sides, and every span must lie inside its region on both.
     """
     if not (len(local_groups) == len(remote_groups) == len(remote_block_ids) == len(local_block_ids)):
         raise ValueError(
@@ -239,17 +245,26 @@ def read_descriptors(
             raise ValueError(f"group {gid} has no layer on {side} but {len(r_ids)} blocks were asked for")
         if min(r_ids) < 0 or min(l_ids) < 0:
             raise ValueError(f"group {gid}: negative block id")
-        if not np.array_equal(lg.block_bytes, rg.block_bytes):
-            raise ValueError(
-                f"group {gid}: per-layer block bytes differ (local {lg.block_bytes.tolist()}, peer "
-                f"{rg.block_bytes.tolist()}); the handshake should have refused this peer"
-            )
+        group_slices = slices[gid] if slices is not None else None
         l_addr, _ = lg.regions(l_ids)
         r_addr, _ = rg.regions(r_ids)
-        local_parts.append(np.asarray(l_addr, dtype=np.uint64).reshape(-1))
-        remote_parts.append(np.asarray(r_addr, dtype=np.uint64).reshape(-1))
-        # regions() sizes are block_bytes per layer, block after block: same rows, no list trip
-        sizes.append(np.tile(lg.block_bytes.astype(np.uint64), len(l_ids)))
+        if group_slices is None:
+            if not np.array_equal(lg.block_bytes, rg.block_bytes):
+                raise ValueError(
+                    f"group {gid}: per-layer block bytes differ (local {lg.block_bytes.tolist()}, peer "
+                    f"{rg.block_bytes.tolist()}); the handshake should have refused this peer"
+                )
+            local_parts.append(np.asarray(l_addr, dtype=np.uint64).reshape(-1))
+            remote_parts.append(np.asarray(r_addr, dtype=np.uint64).reshape(-1))
+            # regions() sizes are block_bytes per layer, block after block: same rows, no list trip
+            sizes.append(np.tile(lg.block_bytes.astype(np.uint64), len(l_ids)))
+        else:
+            reg, lo, ro, n = _span_table(gid, group_slices, lg.block_bytes, rg.block_bytes)
+            la = np.asarray(l_addr, dtype=np.int64)[:, reg] + lo[None, :]
+            ra = np.asarray(r_addr, dtype=np.int64)[:, reg] + ro[None, :]
+            local_parts.append(la.reshape(-1).astype(np.uint64))
+            remote_parts.append(ra.reshape(-1).astype(np.uint64))
+            sizes.append(np.tile(n.astype(np.uint64), len(l_ids)))
         n = len(sizes[-1])
         l_devs.append(np.full(n, int((local_devs[gid] if local_devs else None) or 0), dtype=np.uint64))
         r_devs.append(np.full(n, int((remote_devs[gid] if remote_devs else None) or 0), dtype=np.uint64))
@@ -263,6 +278,24 @@ def read_descriptors(
         np.stack([local, size, np.concatenate(l_devs)], axis=1),
         np.stack([np.concatenate(remote_parts), size, np.concatenate(r_devs)], axis=1),
     )
+
+
+def _span_table(
+    gid: int, group_slices: Sequence[Sequence[tuple[int, int, int]]], local_bytes: np.ndarray,
+    remote_bytes: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Flatten one group's per-region spans into (region index, local offset, remote
+    offset, length) arrays; refuses a span outside its region on either side."""
+    if len(group_slices) != len(local_bytes) or len(group_slices) != len(remote_bytes):
+        raise ValueError(f"group {gid}: spans for {len(group_slices)} regions, local has {len(local_bytes)}, "
+                         f"peer {len(remote_bytes)}")
+    rows = [(i, int(lo), int(ro), int(n)) for i, spans in enumerate(group_slices) for lo, ro, n in spans]
+    for i, lo, ro, n in rows:
+        if n <= 0 or lo < 0 or ro < 0 or lo + n > int(local_bytes[i]) or ro + n > int(remote_bytes[i]):
+            raise ValueError(f"group {gid} region {i}: span ({lo}, {ro}, {n}) outside {int(local_bytes[i])} local / "
+                             f"{int(remote_bytes[i])} peer bytes")
+    t = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    return t[:, 0], t[:, 1], t[:, 2], t[:, 3]
 
 
 def _check_disjoint(addr: np.ndarray, size: np.ndarray) -> None:
@@ -402,6 +435,7 @@ class PDTransport:
         remote_block_ids: Sequence[Sequence[int]],
         local_block_ids: Sequence[Sequence[int]],
         notif: bytes = b"",
+        slices: Sequence[Sequence[Sequence[tuple[int, int, int]]] | None] | None = None,
     ) -> ReadHandle:
         """Post ONE READ of the given blocks of every group; ``notif`` reaches the peer when done.
 
@@ -409,6 +443,8 @@ class PDTransport:
         ``local_block_ids[g][k]`` (all layers of the group). Callers drop null
         blocks. With nothing to read the notification is sent on its own and
         the handle is already done. May block for the copy (see module doc).
+        ``slices``: per group, the head spans to move when the TP sizes differ
+        (see :func:`read_descriptors`).
         """
         if self._agent is None:
             raise TransferError(f"P/D transport {self.name!r} is shut down")
@@ -421,6 +457,7 @@ class PDTransport:
                 self.layout.groups, peer_groups, remote_block_ids, local_block_ids,
                 [None if s is None else s.dev for s in self.group_spaces],
                 [None if s is None else s.dev for s in peer_spaces],
+                slices,
             )
         except ValueError as e:
             raise TransferError(f"READ from {peer!r} refused: {e}") from e

@@ -33,13 +33,13 @@ import queue
 from collections import OrderedDict
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from hybridkv.connector.block_layout import KVLayout, layout_rows
+from hybridkv.connector.block_layout import KVLayout, layer_specs, layout_rows
 from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.pd_auth import DeploymentKey
 from hybridkv.connector.pd_handshake import (
@@ -53,7 +53,8 @@ from hybridkv.connector.pd_handshake import (
     release_blocks,
 )
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
-from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout, allocation_spaces
+from hybridkv.connector.pd_tp import RankRead, head_slices, rank_reads, readers_of, region_rows
+from hybridkv.connector.pd_transport import PDTransport, ReadHandle, TransferError, TransferTimeout, allocation_spaces
 
 # A claim can arrive before the prefill worker's next step hands it the lease (the
 # scheduler issued the params at finish): wait this long for it.
@@ -78,13 +79,17 @@ class PDWorkerSettings:
     # store.keys.kv_identity(vllm_config), compared with the peer's in the handshake; None:
     # the caller has no config (an empty identity is sent, so a configured peer refuses it).
     kv_identity: dict[str, str] | None = None
+    # The model's KV heads per attention layer over all ranks (ModelConfig.get_total_num_kv_heads):
+    # decides which head range of which prefill rank a decode rank reads when the TP sizes differ.
+    total_kv_heads: int = 0
 
 
 @dataclass
 class _Lease:
     lease_id: str
     expires: float  # time.monotonic() on this (prefill) host
-    claimed: bool = False
+    claimed_by: set[int] = field(default_factory=set)  # decode ranks whose claim was granted
+    released_by: set[int] = field(default_factory=set)  # decode ranks done with the blocks
 
 
 class PDWorker:
@@ -94,7 +99,7 @@ class PDWorker:
         self._transport: PDTransport | None = None
         self._server: HandshakeServer | None = None
         self._local: LayoutDescriptor | None = None
-        self._peers: dict[tuple[str, int], str] = {}
+        self._peers: dict[tuple[str, int], tuple[str, LayoutDescriptor]] = {}  # (host, port) -> NIXL name, layout
         self._lock = threading.Lock()
         self._lease_known = threading.Condition(self._lock)
         self._recv_done: set[str] = set()
@@ -123,9 +128,12 @@ class PDWorker:
             warn_once(logger, "pd-no-kv-identity",
                       "P/D worker has no kv_identity: the handshake cannot check model, revision, "
                       "quantization or --kv-cache-dtype against the peer")
+        kv_heads = [int(getattr(layer_specs(g)[0], "num_kv_heads", 0) or 0)
+                    for g in self._kv_cache_config.kv_cache_groups]
         self._local = LayoutDescriptor.from_kv(layout, layout_rows(self._kv_cache_config), self._s.tp_size,
                                                spaces=self._transport.group_spaces,
-                                               kv_identity=self._s.kv_identity)
+                                               kv_identity=self._s.kv_identity, kv_heads=kv_heads,
+                                               total_kv_heads=self._s.total_kv_heads)
         info = AgentInfo(
             engine_id=self._s.engine_id,
             tp_rank=self._s.tp_rank,
@@ -182,27 +190,53 @@ class PDWorker:
                 threading.Thread(target=self._drain, args=(job.req_id, straggler), daemon=True,
                                  name="hybridkv-pd-straggler").start()
 
-    def _send_release(self, job: ReadJob) -> None:
-        """Tell the prefill side it may free ``job``'s blocks (read done, or nothing to read).
+    def _plan(self, job: ReadJob) -> list[RankRead]:
+        """The prefill ranks (and head ranges) this decode rank reads for ``job``."""
+        return rank_reads(self._s.tp_rank, self._s.tp_size, len(job.remote_ports), self._s.total_kv_heads)
 
-        Over the gRPC side channel. Best effort: if the peer cannot be reached, its lease
+    def _address(self, job: ReadJob, prefill_rank: int) -> str:
+        return f"{job.remote_host}:{job.remote_ports[prefill_rank]}"
+
+    def _send_release(self, job: ReadJob, plan: list[RankRead] | None = None) -> None:
+        """Tell every prefill rank this rank reads that it may free ``job``'s blocks (read
+        done, or nothing to read).
+
+        Over the gRPC side channel. Best effort: if a peer cannot be reached, its lease
         expires on its own."""
         try:
-            release_blocks(f"{job.remote_host}:{job.remote_port}", [job.remote_req_id], self._s.handshake_timeout_s,
-                           self._s.key)
-        except Exception as e:  # noqa: BLE001 - runs on the read thread, which must survive
-            warn_once(logger, f"pd_release:{type(e).__name__}",
-                      "could not release %s on %s:%d (its lease expires instead): %s",
-                      job.remote_req_id, job.remote_host, job.remote_port, e)
+            plan = self._plan(job) if plan is None else plan
+        except ValueError as e:
+            warn_once(logger, "pd_release_plan", "cannot release %s: %s", job.remote_req_id, e)
+            return
+        prefill_tp = len(job.remote_ports)
+        for part in plan:
+            address = self._address(job, part.prefill_rank)
+            try:
+                release_blocks(address, [job.remote_req_id], self._s.handshake_timeout_s, self._s.key,
+                               reader=self._s.tp_rank,
+                               readers=readers_of(part.prefill_rank, self._s.tp_size, prefill_tp))
+            except Exception as e:  # noqa: BLE001 - runs on the read thread, which must survive
+                warn_once(logger, f"pd_release:{type(e).__name__}",
+                          "could not release %s on %s (its lease expires instead): %s",
+                          job.remote_req_id, address, e)
 
-    def _released_by_decode(self, request_ids: list[str]) -> None:
-        """Prefill side, on a gRPC thread: decode is done with these requests' blocks."""
+    def _released_by_decode(self, request_ids: list[str], reader: int = 0, readers: int = 1) -> None:
+        """Prefill side, on a gRPC thread: decode rank ``reader`` is done with these requests'
+        blocks; they are free once all ``readers`` decode ranks reading this rank said so."""
         with self._lock:
-            self._decode_released.update(request_ids)
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                if lease is None:
+                    self._decode_released.add(rid)  # lease not known yet (or ended): as before
+                    continue
+                lease.released_by.add(reader)
+                if len(lease.released_by) >= readers:
+                    self._decode_released.add(rid)
 
-    def _claim(self, req_id: str, lease_id: str) -> float:
-        """Prefill side, on a gRPC thread: decode's READ of ``req_id``'s blocks has ended;
-        granted only while the lease holds them, once. Returns the seconds left."""
+    def _claim(self, req_id: str, lease_id: str, reader: int = 0, readers: int = 1) -> float:
+        """Prefill side, on a gRPC thread: decode rank ``reader``'s READ of ``req_id``'s
+        blocks has ended; granted only while the lease holds them, once per reader.
+        Returns the seconds left."""
         with self._lease_known:
             self._lease_known.wait_for(lambda: req_id in self._leases or req_id in self._ended, timeout=CLAIM_WAIT_S)
             lease = self._leases.get(req_id)
@@ -210,81 +244,134 @@ class PDWorker:
                 raise LeaseRefused(f"request {req_id}: {self._ended[req_id]}")
             if lease is None or lease.lease_id != lease_id:
                 raise LeaseRefused(f"request {req_id}: no such lease (never issued here)")
-            if lease.claimed:
+            if reader in lease.claimed_by or len(lease.claimed_by) >= readers:
                 raise LeaseRefused(f"request {req_id}: the lease was claimed already; a lease is read once "
                                    "(n > 1 or a replayed request), so this one recomputes")
             remaining = lease.expires - time.monotonic()
             if remaining <= 0:
                 raise LeaseRefused(f"request {req_id}: the lease on its blocks has expired")
-            lease.claimed = True
+            lease.claimed_by.add(reader)
             return remaining
 
     def _release(self, req_id: str) -> None:
         with self._lock:
             self._released.add(req_id)
 
-    def _drain(self, req_id: str, handle) -> None:  # noqa: ANN001
+    def _drain(self, req_id: str, handles: list[ReadHandle]) -> None:
         """A timed-out READ may still write into its target blocks (NIXL cannot cancel
-        it): keep them pinned until it completes or fails, then release them."""
-        while True:
-            try:
-                if self._transport is None or self._transport.poll(handle) == "DONE":
+        it): keep them pinned until every READ completes or fails, then release them."""
+        for handle in handles:
+            while True:
+                try:
+                    if self._transport is None or self._transport.poll(handle) == "DONE":
+                        break
+                except TransferError:
                     break
+                time.sleep(0.05)
+            try:
+                self._transport.release(handle)
             except TransferError:
-                break
-            time.sleep(0.05)
-        try:
-            self._transport.release(handle)
-        except TransferError:
-            pass
+                pass
         self._release(req_id)
 
-    def _read(self, job: ReadJob) -> tuple[bool, object | None]:
-        """(read ok, a READ still in flight after a timeout or None)."""
+    def _slices(self, part: RankRead, peer_layout: LayoutDescriptor, job: ReadJob) -> list | None:
+        """Per group: the head spans to move from ``part``'s prefill rank (None: whole blocks)."""
+        if part.whole:
+            return None
+        assert self._local is not None and self._transport is not None
+        out: list = []
+        for gid, (mine, theirs, ids) in enumerate(zip(self._local.groups, peer_layout.groups, job.remote_block_ids,
+                                                       strict=True)):
+            if not ids or mine is None or theirs is None:
+                out.append(None)
+                continue
+            lg = self._transport.layout.groups[gid]
+            out.append(head_slices(mine.block_bytes, theirs.block_bytes, region_rows(mine.block_bytes, lg.kernel_rows),
+                                   mine.kv_heads, theirs.kv_heads, part))
+        return out
+
+    def _read(self, job: ReadJob) -> tuple[bool, list[ReadHandle] | None]:
+        """(read ok, READs still in flight after a timeout or None).
+
+        One READ per prefill rank this rank needs (one when the TP sizes are equal),
+        all posted before any is waited for, all under one deadline; then the lease of
+        every one is claimed: the bytes count only if every claim is granted."""
         if job.refused:
             warn_once(logger, "pd_refused", "request %s cannot be read: %s", job.req_id, job.refused)
             return False, None
         assert self._transport is not None and self._local is not None
-        handle = None
+        handles: list[ReadHandle] = []
+        failed_address = None
         try:
-            peer = self._peer(job)
-            handle = self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids)
-            self._transport.wait(handle, self._s.read_timeout_s)
-            self._transport.release(handle)
-            # Only now: a granted claim proves the lease held the blocks until after the READ.
-            claim_lease(f"{job.remote_host}:{job.remote_port}", job.remote_req_id, job.lease_id,
-                        self._s.handshake_timeout_s, self._s.key)
-            self._send_release(job)
+            plan = self._plan(job)
+            prefill_tp = len(job.remote_ports)
+            for part in plan:
+                failed_address = self._address(job, part.prefill_rank)
+                peer, peer_layout = self._peer(job, part.prefill_rank)
+                handles.append(self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids,
+                                                           slices=self._slices(part, peer_layout, job)))
+            deadline = time.monotonic() + self._s.read_timeout_s
+            for handle in handles:
+                self._transport.wait(handle, max(0.0, deadline - time.monotonic()))
+            for handle in handles:
+                self._transport.release(handle)
+            # Only now: granted claims prove the leases held the blocks until after the READs.
+            for part in plan:
+                failed_address = self._address(job, part.prefill_rank)
+                claim_lease(failed_address, job.remote_req_id, job.lease_id, self._s.handshake_timeout_s,
+                            self._s.key, reader=self._s.tp_rank,
+                            readers=readers_of(part.prefill_rank, self._s.tp_size, prefill_tp))
+            self._send_release(job, plan)
             # Provenance: the one line that proves this request's KV arrived over NIXL (tests
             # and operators match it; a failed or discarded READ never prints it).
             per_group = [len(ids) for ids in job.remote_block_ids]
-            logger.info("hybridkv P/D: read %d blocks (%d bytes) for %s from %s at %s:%d (per group %s)",
-                        sum(per_group), handle.nbytes, job.req_id, job.remote_engine_id, job.remote_host,
-                        job.remote_port, per_group)
+            ranks = [part.prefill_rank for part in plan]
+            logger.info("hybridkv P/D: read %d blocks (%d bytes) for %s from %s at %s:%d (per group %s) "
+                        "rank %d/%d <- prefill ranks %s/%d",
+                        sum(per_group), sum(h.nbytes for h in handles), job.req_id, job.remote_engine_id,
+                        job.remote_host, job.remote_port, per_group, self._s.tp_rank, self._s.tp_size, ranks,
+                        prefill_tp)
             return True, None
         except LeaseRefused as e:
             logger.warning("hybridkv P/D: read of request %s discarded, recomputing: %s", job.req_id, e)
             return False, None
         except HandshakeError as e:
             logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters
-            return False, None
+            return False, self._open_reads(handles)
+        except ValueError as e:  # a TP plan or span the layouts cannot serve
+            logger.error("hybridkv P/D: read of %s from %s refused: %s", job.req_id, failed_address, e)
+            return False, self._open_reads(handles)
         except TransferError as e:
-            warn_once(logger, f"pd_read:{type(e).__name__}", "read of %s from %s:%d failed: %s",
-                      job.req_id, job.remote_host, job.remote_port, e)
-            self._peers.pop((job.remote_host, job.remote_port), None)  # re-handshake next time
-            return False, (handle if isinstance(e, TransferTimeout) else None)
+            warn_once(logger, f"pd_read:{type(e).__name__}", "read of %s from %s failed: %s",
+                      job.req_id, failed_address, e)
+            for port in job.remote_ports:
+                self._peers.pop((job.remote_host, port), None)  # re-handshake next time
+            return False, self._open_reads(handles)
 
-    def _peer(self, job: ReadJob) -> str:
-        key = (job.remote_host, job.remote_port)
+    def _open_reads(self, handles: list[ReadHandle]) -> list[ReadHandle] | None:
+        """The READs of a failed job that may still write (kept pinned until they settle)."""
+        assert self._transport is not None
+        still = []
+        for h in handles:
+            try:
+                if self._transport.poll(h) != "DONE":
+                    still.append(h)
+            except TransferError:
+                pass  # failed: writes nothing more
+        return still or None
+
+    def _peer(self, job: ReadJob, prefill_rank: int) -> tuple[str, LayoutDescriptor]:
+        key = (job.remote_host, job.remote_ports[prefill_rank])
         peer = self._peers.get(key)
         if peer is None:
             info = fetch_agent_info(
-                f"{job.remote_host}:{job.remote_port}", self._local, engine_id=self._s.engine_id,
+                f"{job.remote_host}:{key[1]}", self._local, engine_id=self._s.engine_id,
                 tp_rank=self._s.tp_rank, timeout_s=self._s.handshake_timeout_s,
-                prefill_engine_id=job.remote_engine_id, key=self._s.key,
+                prefill_engine_id=job.remote_engine_id, key=self._s.key, prefill_rank=prefill_rank,
             )
-            peer = self._transport.add_peer(info.agent_metadata, info.layout.group_layouts(),
+            name = self._transport.add_peer(info.agent_metadata, info.layout.group_layouts(),
                                             info.layout.memory_spaces())
+            peer = (name, info.layout)
             self._peers[key] = peer
         return peer
 

@@ -305,10 +305,27 @@ def test_qwen3next_groups_and_pd_serves_them(capsys, models, secret):
     assert c["pd.groups"]["detail"] == "moves groups 0 (state block), 1 (blocks decode lacks) over NIXL"
 
 
-def test_pd_with_tensor_parallel_is_refused_by_its_constructor(capsys, models, secret):
+def test_pd_with_tensor_parallel_is_accepted_and_says_what_pairs(capsys, models, secret):
     rc, c = run(capsys, pd({"auth_secret_file": secret}), "--model", models["qwen3next"],
                 "--vllm-args=--tensor-parallel-size 2")
-    assert rc == 1
+    assert rc == 0
     assert c["model.config"]["status"] == "ok" and "tp 2" in c["model.config"]["detail"]
     assert c["model.kv_groups"]["status"] == "warn"  # not built in one process
-    assert c["pd.groups"]["status"] == "fail" and "tensor_parallel_size=1" in c["pd.groups"]["detail"]
+    assert c["pd.groups"]["status"] == "ok"
+    assert c["pd.groups"]["detail"].startswith("accepts tensor_parallel_size 2 (groups not built here)")
+
+
+def test_pd_refuses_pipeline_parallel_at_its_constructor():
+    from types import SimpleNamespace
+
+    from hybridkv.connector.pd_connector import check_parallel_supported
+    from hybridkv.connector.store_config import ConfigError
+
+    check_parallel_supported(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1,
+                                             prefill_context_parallel_size=1))
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=2; start vLLM with --pipeline-parallel-size 1"):
+        check_parallel_supported(SimpleNamespace(pipeline_parallel_size=2, decode_context_parallel_size=1,
+                                                 prefill_context_parallel_size=1))
+    with pytest.raises(ConfigError, match="decode_context_parallel_size=2"):
+        check_parallel_supported(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2,
+                                                 prefill_context_parallel_size=1))

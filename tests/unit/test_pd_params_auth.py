@@ -54,7 +54,7 @@ def worker():
 def server(worker):
     released: list[list[str]] = []
 
-    def on_release(ids: list[str]) -> None:
+    def on_release(ids: list[str], reader: int = 0, readers: int = 1) -> None:
         released.append(ids)
         worker._released_by_decode(ids)
 
@@ -76,7 +76,7 @@ def test_agent_info_needs_the_secret(server):
         with pytest.raises(HandshakeError, match="UNAUTHENTICATED"):
             request_agent_info(server.address, req, 5.0, key)
     # a MAC copied from another body does not open this one
-    body = b'{"version": 5, "engine_id": "d", "tp_rank": 0, "expected_layout": null, "nonce": "1"}'
+    body = b'{"version": 6, "engine_id": "d", "tp_rank": 0, "expected_layout": null, "nonce": "1"}'
     stolen = request_mac(KEY, "GetAgentInfo", body.replace(b'"1"', b'"2"'))
     with pytest.raises(grpc.RpcError) as e:
         _raw(server.address, _FULL_METHOD, body, ((MAC_METADATA, stolen),))
@@ -103,7 +103,7 @@ def test_an_impostor_server_is_not_believed(worker):
     """A listener without the secret (another local user on a freed port, a wrong address)
     cannot hand decode a layout or a lease answer."""
     for key in (None, OTHER):
-        with HandshakeServer(INFO, on_claim=lambda r, l: 1000.0, key=key) as impostor:
+        with HandshakeServer(INFO, on_claim=lambda r, l, *_: 1000.0, key=key) as impostor:
             with pytest.raises(HandshakeError, match="no valid hkv-mac"):
                 request_agent_info(impostor.address, AgentInfoRequest("decode", 0, None), 5.0, KEY)
             with pytest.raises(HandshakeError):

@@ -418,7 +418,9 @@ def test_handshake_refuses_incompatible_layout_on_prefill(handshake_server, vari
 
 def test_handshake_refuses_tp_mismatch(handshake_server, expected):
     local = replace(expected.descriptor(), tp_size=2)
-    msg = "prefill tp_size=1 but decode has 2: start both instances with the same --tensor-parallel-size"
+    # (the heads of attention groups could be re-sliced; the Mamba group's state cannot)
+    msg = ("prefill group 2 tp_size=1 but decode has 2: MambaSpec state is not re-sliced between TP sizes "
+           r"\(only attention KV heads are\); start both instances with the same --tensor-parallel-size")
     with pytest.raises(HandshakeError, match=msg):
         fetch_agent_info(handshake_server.address, local, engine_id="d", tp_rank=0)
     info = request_agent_info(handshake_server.address, AgentInfoRequest("d", 0, expected=None), 5.0)
@@ -451,8 +453,13 @@ def test_handshake_refuses_wrong_engine_and_rank(handshake_server, expected):
         fetch_agent_info(
             handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=0, prefill_engine_id="other"
         )
-    with pytest.raises(HandshakeError, match="it asked for tp_rank 1 but this is prefill engine 'prefill-hs' rank 0"):
+    with pytest.raises(HandshakeError, match="it asked for prefill rank 1 but this is prefill engine 'prefill-hs' rank 0"):
         fetch_agent_info(handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=1)
+    # decode rank 1 may ask for prefill rank 0 (TP sizes differ): the server checks the rank asked for
+    with pytest.raises(HandshakeError, match="it asked for prefill rank 1 but this is prefill engine 'prefill-hs' rank 0"):
+        fetch_agent_info(handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=0, prefill_rank=1)
+    info = fetch_agent_info(handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=1, prefill_rank=0)
+    assert info.tp_rank == 0
 
 
 def test_handshake_server_refuses_a_taken_port(handshake_server, expected):
@@ -599,9 +606,10 @@ def test_release_reaches_the_prefill_worker_over_the_side_channel(expected):
     got: list[list[str]] = []
     info = AgentInfo(engine_id="prefill-engine", tp_rank=0, agent_name="p0", agent_metadata=b"meta",
                      layout=expected.descriptor())
-    with HandshakeServer(info, on_release=got.append) as server:
+    with HandshakeServer(info, on_release=lambda ids, reader, readers: got.append([ids, reader, readers])) as server:
         release_blocks(server.address, ["req-1", "req-2"], timeout_s=5)
-        assert got == [["req-1", "req-2"]]
+        release_blocks(server.address, ["req-4"], timeout_s=5, reader=1, readers=2)
+        assert got == [[["req-1", "req-2"], 0, 1], [["req-4"], 1, 2]]
         with grpc.insecure_channel(server.address, options=_CHANNEL_OPTIONS) as ch:
             with pytest.raises(grpc.RpcError) as e:
                 ch.unary_unary(_FULL_RELEASE_METHOD, request_serializer=lambda b: b,

@@ -1,0 +1,229 @@
+"""HybridPDConnector with tensor parallelism: real vLLM CPU engines at TP2 and TP1, real NIXL + gRPC.
+
+Each rank of an engine runs on its own core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``; a TP1
+engine on the second core). The prefill instance tells decode every rank's handshake
+port (``remote_ports``); each decode rank reads what its heads need:
+
+* TP2 -> TP2 (gemma3: sliding + full attention; qwen3-next: GDN linear attention + full
+  attention): decode rank r reads prefill rank r whole, Mamba state included;
+* TP2 -> TP1 (gemma3): decode's one rank reads heads [0, H/2) of each block from prefill
+  rank 0 and [H/2, H) from rank 1 (two READs into one block);
+* TP1 -> TP2 (gemma3): each decode rank reads its half of the heads of prefill's one rank
+  (which grants one claim per decode rank and frees the blocks after both released);
+* TP2 -> TP1 on qwen3-next is refused per request (its Mamba state is not re-sliced),
+  naming ``remote_ports`` and the fix, and decode recomputes.
+
+Per pair, 3 turns: greedy tokens + top-5 logprobs == a recompute on decode under a fresh
+``cache_salt``; every decode rank printed exactly one provenance line naming the prefill
+ranks it read, the blocks per group and the bytes (this rank's whole blocks). And the
+control: on prefill rank 1 only, one full-attention block is overwritten with another
+block's real KV (a one-block shift); decode (TP1, reading rank 1's heads) must then
+differ from the recompute.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import re
+import uuid
+
+import pytest
+
+from hybridkv.store.cpu_affinity import usable_cpus
+from tests.e2e.engine_harness import Session, generate, make_llm, matches, metric, tiny_model
+from tests.e2e.test_pd_connector import _decode, _prefill, pd_config
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_MODULES", "^ib")
+
+_CPUS = sorted(usable_cpus())
+BIND = {2: f"{_CPUS[0]}|{_CPUS[-1]}", 1: f"{_CPUS[-1]}"}
+MODELS = {"gemma3": {}, "qwen3next": {"block_size": 256}}
+
+_TP_LINE = re.compile(
+    r"hybridkv P/D: read (\d+) blocks \((\d+) bytes\) for (\S+) from \S+ at \S+ \(per group \[([\d, ]*)\]\) "
+    r"rank (\d+)/(\d+) <- prefill ranks \[([\d, ]*)\]/(\d+)"
+)
+_FAILED = re.compile(r"hybridkv P/D: (READ for \S+ .*failed or was refused|read of \S+ .*(failed|discarded|refused))")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _env():
+    if len(_CPUS) < 2:
+        pytest.fail(f"TP2 needs two usable CPUs (one per rank), this runner has {_CPUS}")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
+    yield
+    mp.undo()
+
+
+def start(kind: str, role: str, tp: int):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", BIND[tp])
+    try:
+        return make_llm(tiny_model(kind), pd_config(role), tensor_parallel_size=tp, max_model_len=2048,
+                        disable_log_stats=False, **MODELS[kind])
+    finally:
+        mp.undo()  # the engine's processes have their environment already
+
+
+def shutdown(*llms) -> None:
+    for llm in llms:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort; the next engine must still start
+            pass
+
+
+def _geometry(worker):  # noqa: ANN001, ANN202 - runs in each decode worker
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group()._worker
+    return [(int(g.kv_cache_spec.block_size), 0 if lg is None else lg.object_bytes, "Mamba" in type(g.kv_cache_spec).__name__)
+            for g, lg in zip(w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True)]
+
+
+def expected_blocks(geometry, remote_block_ids, local_hit: int, handover: int) -> list[int]:
+    want = []
+    for (bs, _, mamba), remote in zip(geometry, remote_block_ids, strict=True):
+        if mamba:
+            want.append(1 if handover > local_hit else 0)
+        else:
+            want.append(sum(1 for i, b in enumerate(remote) if b and i * bs >= local_hit and (i + 1) * bs <= handover))
+    return want
+
+
+def provenance(log: str, decode_tp: int, prefill_tp: int, want: list[int], geometries) -> None:
+    """One line per decode rank, each naming the prefill ranks its heads come from, the
+    blocks per group and its own whole blocks' bytes; no failed or refused READ."""
+    failed = [line for line in log.splitlines() if _FAILED.search(line)]
+    assert not failed, f"a READ failed or was refused: {failed}"
+    lines = _TP_LINE.findall(log)
+    assert sorted(int(x[4]) for x in lines) == list(range(decode_tp)), f"one read line per decode rank: {lines}"
+    for blocks, nbytes, _req, groups, rank, dtp, pranks, ptp in lines:
+        rank = int(rank)
+        assert (int(dtp), int(ptp)) == (decode_tp, prefill_tp)
+        per_group = [int(x) for x in groups.split(",")] if groups.strip() else []
+        assert per_group == want, f"rank {rank}: blocks per group {per_group}, expected {want}"
+        if prefill_tp == decode_tp:
+            ranks = [rank]
+        elif prefill_tp > decode_tp:
+            k = prefill_tp // decode_tp
+            ranks = list(range(rank * k, rank * k + k))
+        else:
+            ranks = [rank * prefill_tp // decode_tp]
+        assert [int(x) for x in pranks.split(",")] == ranks, f"rank {rank} read prefill ranks {pranks}"
+        sizes = [b for _, b, _ in geometries[rank]]
+        assert int(nbytes) == sum(n * b for n, b in zip(want, sizes, strict=True)), f"rank {rank}: {nbytes} bytes"
+
+
+def three_turns(prefill, decode, capfd, prefill_tp: int, decode_tp: int, seed: int, label: str) -> list[tuple]:
+    geometries = decode.collective_rpc(_geometry)
+    align = math.lcm(*(bs for bs, _, _ in geometries[0]))
+    session = Session(seed=seed)
+    rows = []
+    for turn in range(1, 4):
+        params = _prefill(prefill, session.prompt)
+        assert params and params["remote_block_ids"], params
+        assert len(params["remote_ports"]) == prefill_tp, params["remote_ports"]
+        local_before = metric(decode, "vllm:prefix_cache_hits")
+        capfd.readouterr()
+        got = _decode(decode, session.prompt, params)
+        log = "".join(capfd.readouterr())
+        local_hit = int(metric(decode, "vllm:prefix_cache_hits") - local_before)
+        handover = (len(session.prompt) - 1) // align * align
+        want = expected_blocks(geometries[0], params["remote_block_ids"], local_hit, handover)
+        if "hybridkv P/D: read" not in log:
+            print(log[-3000:])
+        provenance(log, decode_tp, prefill_tp, want, geometries)
+        ref = generate(decode, session.prompt, cache_salt=f"pd-tp-{label}-{uuid.uuid4()}")
+        ok = matches(got, ref)
+        rows.append((turn, len(session.prompt), handover, local_hit, want, ok))
+        session.extend(got.token_ids)
+    print(f"\nP/D {label} (prefill TP{prefill_tp} -> decode TP{decode_tp}): turn, prompt, hand-over, "
+          "decode's own hit, blocks read per group (each rank), matches_recompute")
+    for r in rows:
+        print("  ", *r)
+    for turn, _p, _h, _l, want, ok in rows:
+        assert sum(want) > 0, f"turn {turn} read nothing"
+        assert ok, f"{label} turn {turn} differs from recompute"
+    return rows
+
+
+def _shift_block_on_rank(worker, rank: int, group: int, victim: int, source: int) -> int:  # noqa: ANN001
+    """On TP rank ``rank`` only: copy block ``source``'s real KV over block ``victim`` in
+    every layer of ``group`` (a one-block shift on one rank). Returns the bytes written."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != rank:
+        return 0
+    layout = get_kv_transfer_group()._worker._transport.layout.groups[group]
+    (dst,), sizes = layout.regions([victim])
+    (src,), _ = layout.regions([source])
+    written = 0
+    for d, s, n in zip(dst, src, sizes[0]):
+        ctypes.memmove(d, s, n)
+        written += n
+    return written
+
+
+def test_gemma3_tp2_tp2_then_tp2_tp1_then_tp1_tp2(capfd):
+    prefill2 = start("gemma3", "kv_producer", 2)
+    decode2 = start("gemma3", "kv_consumer", 2)
+    try:
+        three_turns(prefill2, decode2, capfd, 2, 2, seed=41, label="gemma3-tp2-tp2")
+    finally:
+        shutdown(decode2)
+    decode1 = start("gemma3", "kv_consumer", 1)
+    try:
+        three_turns(prefill2, decode1, capfd, 2, 1, seed=42, label="gemma3-tp2-tp1")
+        # Control: rank 1's copy of a full-attention block holds another block's real KV.
+        session = Session(seed=43)
+        params = _prefill(prefill2, session.prompt)
+        dense = 1  # gemma3: group 0 sliding window, group 1 full attention
+        ids = [b for b in params["remote_block_ids"][dense] if b]
+        written = prefill2.collective_rpc(_shift_block_on_rank, args=(1, dense, ids[0], ids[1]))
+        assert written[0] == 0 and written[1] > 0, written
+        capfd.readouterr()
+        got = _decode(decode1, session.prompt, params)
+        log = "".join(capfd.readouterr())
+        ref = generate(decode1, session.prompt, cache_salt=f"pd-tp-planted-{uuid.uuid4()}")
+        print(f"\nplanted: prefill rank 1's block {ids[0]} = its block {ids[1]} ({written[1]} bytes); "
+              f"matches recompute: {matches(got, ref)}")
+        assert _TP_LINE.search(log), "the shifted blocks must have been read"
+        assert not matches(got, ref), "rank 1's shifted heads went unnoticed: its KV is not what decode used"
+    finally:
+        shutdown(decode1, prefill2)
+    prefill1 = start("gemma3", "kv_producer", 1)
+    decode2 = start("gemma3", "kv_consumer", 2)
+    try:
+        three_turns(prefill1, decode2, capfd, 1, 2, seed=44, label="gemma3-tp1-tp2")
+    finally:
+        shutdown(decode2, prefill1)
+
+
+def test_qwen3next_tp2_tp2_and_tp2_to_tp1_is_refused_naming_the_field(capfd):
+    prefill2 = start("qwen3next", "kv_producer", 2)
+    decode2 = start("qwen3next", "kv_consumer", 2)
+    try:
+        three_turns(prefill2, decode2, capfd, 2, 2, seed=45, label="qwen3next-tp2-tp2")
+    finally:
+        shutdown(decode2)
+    decode1 = start("qwen3next", "kv_consumer", 1)
+    try:
+        session = Session(seed=46)
+        params = _prefill(prefill2, session.prompt)
+        capfd.readouterr()
+        got = _decode(decode1, session.prompt, params)
+        log = "".join(capfd.readouterr())
+        ref = generate(decode1, session.prompt, cache_salt=f"pd-tp-refused-{uuid.uuid4()}")
+        print("\n" + "\n".join(line for line in log.splitlines() if "refused" in line)[:2000])
+        assert "kv_transfer_params.remote_ports lists 2 prefill ranks" in log
+        assert "not Mamba/linear-attention state" in log and "--tensor-parallel-size" in log
+        assert not _TP_LINE.search(log), "nothing may be read across TP sizes for a Mamba model"
+        assert matches(got, ref)
+    finally:
+        shutdown(decode1, prefill2)
