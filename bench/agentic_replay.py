@@ -450,6 +450,8 @@ class Record:
     prompt: str = field(repr=False, default="")
     completion: Completion | None = field(repr=False, default=None)
     seed: int = 0  # the session's Trajectory seed: with turn, the request's input
+    local_hits: int | None = None  # this request's local / external hit tokens (--per-request-split)
+    external_hits: int | None = None
 
 
 @dataclass
@@ -558,6 +560,17 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
     t0 = time.monotonic()
     deadline = t0 + args.duration
 
+    # One request in flight at a time: the hit engine's counters between two requests are that
+    # request's own local / external hit tokens (cross-checked against usage.cached_tokens).
+    split_url = dep.engines[dep.hit_engine] if args.per_request_split and users == 1 else None
+    last = {"m": _metrics(split_url) if split_url else {}}
+
+    def split(rec: Record) -> None:
+        now = _metrics(split_url)
+        d = _metric_deltas(last["m"], now)
+        last["m"] = now
+        rec.local_hits, rec.external_hits = int(d["local_hits"]), int(d["external_hits"])
+
     def user_loop(user: int) -> None:
         client = Client(dep.url, timeout_s=args.request_timeout)
         # This user's share of the fixed set of sessions (global slots u, u + users, ...).
@@ -585,6 +598,8 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
             latency = time.perf_counter() - t_start
             rec = Record(user, slot, s["gen"], s["turn"], t_start, c.prompt_tokens, c.cached_tokens or 0,
                          c.ttft_s * 1e3, latency * 1e3, len(c.token_ids), prompt, c, traj.seed)
+            if split_url:
+                split(rec)
             with lock:
                 records.append(rec)
             if s["turn"] + 1 >= args.turns:
@@ -630,7 +645,9 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
                          f"{cmp.why or 'recompute was not a miss'}")
         if not ok:
             failing.append({"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
-                            "cached_tokens": r.cached_tokens, "recompute_cached": ref.cached_tokens or 0,
+                            "cached_tokens": r.cached_tokens, "local_hits": r.local_hits,
+                            "external_hits": r.external_hits, "recompute_cached": ref.cached_tokens or 0,
+                            "prompt": r.prompt,
                             "why": cmp.why or "recompute was not a miss",
                             "served_tokens": list(r.completion.token_ids), "recompute_tokens": list(ref.token_ids)})
 
@@ -659,7 +676,8 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
         identical_tokens=identical, check_errors=check_errors, check_notes=notes[:10],
         failing_inputs=failing,
         turns=[{"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
-                "cached_tokens": r.cached_tokens, "ttft_ms": round(r.ttft_ms, 1)} for r in records],
+                "cached_tokens": r.cached_tokens, "local_hits": r.local_hits, "external_hits": r.external_hits,
+                "ttft_ms": round(r.ttft_ms, 1)} for r in records],
     )
 
 
@@ -814,6 +832,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=None,
                    help=f"NAME[:BLOCKS],... of {', '.join(MODELS)}: the geometries run (issue 16), one model "
                    "after the other; BLOCKS overrides --num-gpu-blocks for that model")
+    p.add_argument("--per-request-split", action=argparse.BooleanOptionalAction, default=None,
+                   help="at 1 user, read the engine's /metrics after every request: each turn's own local / "
+                   "external hit tokens (default: on with --models)")
     p.add_argument("--out-stem", default=None,
                    help="result file names (default agentic_replay; with --models agentic_replay_geometries)")
     p.add_argument("--users", default="1,2,4")
@@ -850,6 +871,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if args.configs is None:
         args.configs = ",".join(SINGLE_ENGINE if specs else ALL_CONFIGS)
+    if args.per_request_split is None:
+        args.per_request_split = bool(specs)
     if args.out_stem is None:
         args.out_stem = "agentic_replay_geometries" if specs else "agentic_replay"
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -1175,7 +1198,7 @@ def geometries_findings(results: list[LevelResult], specs: list[ModelSpec], per_
             for f in r.failing_inputs:
                 out.append(f"- **{spec.name} / {r.config}: output differs from recompute** -- failing input: "
                            f"model {spec.name}, session seed {f['seed']}, turn {f['turn']} (prompt "
-                           f"{f['prompt_tokens']} tokens, cached {f['cached_tokens']}): {f['why']}")
+                           f"{f['prompt_tokens']} tokens, cached {f['cached_tokens']}{_split(f)}): {f['why']}")
         for other in ("mooncake", "none"):
             lost, common = _hits_vs(results, spec.name, "hybrid", other)
             if lost and other == "mooncake":
@@ -1189,6 +1212,18 @@ def geometries_findings(results: list[LevelResult], specs: list[ModelSpec], per_
             out.append(f"- {spec.name} / hybrid: fewer cached tokens than in-tree on {len(lost)} of {common} "
                        f"identical turns (in-tree vs hybridkv; e.g. {ex})")
     return out or ["- nothing: every config started, no sampled output differed, in-tree lost no hits"]
+
+
+def _split(t: dict) -> str:
+    if t.get("local_hits") is None:
+        return ""
+    return f" = local {t['local_hits']} + external {t['external_hits']}"
+
+
+def split_check(r: LevelResult) -> tuple[int, int]:
+    """(turns whose per-request local + external hit tokens equal usage.cached_tokens, turns split)."""
+    split = [t for t in r.turns if t.get("local_hits") is not None]
+    return sum(t["local_hits"] + t["external_hits"] == t["cached_tokens"] for t in split), len(split)
 
 
 def geometries_rows(results: list[LevelResult], specs: list[ModelSpec], configs: list[str],
@@ -1256,6 +1291,7 @@ def plot_geometries(results: list[LevelResult], specs: list[ModelSpec], configs:
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=7, ncol=2)
     axes[1].legend(fontsize=7, ncol=2)
+    axes[2].set_ylim(0, max([1] + [r.differ + 1 for r in results]))
     fig.suptitle("agentic replay on hybrid KV-cache geometries, vLLM CPU engine, small local KV cache (1 user)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -1295,6 +1331,7 @@ def make_geometries_reporter(args, argv, configs, specs, started, load_start, pe
             "error_lines": {f"{m}/{c}": error_line(t) for m, e in per_model.items()
                             for c, t in e.get("errors", {}).items()},
             "results": [asdict(r) for r in results],
+            "split_checks": [split_check(r) for r in results],
         }
         (args.out_dir / f"{args.out_stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
         (args.out_dir / f"{args.out_stem}.md").write_text(_geometries_markdown(doc, rows, findings, specs, args))
@@ -1365,14 +1402,22 @@ def _geometries_markdown(doc: dict, rows: list[str], findings: list[str], specs:
     fails = [(r["model"], r["config"], f) for r in doc["results"] for f in r["failing_inputs"]]
     if fails:
         out += ["## Failing inputs (differ from recompute)", "",
-                "| model | config | session seed | turn | prompt tokens | cached | why |", "|---|---|---|---|---|---|---|"]
-        out += [f"| {m} | {c} | {f['seed']} | {f['turn']} | {f['prompt_tokens']} | {f['cached_tokens']} | {f['why']} |"
-                for m, c, f in fails]
+                "(prompt text of each in the json: results[].failing_inputs[].prompt)", "",
+                "| model | config | session seed | turn | prompt tokens | cached | local + external | why |",
+                "|---|---|---|---|---|---|---|---|"]
+        out += [f"| {m} | {c} | {f['seed']} | {f['turn']} | {f['prompt_tokens']} | {f['cached_tokens']} "
+                f"| {f.get('local_hits')} + {f.get('external_hits')} | {f['why']} |" for m, c, f in fails]
         out.append("")
     notes = [f"- {r['model']} / {r['config']}: " + "; ".join(([r["note"]] if r.get("note") else []) + r["check_notes"])
              for r in doc["results"] if r["check_notes"] or r.get("note")]
     if notes:
         out += ["## Check notes", "", *notes, ""]
+    checks = [(r["model"], r["config"], doc["split_checks"][i]) for i, r in enumerate(doc["results"])]
+    if any(n for _, _, (_, n) in checks):
+        out += ["## Per-request split (local / external hit tokens of each turn)", "",
+                "At 1 user the engine's counters are read after every request; the split is exact when local + "
+                "external equals the request's usage.cached_tokens: "
+                + ", ".join(f"{m}/{c} {ok}/{n}" for m, c, (ok, n) in checks) + ".", ""]
     if doc["error_lines"]:
         out += ["## Configs that did not start (error line; full log tail in the json)", ""]
         out += [f"- {k}: `{v}`" for k, v in doc["error_lines"].items()]
