@@ -491,6 +491,8 @@ class LevelResult:
     # Every request in order (seed, 1-based turn, prompt and cached tokens, TTFT): lets a
     # report compare the same turn across configs.
     turns: list[dict] = field(default_factory=list)
+    # Each sampled turn: its input, its hit split (when known) and whether it matched.
+    checked_turns: list[dict] = field(default_factory=list)
 
 
 def _seed(level: int, slot: int, generation: int) -> int:
@@ -627,6 +629,7 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
     differ = ties = identical = check_errors = 0
     notes: list[str] = []
     failing: list[dict] = []
+    checked_turns: list[dict] = []
     for r in sample:
         try:
             ref = checker.complete(model, r.prompt, args.max_tokens,
@@ -643,6 +646,9 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
         if not ok or cmp.tie_at is not None:
             notes.append(f"turn {r.turn + 1} (cached {r.cached_tokens}/{r.prompt_tokens}): "
                          f"{cmp.why or 'recompute was not a miss'}")
+        checked_turns.append({"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
+                              "cached_tokens": r.cached_tokens, "local_hits": r.local_hits,
+                              "external_hits": r.external_hits, "matches": ok})
         if not ok:
             failing.append({"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
                             "cached_tokens": r.cached_tokens, "local_hits": r.local_hits,
@@ -674,7 +680,7 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
         output_tokens=out_tokens, output_tok_s=out_tokens / wall if wall else 0.0,
         engine_metrics=engine_metrics, checked=len(sample) - check_errors, differ=differ, near_ties=ties,
         identical_tokens=identical, check_errors=check_errors, check_notes=notes[:10],
-        failing_inputs=failing,
+        failing_inputs=failing, checked_turns=checked_turns,
         turns=[{"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
                 "cached_tokens": r.cached_tokens, "local_hits": r.local_hits, "external_hits": r.external_hits,
                 "ttft_ms": round(r.ttft_ms, 1)} for r in records],
@@ -1188,6 +1194,28 @@ def _hits_vs(results: list[LevelResult], model: str, base: str, other: str) -> t
     return lost, common
 
 
+def geometries_headline(results: list[LevelResult], specs: list[ModelSpec], per_model: dict) -> list[str]:
+    """One line per model: in-tree vs hybridkv on correctness and hits (users 1)."""
+    out = []
+    for spec in specs:
+        by = {r.config: r for r in results if r.model == spec.name and r.users == 1}
+        errs = per_model.get(spec.name, {}).get("errors", {})
+        if "mooncake" in errs:
+            out.append(f"- `{spec.name}`: in-tree did not start (`{error_line(errs['mooncake'])[:200]}`)")
+            continue
+        h, m = by.get("hybrid"), by.get("mooncake")
+        if not h or not m:
+            continue
+        lost, common = _hits_vs(results, spec.name, "hybrid", "mooncake")
+        won, _ = _hits_vs(results, spec.name, "mooncake", "hybrid")
+        out.append(f"- `{spec.name}`: outputs differing from recompute: in-tree {m.differ}/{m.checked}{_by_kind(m)}, "
+                   f"hybridkv {h.differ}/{h.checked}{_by_kind(h)}; hit rate in-tree {_f(_pc(m.hit_rate))} %, "
+                   f"hybridkv {_f(_pc(h.hit_rate))} %; on the {common} turns both served with the same input, "
+                   f"in-tree cached fewer tokens on {len(lost)}, more on {len(won)}; TTFT p50 on hit turns in-tree "
+                   f"{_f(m.ttft_p50_hit_ms)} ms, hybridkv {_f(h.ttft_p50_hit_ms)} ms")
+    return out
+
+
 def geometries_findings(results: list[LevelResult], specs: list[ModelSpec], per_model: dict) -> list[str]:
     out = []
     for spec in specs:
@@ -1195,10 +1223,14 @@ def geometries_findings(results: list[LevelResult], specs: list[ModelSpec], per_
         for cfg, text in errs.items():
             out.append(f"- **{spec.name} / {cfg}: did not start** -- `{error_line(text)}`")
         for r in (r for r in results if r.model == spec.name):
-            for f in r.failing_inputs:
-                out.append(f"- **{spec.name} / {r.config}: output differs from recompute** -- failing input: "
-                           f"model {spec.name}, session seed {f['seed']}, turn {f['turn']} (prompt "
-                           f"{f['prompt_tokens']} tokens, cached {f['cached_tokens']}{_split(f)}): {f['why']}")
+            if not r.failing_inputs:
+                continue
+            ex = "; ".join(f"seed {f['seed']} turn {f['turn']} (prompt {f['prompt_tokens']}, cached "
+                           f"{f['cached_tokens']}{_split(f)}: {f['why']})" for f in r.failing_inputs[:5])
+            more = len(r.failing_inputs) - 5
+            out.append(f"- **{spec.name} / {r.config}: {r.differ} of {r.checked} sampled hit turns differ from "
+                       f"recompute**{_by_kind(r)}; failing inputs (model {spec.name}, session seed, turn): {ex}"
+                       + (f"; {more} more in the table below" if more > 0 else ""))
         for other in ("mooncake", "none"):
             lost, common = _hits_vs(results, spec.name, "hybrid", other)
             if lost and other == "mooncake":
@@ -1218,6 +1250,17 @@ def _split(t: dict) -> str:
     if t.get("local_hits") is None:
         return ""
     return f" = local {t['local_hits']} + external {t['external_hits']}"
+
+
+def _by_kind(r: LevelResult) -> str:
+    """Differ / sampled among local-only hits and among hits with external tokens (split known)."""
+    ts = [t for t in r.checked_turns if t.get("local_hits") is not None and t["cached_tokens"] > 0]
+    if not ts:
+        return ""
+    ext = [t for t in ts if t["external_hits"] > 0]
+    loc = [t for t in ts if t["external_hits"] == 0]
+    bad = lambda xs: sum(not t["matches"] for t in xs)  # noqa: E731
+    return f" (local-only hits {bad(loc)}/{len(loc)}, with external {bad(ext)}/{len(ext)})"
 
 
 def split_check(r: LevelResult) -> tuple[int, int]:
@@ -1245,7 +1288,7 @@ def geometries_rows(results: list[LevelResult], specs: list[ModelSpec], configs:
                     f"| {_f(_pc(r.hit_rate))} % | {int(loc)} / {int(ext)} ({100 * loc / pt:.1f} / {100 * ext / pt:.1f} %) "
                     f"| {r.hit_turns}/{r.later_turns} | {_f(r.ttft_p50_hit_ms)} / {_f(r.ttft_p90_hit_ms)} "
                     f"| {_f(r.ttft_p50_miss_ms)} | {r.differ} / {r.checked}"
-                    f"{f' (+{r.check_errors} failed)' if r.check_errors else ''} | {r.near_ties} |")
+                    f"{f' (+{r.check_errors} failed)' if r.check_errors else ''}{_by_kind(r)} | {r.near_ties} |")
     return lines
 
 
@@ -1328,6 +1371,7 @@ def make_geometries_reporter(args, argv, configs, specs, started, load_start, pe
             "matplotlib": mpl_version,
             "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
             "models": per_model, "runtime_s": round(runtime, 1), "findings": findings,
+            "headline": geometries_headline(results, specs, per_model),
             "error_lines": {f"{m}/{c}": error_line(t) for m, e in per_model.items()
                             for c, t in e.get("errors", {}).items()},
             "results": [asdict(r) for r in results],
@@ -1385,6 +1429,10 @@ def _geometries_markdown(doc: dict, rows: list[str], findings: list[str], specs:
                    + (f"; local KV cache (engine log) {kv} tokens" if kv else ""))
     out += [
         "",
+        "## In-tree vs hybridkv",
+        "",
+        *doc["headline"],
+        "",
         "## Findings",
         "",
         *findings,
@@ -1394,7 +1442,8 @@ def _geometries_markdown(doc: dict, rows: list[str], findings: list[str], specs:
         "hit rate = cached / prompt tokens over all requests (usage); local / external hit tokens = the "
         "engine's `vllm:prefix_cache_hits` / `vllm:external_prefix_cache_hits` deltas over the run (in % of "
         "the prompt tokens); hit turns = turns 2+ with cached > 0 (of turns 2+); TTFT at the first streamed "
-        "token; differ / sampled = sampled hit turns whose output differs from the recompute.",
+        "token; differ / sampled = sampled hit turns whose output differs from the recompute, split (1 user, "
+        "per-request counters) into turns whose hit was local only and turns that loaded external tokens.",
         "",
         *rows,
         "",
