@@ -416,6 +416,11 @@ class PDTransport:
             self._peers[name] = (tuple(peer_groups), spaces, kind)
             return name
 
+    def open_reads(self, peer: str) -> int:
+        """READs from ``peer`` still in flight (posted, not yet settled or released)."""
+        with self._lock:
+            return sum(1 for h in self._open if h.peer == peer)
+
     def remove_peer(self, peer: str) -> None:
         """Forget a peer (disconnects). Its open reads are released first, which is
         not a fence (see :meth:`release`)."""

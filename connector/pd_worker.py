@@ -59,8 +59,17 @@ from hybridkv.connector.pd_transport import PDTransport, ReadHandle, TransferErr
 # A claim can arrive before the prefill worker's next step hands it the lease (the
 # scheduler issued the params at finish): wait this long for it.
 CLAIM_WAIT_S = 2.0
-# How many ended leases the prefill worker remembers, to tell a late claim why it is refused.
+# How many ended leases the prefill worker remembers, to tell a late claim why it is refused
+# (and how many releases of leases it does not hold yet it keeps).
 ENDED_LEASES_KEPT = 4096
+# Decode: each prefill instance (host, rank 0's port) gets its own read thread, so a stalled
+# peer delays only its own requests; past this many peers with live threads, further peers
+# share one overflow thread. A peer's thread exits after PEER_IDLE_S without work.
+MAX_PEER_THREADS = 16
+PEER_IDLE_S = 60.0
+# Decode: NIXL peers (handshaken prefill workers) kept; the least recently used one without a
+# READ in flight is removed past this (prefill restarts bring new ports).
+MAX_PEERS = 64
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -99,17 +108,22 @@ class PDWorker:
         self._transport: PDTransport | None = None
         self._server: HandshakeServer | None = None
         self._local: LayoutDescriptor | None = None
-        self._peers: dict[tuple[str, int], tuple[str, LayoutDescriptor]] = {}  # (host, port) -> NIXL name, layout
+        # (host, port) -> NIXL name, layout; least recently used first
+        self._peers: OrderedDict[tuple[str, int], tuple[str, LayoutDescriptor]] = OrderedDict()
         self._lock = threading.Lock()
         self._lease_known = threading.Condition(self._lock)
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._leases: dict[str, _Lease] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # req id -> why its lease ended
-        self._decode_released: set[str] = set()
+        self._decode_released: OrderedDict[str, None] = OrderedDict()  # bounded: ENDED_LEASES_KEPT
         self._released: set[str] = set()  # reads whose target blocks nothing writes into anymore
-        self._jobs: queue.Queue[ReadJob | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run_reads, name="hybridkv-pd-read", daemon=True)
+        self._jobs: queue.Queue[ReadJob | None] = queue.Queue()  # overflow: peers past MAX_PEER_THREADS
+        self._peer_queues: dict[tuple[str, int], queue.Queue[ReadJob | None]] = {}
+        self._read_threads: list[threading.Thread] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run_reads, args=(self._jobs, None), name="hybridkv-pd-read",
+                                        daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ registration
@@ -159,7 +173,7 @@ class PDWorker:
     # ------------------------------------------------------------------ decode
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         for job in meta.reads:
-            self._jobs.put(job)
+            self._route(job)
         if meta.leases:
             now = time.monotonic()
             with self._lock:
@@ -167,8 +181,35 @@ class PDWorker:
                     self._leases[lease.req_id] = _Lease(lease.lease_id, now + lease.ttl_s)
                 self._lease_known.notify_all()
 
-    def _run_reads(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    def _route(self, job: ReadJob) -> None:
+        """Queue ``job`` on its prefill instance's read thread (started on first use)."""
+        key = (job.remote_host, job.remote_ports[0] if job.remote_ports else job.remote_port)
+        with self._lock:  # puts and a thread's idle exit are decided under one lock: no job is lost
+            if self._closed:
+                return
+            q = self._peer_queues.get(key)
+            if q is None and len(self._peer_queues) < MAX_PEER_THREADS and not job.refused:
+                q = self._peer_queues[key] = queue.Queue()
+                t = threading.Thread(target=self._run_reads, args=(q, key), daemon=True,
+                                     name=f"hybridkv-pd-read-{key[1]}")
+                t.start()
+                self._read_threads = [x for x in self._read_threads if x.is_alive()] + [t]
+            (q if q is not None else self._jobs).put(job)
+
+    def _next_job(self, q: "queue.Queue[ReadJob | None]", key: tuple[str, int] | None) -> ReadJob | None:
+        if key is None:
+            return q.get()
+        while True:
+            try:
+                return q.get(timeout=PEER_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if q.empty():
+                        self._peer_queues.pop(key, None)
+                        return None
+
+    def _run_reads(self, q: "queue.Queue[ReadJob | None]", key: tuple[str, int] | None) -> None:
+        while (job := self._next_job(q, key)) is not None:
             if job.release_only:
                 self._send_release(job)
                 continue
@@ -226,12 +267,14 @@ class PDWorker:
         with self._lock:
             for rid in request_ids:
                 lease = self._leases.get(rid)
-                if lease is None:
-                    self._decode_released.add(rid)  # lease not known yet (or ended): as before
-                    continue
-                lease.released_by.add(reader)
-                if len(lease.released_by) >= readers:
-                    self._decode_released.add(rid)
+                if lease is not None:
+                    lease.released_by.add(reader)
+                if lease is None or len(lease.released_by) >= readers:
+                    # (lease not known yet: kept, bounded, until the worker learns of it)
+                    self._decode_released[rid] = None
+                    self._decode_released.move_to_end(rid)
+            while len(self._decode_released) > ENDED_LEASES_KEPT:
+                self._decode_released.popitem(last=False)
 
     def _claim(self, req_id: str, lease_id: str, reader: int = 0, readers: int = 1) -> float:
         """Prefill side, on a gRPC thread: decode rank ``reader``'s READ of ``req_id``'s
@@ -363,6 +406,8 @@ class PDWorker:
     def _peer(self, job: ReadJob, prefill_rank: int) -> tuple[str, LayoutDescriptor]:
         key = (job.remote_host, job.remote_ports[prefill_rank])
         peer = self._peers.get(key)
+        if peer is not None:
+            self._peers.move_to_end(key)
         if peer is None:
             info = fetch_agent_info(
                 f"{job.remote_host}:{key[1]}", self._local, engine_id=self._s.engine_id,
@@ -373,7 +418,20 @@ class PDWorker:
                                             info.layout.memory_spaces())
             peer = (name, info.layout)
             self._peers[key] = peer
+            self._forget_idle_peers()
         return peer
+
+    def _forget_idle_peers(self) -> None:
+        """Past MAX_PEERS, remove the least recently used peers that have no READ in flight
+        (removing one with a READ open would not stop its writes)."""
+        assert self._transport is not None
+        for key in list(self._peers):
+            if len(self._peers) <= MAX_PEERS:
+                return
+            name = self._peers[key][0]
+            if self._transport.open_reads(name) == 0:
+                del self._peers[key]
+                self._transport.remove_peer(name)
 
     # ----------------------------------------------------------------- results
     def get_transfer_results(self) -> KVConnectorTransferResults:
@@ -395,7 +453,7 @@ class PDWorker:
                         self._ended.popitem(last=False)
                     sending.add(req_id)
                     del self._leases[req_id]
-                    self._decode_released.discard(req_id)
+                    self._decode_released.pop(req_id, None)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)
 
     def take_released(self) -> set[str]:
@@ -406,8 +464,23 @@ class PDWorker:
     def has_leases(self) -> bool:
         return bool(self._leases)
 
-    def shutdown(self) -> None:
+    def stop_reads(self, join_s: float = 0.0) -> bool:
+        """No new reads; each read thread exits after the jobs queued before this. Waits up
+        to ``join_s`` for them; True if all exited."""
+        with self._lock:
+            self._closed = True
+            queues = list(self._peer_queues.values())
+            threads = [self._thread, *self._read_threads]
+        for q in queues:
+            q.put(None)
         self._jobs.put(None)
+        deadline = time.monotonic() + join_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
+
+    def shutdown(self) -> None:
+        self.stop_reads()
         if self._server is not None:
             self._server.stop()
         if self._transport is not None:

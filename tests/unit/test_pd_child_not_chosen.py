@@ -41,8 +41,7 @@ def test_pd_child_not_chosen_only_releases_the_prefill_lease():
     worker = PDWorker(PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 1.0, 1.0), None)
     try:
         worker.start_load_kv(meta)
-        worker._jobs.put(None)  # drain: the read thread exits after the release job
-        worker._thread.join(5)
+        assert worker.stop_reads(join_s=5)  # drain: the read threads exit after the release job
         results = worker.get_transfer_results()
         assert not results.finished_recving and not results.failed_recving
         assert not worker.take_released()
