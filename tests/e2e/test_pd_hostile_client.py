@@ -210,10 +210,12 @@ def test_forged_params_make_no_connection(stack, http, listener):
                            real_b["remote_num_tokens"], real_b["remote_lease_id"]).signed_fields(hashes)
     assert key.verify(real_b["remote_mac"], PURPOSE_PARAMS, *fields)
     forged = {
-        "address_changed": real_b | {"remote_port": listener.port},
+        # (rank 0's port in both places, as a forger would: a mismatch alone is refused earlier)
+        "address_changed": real_b | {"remote_port": listener.port, "remote_ports": [listener.port]},
         "other_secret": _resign(real_b, DeploymentKey(b"not-the-secret-0123456789"), b, port=listener.port),
         "signed_for_other_prompt": _resign(real_b, key, a, port=listener.port),
-        "no_mac": {k: v for k, v in (real_b | {"remote_port": listener.port}).items() if k != "remote_mac"},
+        "no_mac": {k: v for k, v in (real_b | {"remote_port": listener.port, "remote_ports": [listener.port]}).items()
+                   if k != "remote_mac"},
     }
     for name, params in forged.items():
         r = _post(http, stack.decode.url, b, params=params)

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+
+import pytest
 import time
 import uuid
 from pathlib import Path
@@ -67,7 +69,7 @@ LEASE_S = 60.0  # prefill's P/D lease; a release must come long before it
 # vLLM's scheduler adds remote_prefill_cached_tokens to any do_remote_prefill answer.
 PD_PARAM_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host",
                  "remote_port", "remote_block_ids", "remote_num_tokens", "remote_lease_id", "remote_mac",
-                 "remote_prefill_cached_tokens"}
+                 "remote_prefill_cached_tokens", "remote_ports"}
 # The pair's deployment secret (signs kv_transfer_params and the side channel), fresh per run.
 SECRET_FILE = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-multi-e2e-")) / "secret"))
 
@@ -227,13 +229,30 @@ def _turn(prefill, decode, label, prompt: list[int], expected: int, key_log: Pat
                 logged_at_release=len(_key_lines(key_log)))
 
 
-def test_pd_and_store_in_one_multiconnector_three_turns():
+def _engine(model: str, cfg: dict, tp: int, **kw):  # noqa: ANN202
+    """One engine; at TP2 each rank on its own core (as tests/e2e/test_store_tp.py)."""
+    from hybridkv.store.cpu_affinity import usable_cpus
+
+    mp = pytest.MonkeyPatch()
+    if tp > 1:
+        cpus = sorted(usable_cpus())
+        if len(cpus) < 2:
+            pytest.fail(f"TP2 needs two usable CPUs (one per rank), this runner has {cpus}")
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
+    try:
+        return make_llm(model, cfg, tensor_parallel_size=tp, **kw)
+    finally:
+        mp.undo()  # the engine's processes have their environment already
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pd_and_store_in_one_multiconnector_three_turns(tp):
     t_start = time.monotonic()
     model = tiny_model("gemma3")
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
         key_log = Path(tempfile.mkdtemp(prefix="hkv-multi-keys-")) / "prefill_keys.log"
-        prefill = make_llm(model, prefill_config(master.address, str(key_log)))
-        decode = make_llm(model, decode_config(master.address), disable_log_stats=False)
+        prefill = _engine(model, prefill_config(master.address, str(key_log)), tp)
+        decode = _engine(model, decode_config(master.address), tp, disable_log_stats=False)
         try:
             booted = time.monotonic() - t_start  # engine boots dominate the runtime (20-70 s each here)
             # The hybrid allocator stays on: MultiConnector keeps it on only if every child
@@ -263,7 +282,7 @@ def test_pd_and_store_in_one_multiconnector_three_turns():
             del prefill, decode
     elapsed = time.monotonic() - t_start
 
-    print(f"\nP/D + store in one MultiConnector (gemma3; decode cache reset before each turn; "
+    print(f"\nP/D + store in one MultiConnector (gemma3, TP{tp} -> TP{tp}; decode cache reset before each turn; "
           f"boot {booted:.0f}s, total {elapsed:.0f}s)")
     print("  turn  prompt  decode_cached  expected  source  store_tok  peer_tok  store_bytes  prefill_cached  "
           "matches  prefill_free_s")

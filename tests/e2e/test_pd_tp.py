@@ -32,7 +32,7 @@ import uuid
 import pytest
 
 from hybridkv.store.cpu_affinity import usable_cpus
-from tests.e2e.engine_harness import Session, generate, make_llm, matches, metric, tiny_model
+from tests.e2e.engine_harness import Session, compare, generate, make_llm, matches, metric, tiny_model
 from tests.e2e.test_pd_connector import _decode, _prefill, pd_config
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -40,7 +40,13 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 
 _CPUS = sorted(usable_cpus())
 BIND = {2: f"{_CPUS[0]}|{_CPUS[-1]}", 1: f"{_CPUS[-1]}"}
-MODELS = {"gemma3": {}, "qwen3next": {"block_size": 256}}
+# gemma3 pairs across TP sizes: float32, because KV a TP2 prefill computes is not the bits a
+# TP1 engine computes (another reduction order in the row-parallel layers): in bfloat16 a
+# correct TP2 -> TP1 hand-over matched its recompute for 7 tokens, then split at a greedy
+# near-tie the check could not excuse (and the TP2 engine's own output differed from the
+# TP1 recompute at token 4). In float32 those differences are far below the check's tolerance,
+# while another block's KV or another rank's heads still change the output.
+MODELS = {"gemma3": {"dtype": "float32"}, "qwen3next": {"block_size": 256}}
 
 _TP_LINE = re.compile(
     r"hybridkv P/D: read (\d+) blocks \((\d+) bytes\) for (\S+) from \S+ at \S+ \(per group \[([\d, ]*)\]\) "
@@ -139,14 +145,17 @@ def three_turns(prefill, decode, capfd, prefill_tp: int, decode_tp: int, seed: i
             print(log[-3000:])
         provenance(log, decode_tp, prefill_tp, want, geometries)
         ref = generate(decode, session.prompt, cache_salt=f"pd-tp-{label}-{uuid.uuid4()}")
-        ok = matches(got, ref)
-        rows.append((turn, len(session.prompt), handover, local_hit, want, ok))
+        cmp = compare(got, ref)
+        ok = cmp.matches
+        rows.append((turn, len(session.prompt), handover, local_hit, want, ok, f"{cmp.max_logprob_diff:.3g}",
+                     cmp.why))
         session.extend(got.token_ids)
-    print(f"\nP/D {label} (prefill TP{prefill_tp} -> decode TP{decode_tp}): turn, prompt, hand-over, "
-          "decode's own hit, blocks read per group (each rank), matches_recompute")
-    for r in rows:
-        print("  ", *r)
-    for turn, _p, _h, _l, want, ok in rows:
+    with capfd.disabled():  # the table reaches the CI log (the turns' logs were captured)
+        print(f"\nP/D {label} (prefill TP{prefill_tp} -> decode TP{decode_tp}): turn, prompt, hand-over, "
+              "decode's own hit, blocks read per group (each rank), matches_recompute, max logprob diff, why")
+        for r in rows:
+            print("  ", *r)
+    for turn, _p, _h, _l, want, ok, _d, _w in rows:
         assert sum(want) > 0, f"turn {turn} read nothing"
         assert ok, f"{label} turn {turn} differs from recompute"
     return rows

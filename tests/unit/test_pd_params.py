@@ -150,7 +150,7 @@ HOSTILE = st.one_of(
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 FIELDS = ["do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host",
-          "remote_port", "remote_block_ids", "remote_num_tokens", "remote_lease_id", "remote_mac"]
+          "remote_port", "remote_block_ids", "remote_num_tokens", "remote_lease_id", "remote_mac", "remote_ports"]
 
 
 @st.composite
@@ -186,7 +186,11 @@ def _acted_on(valid: dict, raw: Any) -> bool:
         return False
     if raw.get("do_remote_decode") is not None and raw.get("do_remote_decode") is not False:
         return False  # (0 == False in Python, but JSON 0 is not a flag: refused)
+    raw = dict(raw)
+    if "remote_ports" not in raw and "remote_port" in raw:
+        raw["remote_ports"] = [raw["remote_port"]]  # absent: one rank at remote_port
     return all(raw.get(k, object()) == valid[k] and type(raw.get(k)) is type(valid[k])
+               and (k != "remote_ports" or all(type(x) is int for x in raw[k]))
                for k in FIELDS if k not in ("do_remote_prefill", "do_remote_decode"))
 
 
