@@ -1447,6 +1447,11 @@ def _geometries_markdown(doc: dict, rows: list[str], findings: list[str], specs:
         "",
         *rows,
         "",
+        "TTFT: a model's configs run one after another (30 s each, not interleaved) on a shared 2-core "
+        "machine, so a change of the machine's load between them moves a whole cell; differences in TTFT "
+        "between configs are only as good as the load was steady (load average at start / end above). The "
+        "hit and correctness columns do not depend on load (1 user replays the same request sequence).",
+        "",
     ]
     fails = [(r["model"], r["config"], f) for r in doc["results"] for f in r["failing_inputs"]]
     if fails:
