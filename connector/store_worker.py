@@ -1,9 +1,12 @@
 """Worker side of HybridStoreConnector: batched, asynchronous block moves.
 
 On the CPU engine the KV cache is host memory, so its one allocation is
-registered with the store client and every block moves zero-copy: one batched
-``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` call per
-job, each object gathered from its layers' regions in C++. Moves run on
+registered with the store client and every block moves zero-copy: batched
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` calls, each
+object gathered from its layers' regions in C++. A job is split into sub-batches
+(``plan_spans``) so that the trailer's hash of one sub-batch runs while another is
+in its store call (issue 16: a separate pass over every byte cost a third of the
+job; see ``_move_parts``). Moves run on
 background threads (a small load pool, one save thread) so the forward pass never
 waits for the store; results are reported through vLLM's per-request channels:
 ``finished_recving``/``failed_recving`` (failed loads recompute) and worker
@@ -109,7 +112,6 @@ class _SpanRun:
         self.arenas: dict[int, tuple[TrailerArena, "Future[Any] | None"]] = {}  # span -> (arena, call still running)
         self.codes: list[int] = [0] * len(keys)
         self.verdicts: list[str | None] = [_UNCHECKED] * len(keys)
-        self.sealed: set[int] = set()
         self.pending: "Future[Any] | None" = None  # an abandoned call (its span's buffers are not free)
         self._span_index = [i for i, (lo, hi) in enumerate(spans) for _ in range(lo, hi)]
 
@@ -346,7 +348,7 @@ class StoreWorker:
 
     def _bounded_call(
         self, op: str, fn: Callable[..., list[int]], keys: list[str], addrs: list, sizes: list,
-        deadline: float | None, side: Callable[[], None] | None = None,
+        deadline: float | None, side: Callable[[Callable[[], bool]], None] | None = None,
     ) -> tuple[list[int] | None, StoreError | None, "Future[Any] | None"]:
         """One store call through the backend's bounded call, WITHOUT letting it outlive its buffers.
 
@@ -461,9 +463,11 @@ class StoreWorker:
         that one small. Each object is still checked against its own trailer exactly as
         a serial pass would; a load reports success only once every object passed.
         """
+        # Loads plan their sub-batches (ramped down: the last one is verified exposed);
+        # saves size theirs as they go (``_save_spans``).
         spans = plan_spans(expect, self._cfg.max_batch_blocks, self._limits.overlap_first_bytes,
-                           self._limits.overlap_max_bytes, ramp_down=load)
-        overlap = self._limits.overlap_first_bytes > 0 and len(spans) > 1
+                           self._limits.overlap_max_bytes, ramp_down=True) if load else []
+        overlap = self._limits.overlap_first_bytes > 0 and (len(spans) > 1 or not load)
         run = _SpanRun(keys, addrs, sizes, expect, spans)
         try:
             return (self._load_spans if load else self._save_spans)(run, overlap, deadline)
@@ -473,7 +477,8 @@ class StoreWorker:
                 self._after(done, lambda arena=arena: self._arenas.release(arena))
 
     def _span_call(
-        self, run: "_SpanRun", i: int, load: bool, deadline: float | None, side: Callable[[], None] | None,
+        self, run: "_SpanRun", i: int, load: bool, deadline: float | None,
+        side: Callable[[Callable[[], bool]], None] | None,
     ) -> tuple[list[int] | None, StoreError | None]:
         """The store call of sub-batch ``i`` (objects + their trailer slots), ``side`` run meanwhile."""
         lo, hi = run.spans[i]
@@ -495,29 +500,40 @@ class StoreWorker:
             self._stats.add_latency("load" if load else "save", dt)
         return codes, None
 
-    def _seal_span(self, run: "_SpanRun", i: int) -> None:
-        """Write the trailer of every object of sub-batch ``i`` (its arena acquired already)."""
-        lo, hi = run.spans[i]
-        arena = run.arenas[i][0]
-        for j in range(lo, hi):
+    def _seal_from(
+        self, run: "_SpanRun", i: int, lo: int, stop: int, budget: int | None,
+        call_done: Callable[[], bool] | None = None,
+    ) -> int:
+        """Write the trailers of objects ``lo, lo+1, ...`` into sub-batch ``i``'s arena (slot
+        ``j - lo``) until ``stop``, ``budget`` bytes, or ``call_done()``; at least one. Returns
+        the end (exclusive): sub-batch ``i`` is then ``[lo, end)``."""
+        arena = run.arena(i, self._arenas)
+        j, acc = lo, 0
+        while j < stop and (j == lo or ((budget is None or acc + run.expect[j] <= budget)
+                                        and not (call_done is not None and call_done()))):
             arena.write(j - lo, checksum_parts(run.keys[j], run.addrs[j], run.sizes[j], self._mac))
+            acc += run.expect[j]
+            j += 1
+        return j
 
     def _save_spans(self, run: "_SpanRun", overlap: bool, deadline: float | None) -> tuple[bool, "Future[Any] | None"]:
+        """Saves size their sub-batches as they go: while sub-batch i is in the put, the
+        objects after it are hashed until the put returns (or a sub-batch's limit), and
+        exactly those form sub-batch i+1. The put never waits for a hash it could do
+        without, and a hash slower than the put just makes the sub-batches smaller. Only
+        sub-batch 0 (``overlap_first_bytes``) is hashed before any put."""
+        n, cap = len(run.keys), self._cfg.max_batch_blocks
+        limits = self._limits
         all_ok = True
-        n_spans = len(run.spans)
-        for i, (lo, hi) in enumerate(run.spans):
-            if i not in run.sealed:
-                run.arena(i, self._arenas)
-                self._seal_span(run, i)  # exposed: the first sub-batch (or every one, serially)
-                run.sealed.add(i)
-            side = None
-            if overlap and i + 1 < n_spans:
-                run.arena(i + 1, self._arenas)  # acquired here, not in the side work (it may register)
+        lo, hi = 0, self._seal_from(run, 0, 0, min(n, cap), limits.overlap_first_bytes if overlap else None)
+        while lo < n:
+            i = len(run.spans)
+            run.spans.append((lo, hi))
+            upcoming = [hi]  # where sub-batch i+1 ends, once its objects are sealed
 
-                def side(i: int = i + 1) -> None:
-                    self._seal_span(run, i)
-                    run.sealed.add(i)
-            codes, err = self._span_call(run, i, False, deadline, side)
+            def side(call_done: Callable[[], bool], i: int = i + 1, lo: int = hi) -> None:
+                upcoming[0] = self._seal_from(run, i, lo, min(n, lo + cap), limits.overlap_max_bytes, call_done)
+            codes, err = self._span_call(run, i, False, deadline, side if overlap and hi < n else None)
             if err is not None:  # the store is unwell: stop; unpin when the call returns
                 return False, run.pending
             moved = moved_bytes = 0
@@ -530,6 +546,9 @@ class StoreWorker:
                     self._fail(f"save_{code_name(code).lower()}", f"{run.keys[j]}: code {code}, expected 0", load=False)
             self._stat("saved_blocks", moved)
             self._stat("saved_bytes", moved_bytes)
+            lo = hi
+            if lo < n:  # serially: the next plain batch, hashed now
+                hi = upcoming[0] if overlap else self._seal_from(run, i + 1, lo, min(n, lo + cap), None)
         return all_ok, None
 
     def _verdict(self, run: "_SpanRun", j: int, arena: TrailerArena, lo: int) -> str | None:
@@ -554,7 +573,7 @@ class StoreWorker:
             run.arena(i, self._arenas).clear(hi - lo)
             side = None
             if overlap and i > 0:
-                def side(i: int = i - 1) -> None:
+                def side(call_done: Callable[[], bool], i: int = i - 1) -> None:
                     self._check_span(run, i)
             codes, err = self._span_call(run, i, True, deadline, side)
             if err is not None:

@@ -393,13 +393,15 @@ class MooncakeBackend:
 
     def _bounded(
         self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
-        while_waiting: Callable[[], None] | None = None,
+        while_waiting: Callable[[Callable[[], bool]], None] | None = None,
     ) -> T:
         """``fn(*args)`` on a pool thread, waited for at most ``timeout``.
 
-        ``while_waiting`` runs on the calling thread while the call is in flight (the
-        binding releases the GIL, so both proceed at once): the data path hashes the
-        next sub-batch there. Its time counts against the bound. If it raises, the call
+        ``while_waiting(call_done)`` runs on the calling thread while the call is in flight
+        (the binding releases the GIL, so both proceed at once): the data path hashes the
+        next sub-batch there, until ``call_done()`` says the call has returned. Its time
+        counts against the bound. Unbounded (direct) calls run it afterwards with a
+        ``call_done`` that stays False (nothing to overlap). If it raises, the call
         is still waited for (bounded as ever) and the exception re-raised only once the
         call has returned; an abandoned call raises CALL_TIMEOUT with ``pending`` as usual.
         """
@@ -409,14 +411,14 @@ class MooncakeBackend:
         if wait is None or self._pool is None:
             out = fn(*args)
             if while_waiting is not None:
-                while_waiting()
+                while_waiting(lambda: False)
             return out
         t0 = time.monotonic()
         fut = self._pool.submit(fn, *args)
         side_error: BaseException | None = None
         if while_waiting is not None:
             try:
-                while_waiting()
+                while_waiting(fut.done)
             except Exception as e:  # noqa: BLE001 - re-raised once the call cannot touch buffers
                 side_error = e
         try:
@@ -442,7 +444,7 @@ class MooncakeBackend:
 
     def _call(
         self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
-        while_waiting: Callable[[], None] | None = None,
+        while_waiting: Callable[[Callable[[], bool]], None] | None = None,
     ) -> T:
         self._admit(op)
         return self._bounded(op, fn, *args, timeout=timeout, while_waiting=while_waiting)
@@ -570,7 +572,7 @@ class MooncakeBackend:
         addrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
         timeout_s: Any = _DEFAULT,
-        while_waiting: Callable[[], None] | None = None,
+        while_waiting: Callable[[Callable[[], bool]], None] | None = None,
     ) -> list[int]:
         """Like ``put_from`` but each object is the concatenation of several regions.
 
@@ -594,7 +596,7 @@ class MooncakeBackend:
         addrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
         timeout_s: Any = _DEFAULT,
-        while_waiting: Callable[[], None] | None = None,
+        while_waiting: Callable[[Callable[[], bool]], None] | None = None,
     ) -> list[int]:
         """Per key total bytes read into its regions (in order) or a negative code.
         ``while_waiting`` as for ``put_from_parts``."""

@@ -23,7 +23,9 @@ Why XXH3-64 (measured in ``bench/store_data_path.py``, checksum table): on this
 machine's cold memory every candidate (ISA-L CRC-32, hardware CRC32C, XXH3,
 BLAKE3) runs at memory speed or below, XXH3-64 as fast as ISA-L CRC-32, twice as
 wide (a misplaced or corrupted object passes with probability 2^-64, not 2^-32),
-releases the GIL, and ships cp311 wheels for x86_64 and aarch64. It is NOT a MAC:
+releases the GIL (so the worker hashes one sub-batch while another is in its store
+call: ``connector/store_worker.py``, issue 16), and ships cp311 wheels for x86_64
+and aarch64. It is NOT a MAC:
 an adversary who can write objects can forge it; the keyed tag kind is where a
 MAC over (key, length, check) or over the bytes belongs.
 
