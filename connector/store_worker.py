@@ -459,8 +459,8 @@ class StoreWorker:
         A save hashes sub-batch i+1 while sub-batch i is in the put; a load verifies
         sub-batch i-1 while sub-batch i is in the get (the binding and XXH3/BLAKE3 all
         release the GIL: the hash runs on this thread, the copy on the call's). Only the
-        first (save) or last (load) sub-batch's hash is exposed, and ``plan_spans`` keeps
-        that one small. Each object is still checked against its own trailer exactly as
+        first (save) or last (load) sub-batch's hash is exposed, and ``overlap_first_bytes``
+        keeps that one small. Each object is still checked against its own trailer exactly as
         a serial pass would; a load reports success only once every object passed.
         """
         # Loads plan their sub-batches (ramped down: the last one is verified exposed);
@@ -533,6 +533,8 @@ class StoreWorker:
 
             def side(call_done: Callable[[], bool], i: int = i + 1, lo: int = hi) -> None:
                 upcoming[0] = self._seal_from(run, i, lo, min(n, lo + cap), limits.overlap_max_bytes, call_done)
+            if overlap and hi < n:
+                run.arena(i + 1, self._arenas)  # acquired here, not in the side work (it may register)
             codes, err = self._span_call(run, i, False, deadline, side if overlap and hi < n else None)
             if err is not None:  # the store is unwell: stop; unpin when the call returns
                 return False, run.pending
