@@ -585,6 +585,17 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
             s = state[slot]
             traj = Trajectory(_seed(level, slot, s["gen"]), args.first_prompt_tokens, args.turn_growth_tokens)
             prompt = traj.prompt(s["turn"], s["prompt"], s["answer"])
+            if args.reset_local:  # every hit must come from the store (POST /reset_prefix_cache)
+                try:
+                    for url in dep.engines.values():
+                        Client(url).reset_prefix_cache()
+                except Exception as e:  # noqa: BLE001 - a failure of this request, as below
+                    with lock:
+                        failures.append(f"user {user} slot {slot}: reset_prefix_cache: {e}"[:300])
+                    time.sleep(1.0)
+                    continue
+                if split_url:
+                    last["m"] = _metrics(split_url)
             t_start = time.perf_counter()
             try:
                 c = client.complete(model, prompt, args.max_tokens)
@@ -841,6 +852,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-request-split", action=argparse.BooleanOptionalAction, default=None,
                    help="at 1 user, read the engine's /metrics after every request: each turn's own local / "
                    "external hit tokens (default: on with --models)")
+    p.add_argument("--reset-local", action="store_true",
+                   help="empty every engine's local prefix cache before each request (all hits external: "
+                   "isolates the store's load path from the local cache)")
     p.add_argument("--out-stem", default=None,
                    help="result file names (default agentic_replay; with --models agentic_replay_geometries)")
     p.add_argument("--users", default="1,2,4")
@@ -1230,7 +1244,7 @@ def geometries_findings(results: list[LevelResult], specs: list[ModelSpec], per_
             more = len(r.failing_inputs) - 5
             out.append(f"- **{spec.name} / {r.config}: {r.differ} of {r.checked} sampled hit turns differ from "
                        f"recompute**{_by_kind(r)}; failing inputs (model {spec.name}, session seed, turn): {ex}"
-                       + (f"; {more} more in the table below" if more > 0 else ""))
+                       + (f"; {more} more in the table below" if more > 0 else "") + _after_local(r))
         for other in ("mooncake", "none"):
             lost, common = _hits_vs(results, spec.name, "hybrid", other)
             if lost and other == "mooncake":
@@ -1244,6 +1258,26 @@ def geometries_findings(results: list[LevelResult], specs: list[ModelSpec], per_
             out.append(f"- {spec.name} / hybrid: fewer cached tokens than in-tree on {len(lost)} of {common} "
                        f"identical turns (in-tree vs hybridkv; e.g. {ex})")
     return out or ["- nothing: every config started, no sampled output differed, in-tree lost no hits"]
+
+
+def _after_local(r: LevelResult) -> str:
+    """Where checked turns that loaded external tokens differ: after a local-only hit earlier in the
+    same session, or not. A store connector saves what the engine computed; if a local hit
+    corrupted a turn, its saved KV is wrong and a later external hit serves it."""
+    served = {(t["seed"], t["turn"]): t for t in r.turns}
+
+    def tainted(t: dict) -> bool:
+        return any((e := served.get((t["seed"], k))) and e["cached_tokens"] and e.get("external_hits") == 0
+                   for k in range(2, t["turn"]))
+
+    ext = [t for t in r.checked_turns if t.get("external_hits")]
+    if not any(not t["matches"] for t in ext):
+        return ""
+    a = [t for t in ext if tainted(t)]
+    b = [t for t in ext if not tainted(t)]
+    bad = lambda xs: sum(not t["matches"] for t in xs)  # noqa: E731
+    return (f". Of the checked turns that loaded external tokens, those after a local-only hit earlier in the same "
+            f"session differ {bad(a)}/{len(a)}, the others {bad(b)}/{len(b)}")
 
 
 def _split(t: dict) -> str:
