@@ -61,6 +61,11 @@ class PDConnectorConfig:
     auth_secret_file: str | None = None
     # Run without a secret: any API client can forge kv_transfer_params. Never the default.
     allow_unauthenticated: bool = False
+    # Prefill: the share of the KV cache's blocks that leases not yet read may hold; past it a
+    # finished do_remote_decode request hands nothing over (its blocks are freed at once).
+    # Any API client can send do_remote_decode: without a bound, requests whose decode leg
+    # never comes hold the cache for lease_s each.
+    max_lease_fraction: float = 0.5
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
@@ -78,6 +83,10 @@ class PDConnectorConfig:
             raise ConfigError("kv_connector_extra_config.auth_secret_file: expected a file path")
         if not isinstance(extra.get("allow_unauthenticated", False), bool):
             raise ConfigError("kv_connector_extra_config.allow_unauthenticated: expected true or false")
+        frac = extra.get("max_lease_fraction", 0.5)
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+            raise ConfigError(f"kv_connector_extra_config.max_lease_fraction={frac!r}: expected a number in (0, 1] "
+                              "(the share of KV cache blocks unread P/D leases may hold)")
         return cls(**extra)
 
 
@@ -134,6 +143,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
                 num_blocks=kv_cache_config.num_blocks, key=key,
                 fail_on_refusal=ktc.kv_load_failure_policy == "fail",
                 tp_size=tp_size, total_kv_heads=total_kv_heads,
+                max_lease_fraction=float(self._cfg.max_lease_fraction),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

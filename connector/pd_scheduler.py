@@ -83,6 +83,7 @@ class PDScheduler:
         align_tokens: int, *, can_prefill: bool = True, can_decode: bool = True,
         group_block_sizes: tuple[int, ...] = (), num_blocks: int = 0, key: DeploymentKey | None = None,
         fail_on_refusal: bool = False, tp_size: int = 1, total_kv_heads: int = 0,
+        max_lease_fraction: float = 1.0,
     ) -> None:
         self._engine_id = engine_id
         self._recurrent = has_recurrent_state
@@ -99,6 +100,12 @@ class PDScheduler:
         self._handshake: PDHandshakeMetadata | None = None
         self._rank_ports: tuple[int, ...] = ()  # every worker's handshake port, rank order
         self._released_counts: dict[str, int] = {}  # decode: ranks whose READ target is free
+        # Prefill: blocks held by leases not yet ended (read, released or expired). Any API
+        # client can send do_remote_decode, so unread leases must not be able to hold the
+        # whole KV cache for lease_s: past this budget a finished request hands nothing over.
+        self._lease_budget = int(num_blocks * max_lease_fraction) if num_blocks else 0
+        self._leased: dict[str, int] = {}
+        self.leases_refused = 0
         self._reads: list[ReadJob] = []
         self._leases: list[Lease] = []
         self._block_pool: Any = None
@@ -192,11 +199,21 @@ class PDScheduler:
         remote = [list(group) for group in block_ids]
         if not any(any(group) for group in remote):
             return False, None
+        held = len({b for group in remote for b in group if b})
+        in_use = sum(self._leased.values())
+        if self._lease_budget and in_use + held > self._lease_budget:
+            self.leases_refused += 1
+            logger.warning("hybridkv P/D: not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
+                           "of the KV cache); its blocks are freed now and decode computes the prompt itself. "
+                           "Many do_remote_decode requests whose decode leg never comes, or a slow decode: raise "
+                           "max_lease_fraction or lower lease_s", request.request_id, in_use, self._lease_budget)
+            return False, None
         hash_bs = self.local_layout().hash_block_size
         # Sign only what this request hashed (a prompt's last partial block has no hash).
         num_tokens = min(request.num_computed_tokens, len(request.block_hashes) * hash_bs)
         lease = Lease(request.request_id, secrets.token_hex(16), self._lease_s)
         self._leases.append(lease)
+        self._leased[request.request_id] = held
         # After lease_s the prefill side frees (and may reuse) the blocks; decode claims the
         # lease when its READ has ended and keeps the bytes only if that is granted.
         return True, issue_remote_prefill(
@@ -275,6 +292,8 @@ class PDScheduler:
         self._reads.append(job)
 
     def update_connector_output(self, output: Any) -> None:
+        for req_id in getattr(output, "finished_sending", None) or ():
+            self._leased.pop(req_id, None)  # the lease ended: vLLM frees its blocks now
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PDWorkerMetadata):
             return
