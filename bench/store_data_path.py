@@ -28,9 +28,10 @@ its KV caches are registered):
   Public entry points; only the wait uses the job threads' internal idle event
   (an engine polls once per step instead). Includes the XXH3-64 trailer
   (``store/object_trailer.py``, 16 bytes): computed over every object before its
-  put and checked after its get, each job split into sub-batches (``plan_spans``:
-  8 MiB first, doubling to 128 MiB) so that sub-batch i+1 is hashed while sub-batch
-  i is in the put, and sub-batch i-1 verified while i is in the get.
+  put and checked after its get, each job split into sub-batches so that sub-batch
+  i+1 is hashed while sub-batch i is in the put (a save's sub-batch i+1 = the objects
+  hashed until that put returned), and sub-batch i-1 verified while i is in the get
+  (a load's plan ends with an 8 MiB sub-batch, the one verified after the last get).
 * ``raw``: ``batch_put_from`` / ``batch_get_into`` (the binding, directly) of the
   same bytes, one contiguous buffer per object, one call per job.
 * ``in-tree``: vLLM's ``MooncakeStoreConnector(role=WORKER)`` on the same tensors;
@@ -386,6 +387,7 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
                     restore_blocks()
 
             step(f"{n_obj} objects: reference copy made")
+            load_before = os.getloadavg()[0]
             times = {s: {"save": [], "load": [], "crc_save": [], "crc_load": []} for s in systems}
             gc.collect()
             # Small jobs take tens of ms: more repeats where they are cheap (x3 at <= 1/4 of the largest).
@@ -397,7 +399,9 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
                     step(f"{n_obj} objects: repeat 1 (with verification) done")
             remove_all()
             rows.append({"objects": n_obj, "tokens": tokens, "bytes": n_bytes, "repeats": case_repeats,
-                         "checks": checks, "times_s": times})
+                         "checks": checks, "times_s": times,
+                         # Other jobs on the 2 cores take the one the overlapped hash runs on.
+                         "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]})
             step(f"{n_obj} objects: timed repeats done")
             print(_progress(rows[-1]), flush=True)
         meta["trailer_bytes"] = TRAILER_BYTES
@@ -518,13 +522,17 @@ def markdown(rows, meta, args) -> str:
         f"- command: `python bench/store_data_path.py{_cmd_args(args)}`",
         f"- date: {meta['date']}; host: {meta['host']}; {meta['cpus']} CPUs shared with other jobs (absolute "
         "GB/s are noisy; compare the ratios: per repeat on adjacent measurements, median [min-max]); "
-        f"vllm {meta['vllm']}, mooncake {meta['mooncake']}, xxhash {meta['xxhash']}",
+        f"vllm {meta['vllm']}, mooncake {meta['mooncake']}, xxhash {meta['xxhash']}; 1-min load average "
+        "before/after each case (other jobs take the core the overlapped hash needs): "
+        + ", ".join(f"{r['objects']} objects {r['loadavg_1min'][0]:.1f}/{r['loadavg_1min'][1]:.1f}" for r in rows),
         f"- timed repeats per case: {per_case} "
         "(the first also verifies every byte, outside the timed calls); "
         "systems rotate every repeat; "
         f"hybridkv `max_batch_blocks` = {meta['max_batch_blocks']} (objects per store call at most), sub-batches "
-        f"{meta['overlap']['first_bytes'] >> 20} MiB first, doubling to {meta['overlap']['max_bytes'] >> 20} MiB "
-        "(`WorkerLimits.overlap_first_bytes` / `overlap_max_bytes`), `timeout_s` = 120; "
+        f"(`WorkerLimits.overlap_first_bytes` / `overlap_max_bytes`): a save's first {meta['overlap']['first_bytes'] >> 20} "
+        f"MiB, then what was hashed during the previous put (<= {meta['overlap']['max_bytes'] >> 20} MiB); a load's "
+        f"planned, doubling from {meta['overlap']['max_bytes'] >> 20} MiB down to {meta['overlap']['first_bytes'] >> 20} "
+        "MiB last; `timeout_s` = 120; "
         f"store segment {meta['segment_bytes'] / 2**30:.2f} GiB in this process (tcp protocol: every put/get is a "
         "local memcpy into/out of it plus the master RPCs)",
         "",
