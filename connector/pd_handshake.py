@@ -41,7 +41,7 @@ import numpy as np
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout
 from hybridkv.connector.pd_auth import PURPOSE_RPC_ANSWER, PURPOSE_RPC_REQUEST, DeploymentKey
-from hybridkv.connector.pd_tp import MAX_TP, head_outermost, ratio_problem
+from hybridkv.connector.pd_tp import MAX_TP, StateSplit, head_outermost, ratio_problem, state_split_problem
 from hybridkv.connector.pd_transport import HOST, MemorySpace
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,9 @@ logger = logging.getLogger(__name__)
 #    kv_cache_layout, the model's total KV heads; the request names the prefill rank it
 #    wants (``prefill_rank``); ClaimLease / ReleaseBlocks carry the reader (decode rank)
 #    and how many decode ranks read this prefill rank.
-HANDSHAKE_VERSION = 6
+# 7: Mamba (GDN) state re-sliced across TP sizes: each Mamba group's per-rank state splits
+#    (``state_splits``: per state offset, rows, unit bytes and its TP-sharded parts).
+HANDSHAKE_VERSION = 7
 
 SERVICE = "hybridkv.pd.Handshake"
 METHOD = "GetAgentInfo"
@@ -134,6 +136,12 @@ class GroupDescriptor:
     kv_heads: int = 0
     kernel_rows: tuple[int, ...] = ()
     kv_cache_layout: str = ""
+    # Mamba groups: each state's split on this rank (pd_tp.StateSplit.to_wire); empty when
+    # the state kind is not re-sliced (then only equal TP sizes pair).
+    state_splits: tuple[tuple[int, ...], ...] = ()
+
+    def splits(self) -> tuple[StateSplit, ...]:
+        return tuple(StateSplit.from_wire(t) for t in self.state_splits)
 
     @property
     def memory_space(self) -> MemorySpace:
@@ -186,12 +194,14 @@ class LayoutDescriptor:
         kv_identity: Mapping[str, str] | None = None,
         kv_heads: Sequence[int] | None = None,
         total_kv_heads: int = 0,
+        state_splits: Sequence[Sequence[StateSplit]] | None = None,
     ) -> "LayoutDescriptor":
         """Combine the worker's addresses (``KVLayout``) with the spec facts of
         ``block_layout.layout_rows(kv_cache_config)``; ``spaces`` is each group's
         memory space (``PDTransport.group_spaces``; None: host memory);
         ``kv_identity`` is ``store.keys.kv_identity(vllm_config)``; ``kv_heads`` each
-        group's KV heads on this rank (0 for state groups), ``total_kv_heads`` the model's."""
+        group's KV heads on this rank (0 for state groups), ``total_kv_heads`` the model's;
+        ``state_splits`` each group's Mamba state splits (empty: not a re-sliced Mamba group)."""
         if len(rows) != len(layout.groups):
             raise ValueError(f"{len(rows)} layout rows for {len(layout.groups)} groups")
         if spaces is not None and len(spaces) != len(layout.groups):
@@ -218,6 +228,7 @@ class LayoutDescriptor:
                     kv_heads=int(kv_heads[gi]) if kv_heads is not None else 0,
                     kernel_rows=tuple(int(k) for k in g.kernel_rows),
                     kv_cache_layout=str(row.get("kv_cache_layout") or ""),
+                    state_splits=tuple(s.to_wire() for s in (state_splits[gi] if state_splits else ())),
                 )
             )
         return cls(tp_size=tp_size, groups=tuple(groups), kv_identity=_identity_pairs(kv_identity or {}),
@@ -262,6 +273,7 @@ class LayoutDescriptor:
                     "kv_heads": g.kv_heads,
                     "kernel_rows": list(g.kernel_rows),
                     "kv_cache_layout": g.kv_cache_layout,
+                    "state_splits": [list(t) for t in g.state_splits],
                 }
                 for g in self.groups
             ],
@@ -292,6 +304,7 @@ class LayoutDescriptor:
                 kv_heads=int(g.get("kv_heads", 0)),
                 kernel_rows=tuple(int(k) for k in g.get("kernel_rows", ())),
                 kv_cache_layout=str(g.get("kv_cache_layout", "")),
+                state_splits=tuple(tuple(int(x) for x in t) for t in g.get("state_splits", ())),
             )
             if int(g.get("num_layers", d.num_layers)) != d.num_layers:
                 raise ValueError(
@@ -545,9 +558,21 @@ def _heterogeneous_group_mismatches(
     (prefill and decode at different TP sizes; see pd_tp)."""
     same_tp = "start both instances with the same --tensor-parallel-size"
     if "Mamba" in p.spec:
-        return [Mismatch(g, "tp_size", prefill.tp_size, decode.tp_size,
-                         f"{p.spec} state is not re-sliced between TP sizes (only attention KV heads are); "
-                         f"{same_tp} for this model")]
+        try:
+            ps, ds = p.splits(), d.splits()
+        except ValueError as e:
+            return [Mismatch(g, "state_splits", list(p.state_splits), list(d.state_splits), f"{e}; {same_tp}")]
+        problem = state_split_problem(ds, ps, decode.tp_size, prefill.tp_size)
+        for layer, (pb, db) in enumerate(zip(p.block_bytes, d.block_bytes)):
+            if problem:
+                break
+            problem = state_split_problem(ds, ps, decode.tp_size, prefill.tp_size, db, pb)
+            problem = problem and f"layer {layer}: {problem}"
+        if problem:
+            return [Mismatch(g, "state_splits", list(p.state_splits), list(d.state_splits),
+                             f"{p.spec} state cannot be re-sliced between TP {prefill.tp_size} and "
+                             f"{decode.tp_size}: {problem}; {same_tp} for this model")]
+        return []
     if p.kv_heads < 1 or d.kv_heads < 1:
         return [Mismatch(g, "kv_heads", p.kv_heads, d.kv_heads,
                          f"a side did not say how many KV heads its {p.spec} blocks hold; {same_tp}")]

@@ -49,6 +49,9 @@ class LocalLayout:
     tp_size: int = 1
     mamba_group_ids: tuple[int, ...] = ()
     total_kv_heads: int = 0
+    # Why this instance's Mamba state cannot be re-sliced across TP sizes (None: it is GDN
+    # state, which pd_tp re-slices; the prefill side's split is checked at the handshake).
+    mamba_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,8 @@ def _ports(raw: dict, port: int | Refused, local: LocalLayout) -> tuple[int, ...
             return Refused(name, f"holds {_short(v)}, not a TCP port", _SAME_PARAMS)
     if ports[0] != port:
         return Refused(name, f"starts with {ports[0]} but remote_port is {port} (rank 0's port)", _SAME_PARAMS)
-    problem = heterogeneous_tp_problem(len(ports), local.tp_size, local.mamba_group_ids, local.total_kv_heads)
+    problem = heterogeneous_tp_problem(len(ports), local.tp_size, local.mamba_group_ids, local.total_kv_heads,
+                                       local.mamba_problem)
     if problem:
         return Refused(name, f"lists {len(ports)} prefill ranks: {problem}",
                        "pair instances whose --tensor-parallel-size this model can be re-sliced between")

@@ -15,9 +15,17 @@ one kernel row of a layer's block is ``[H, N, C]`` with head ``h`` at
 ``h * N * C`` bytes, so a head range is one contiguous span per kernel row. A layout
 where tokens are outside heads (LBNHC) would need a span per token: refused.
 
-Mamba / linear-attention state (conv and SSM parts, each split by heads in its own
-way) is not re-sliced here: such groups need equal TP sizes (refused otherwise, with
-the field named, by :func:`heterogeneous_tp_problem` and the handshake).
+Mamba / linear-attention state (GDN, the only kind re-sliced): vLLM packs a layer's
+states into its page one after another in spec order from byte 0, padding after the
+last (``MambaBase.bind_kv_cache``). Each state is split over ranks along one dimension
+made of TP-sharded parts: GDN's conv state along its channels ``[q | k | v]`` (each
+part cut in ``tp`` equal pieces by ``mamba_v2_sharded_weight_loader``), stored
+``(state_len, channels)`` (vLLM's default ``SD`` conv layout: one span per part per
+state row) or ``(channels, state_len)`` (``VLLM_SSM_CONV_STATE_LAYOUT=DS``: one span per
+part); its SSM state ``(v_heads, head_v_dim, head_k_dim)`` along v heads, outermost (one
+span). :class:`StateSplit` describes one state on one rank; both sides send theirs in
+the handshake and :func:`mamba_slices` turns a pair into spans. Other Mamba kinds
+(Mamba1/2, KDA, replicated states) need equal TP sizes (refused with the field named).
 """
 
 from __future__ import annotations
@@ -131,20 +139,156 @@ def head_slices(
 
 
 def heterogeneous_tp_problem(prefill_tp: int, decode_tp: int, mamba_group_ids: Sequence[int],
-                             total_kv_heads: int) -> str | None:
+                             total_kv_heads: int, mamba_problem: str | None = None) -> str | None:
     """Why a decode instance cannot pair with a prefill instance of another TP size
-    (None: it can, or the sizes are equal)."""
+    (None: it can, or the sizes are equal). ``mamba_problem``: why this instance's
+    Mamba state cannot be re-sliced (e.g. not GDN); None lets Mamba groups pair, the
+    prefill side's split then being checked field by field at the handshake."""
     problem = ratio_problem(prefill_tp, decode_tp)
     if problem or prefill_tp == decode_tp:
         return problem
-    if mamba_group_ids:
+    if mamba_group_ids and mamba_problem:
         return (f"prefill runs tensor_parallel_size={prefill_tp} and this decode instance {decode_tp}: hybridkv "
-                f"re-slices attention heads between TP sizes but not Mamba/linear-attention state (groups "
-                f"{list(mamba_group_ids)}); start both with the same --tensor-parallel-size for this model")
+                f"cannot re-slice this model's Mamba/linear-attention state (groups {list(mamba_group_ids)}: "
+                f"{mamba_problem}); start both with the same --tensor-parallel-size for this model")
     if total_kv_heads < max(prefill_tp, decode_tp) or total_kv_heads % prefill_tp or total_kv_heads % decode_tp:
         return (f"the model's {total_kv_heads} KV heads do not split evenly over prefill TP {prefill_tp} and "
                 f"decode TP {decode_tp}; start both with the same --tensor-parallel-size")
     return None
+
+
+@dataclass(frozen=True)
+class StateSplit:
+    """One state array of a Mamba page on one rank, as TP splits it.
+
+    The state occupies ``rows * sum(parts) * unit`` bytes from ``offset``: ``rows``
+    repetitions (outer dimension, not split) of ``sum(parts)`` elements of ``unit`` bytes,
+    element order = part order; part ``j`` holds this rank's ``parts[j]`` elements of a
+    dimension of ``parts[j] * tp`` elements cut in equal pieces, rank ``r`` the ``r``-th."""
+
+    offset: int
+    rows: int
+    unit: int
+    parts: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * sum(self.parts) * self.unit
+
+    def to_wire(self) -> tuple[int, ...]:
+        return (self.offset, self.rows, self.unit, *self.parts)
+
+    @classmethod
+    def from_wire(cls, t: Sequence[int]) -> "StateSplit":
+        if len(t) < 4 or any(int(x) < 0 for x in t):
+            raise ValueError(f"state split {list(t)}: need offset, rows, unit and >= 1 part, all >= 0")
+        return cls(int(t[0]), int(t[1]), int(t[2]), tuple(int(x) for x in t[3:]))
+
+
+GDN_TYPE = "gdn_attn"  # MambaAttentionBackendEnum.GDN_ATTN's value (MambaSpec.mamba_type)
+
+
+def gdn_state_splits(shapes: Sequence[Sequence[int]], dtype_sizes: Sequence[int],
+                     conv_dim_first: bool) -> tuple[StateSplit, ...]:
+    """The two states of a GDN layer on one rank, from its ``MambaSpec`` shapes and dtype
+    sizes (``gated_delta_net_state_shape``: conv ``(state_len, conv_dim/tp)`` in SD,
+    ``(conv_dim/tp, state_len)`` in DS, with ``conv_dim = 2 * key_dim + value_dim``;
+    SSM ``(num_v_heads/tp, head_v_dim, head_k_dim)``). ``key_dim`` per rank is recovered
+    the way vLLM's NixlConnector does (``derive_mamba_conv_split``): what the conv
+    channels hold beyond ``value_dim``, halved. Raises ``ValueError`` when the shapes do
+    not decompose so."""
+    if len(shapes) != 2 or len(dtype_sizes) != 2:
+        raise ValueError(f"GDN has 2 states (conv, ssm); the spec has {len(shapes)} shapes, {len(dtype_sizes)} dtypes")
+    conv, ssm = [tuple(int(x) for x in s) for s in shapes]
+    if len(conv) != 2 or len(ssm) != 3 or min(conv + ssm) < 1 or min(dtype_sizes) < 1:
+        raise ValueError(f"GDN state shapes {conv}, {ssm}: expected 2-D conv and 3-D SSM state")
+    channels, state_len = conv if conv_dim_first else conv[::-1]
+    v_heads, head_v, head_k = ssm
+    value_dim = v_heads * head_v
+    rest = channels - value_dim
+    if rest <= 0 or rest % 2:
+        raise ValueError(f"GDN conv channels {channels} are not 2 * key_dim + value_dim ({value_dim})")
+    key_dim = rest // 2
+    if key_dim % head_k:
+        raise ValueError(f"GDN key_dim per rank {key_dim} is not a multiple of head_k_dim {head_k}")
+    cs, ss = int(dtype_sizes[0]), int(dtype_sizes[1])
+    parts = (key_dim, key_dim, value_dim)
+    conv_split = (StateSplit(0, 1, state_len * cs, parts) if conv_dim_first
+                  else StateSplit(0, state_len, cs, parts))
+    return conv_split, StateSplit(conv_split.nbytes, 1, head_v * head_k * ss, (v_heads,))
+
+
+def spec_state_splits(mamba_type: str, shapes: Sequence[Sequence[int]], dtype_sizes: Sequence[int],
+                      conv_dim_first: bool, tp_replicated: bool = False) -> tuple[StateSplit, ...]:
+    """A ``MambaSpec``'s states as :class:`StateSplit` s (``mamba_type``: its
+    ``mamba_type`` value). Raises ``ValueError`` naming why a kind is not re-sliced."""
+    kind = str(mamba_type).rpartition(".")[2].lower()
+    if tp_replicated:
+        raise ValueError("the state is replicated on every rank (MambaSpec.tp_replicated), not split")
+    if kind != GDN_TYPE:
+        raise ValueError(f"mamba_type {kind!r}: only {GDN_TYPE!r} (gated delta net) state is re-sliced")
+    return gdn_state_splits(shapes, dtype_sizes, conv_dim_first)
+
+
+def state_split_problem(local: Sequence[StateSplit], remote: Sequence[StateSplit], local_tp: int, remote_tp: int,
+                        local_bytes: int | None = None, remote_bytes: int | None = None) -> str | None:
+    """Why these two ranks' state descriptions cannot be re-sliced into each other (None:
+    they can). ``*_bytes``: the page (region) size each state must fit in."""
+    if not local or not remote:
+        return "a side did not describe how its Mamba state is split over ranks (only GDN state is re-sliced)"
+    if len(local) != len(remote):
+        return f"{len(local)} states here, {len(remote)} on the peer"
+    for i, (a, b) in enumerate(zip(local, remote, strict=True)):
+        if a.rows != b.rows or a.unit != b.unit or len(a.parts) != len(b.parts):
+            return (f"state {i}: rows/unit/parts {a.rows}/{a.unit}/{len(a.parts)} here, {b.rows}/{b.unit}/"
+                    f"{len(b.parts)} on the peer (another conv layout, dtype or model)")
+        for j, (x, y) in enumerate(zip(a.parts, b.parts, strict=True)):
+            if x < 1 or y < 1 or x * local_tp != y * remote_tp:
+                return (f"state {i} part {j}: {x} x TP{local_tp} here, {y} x TP{remote_tp} on the peer "
+                        "(not the same dimension split evenly)")
+    for side, splits, size in (("local", local, local_bytes), ("peer", remote, remote_bytes)):
+        end = 0
+        for i, s in enumerate(splits):
+            if s.offset < end:
+                return f"{side} state {i} at byte {s.offset} overlaps the state before it (ends at {end})"
+            end = s.offset + s.nbytes
+        if size is not None and end > int(size):
+            return f"{side} states end at byte {end}, past the {int(size)}-byte page"
+    return None
+
+
+def mamba_slices(local: Sequence[StateSplit], remote: Sequence[StateSplit], local_tp: int, remote_tp: int,
+                 local_rank: int, remote_rank: int) -> list[tuple[int, int, int]]:
+    """``(local offset, remote offset, length)`` spans of one layer's page that move remote
+    rank ``remote_rank``'s share of every state part into local rank ``local_rank``'s
+    (empty when the ranks share nothing). Adjacent spans are merged. Raises
+    ``ValueError`` when :func:`state_split_problem` names a problem."""
+    problem = state_split_problem(local, remote, local_tp, remote_tp)
+    if problem:
+        raise ValueError(problem)
+    if not (0 <= local_rank < local_tp and 0 <= remote_rank < remote_tp):
+        raise ValueError(f"ranks {local_rank}/{local_tp} (local), {remote_rank}/{remote_tp} (peer)")
+    spans: list[tuple[int, int, int]] = []
+    for a, b in zip(local, remote, strict=True):
+        lrow, rrow = sum(a.parts) * a.unit, sum(b.parts) * b.unit
+        lpre = rpre = 0
+        runs = []
+        for lp, rp in zip(a.parts, b.parts, strict=True):
+            lo, hi = max(local_rank * lp, remote_rank * rp), min((local_rank + 1) * lp, (remote_rank + 1) * rp)
+            if lo < hi:
+                runs.append(((lpre + lo - local_rank * lp) * a.unit, (rpre + lo - remote_rank * rp) * a.unit,
+                             (hi - lo) * a.unit))
+            lpre, rpre = lpre + lp, rpre + rp
+        for i in range(a.rows):
+            for lo_, ro_, n in runs:
+                spans.append((a.offset + i * lrow + lo_, b.offset + i * rrow + ro_, n))
+    merged: list[tuple[int, int, int]] = []
+    for lo_, ro_, n in spans:
+        if merged and merged[-1][0] + merged[-1][2] == lo_ and merged[-1][1] + merged[-1][2] == ro_:
+            merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + n)
+        else:
+            merged.append((lo_, ro_, n))
+    return merged
 
 
 def head_outermost(kv_cache_layout: str | None) -> bool:
@@ -156,14 +300,20 @@ def head_outermost(kv_cache_layout: str | None) -> bool:
 
 
 __all__ = [
+    "GDN_TYPE",
     "HEAD_OUTERMOST_LAYOUTS",
     "MAX_TP",
     "RankRead",
+    "StateSplit",
+    "gdn_state_splits",
     "head_outermost",
+    "spec_state_splits",
     "head_slices",
     "heterogeneous_tp_problem",
+    "mamba_slices",
     "rank_reads",
     "ratio_problem",
     "readers_of",
     "region_rows",
+    "state_split_problem",
 ]

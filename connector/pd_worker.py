@@ -53,7 +53,16 @@ from hybridkv.connector.pd_handshake import (
     release_blocks,
 )
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
-from hybridkv.connector.pd_tp import RankRead, head_slices, rank_reads, readers_of, region_rows
+from hybridkv.connector.pd_tp import (
+    RankRead,
+    StateSplit,
+    head_slices,
+    mamba_slices,
+    rank_reads,
+    readers_of,
+    region_rows,
+    spec_state_splits,
+)
 from hybridkv.connector.pd_transport import PDTransport, ReadHandle, TransferError, TransferTimeout, allocation_spaces
 
 # A claim can arrive before the prefill worker's next step hands it the lease (the
@@ -72,6 +81,43 @@ PEER_IDLE_S = 60.0
 MAX_PEERS = 64
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+
+
+def _state_splits_or_raise(group) -> tuple[StateSplit, ...]:  # noqa: ANN001 - a vllm KVCacheGroupSpec
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.utils.torch_utils import get_dtype_size
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    specs = layer_specs(group)
+    if not specs or not any(isinstance(sp, MambaSpec) for sp in specs):
+        return ()
+    if not all(isinstance(sp, MambaSpec) for sp in specs) or len(set(specs)) != 1:
+        raise ValueError("the group's layers have different Mamba specs")
+    spec = specs[0]
+    return spec_state_splits(str(spec.mamba_type), spec.shapes, [get_dtype_size(d) for d in spec.dtypes],
+                             bool(is_conv_state_dim_first()), bool(getattr(spec, "tp_replicated", False)))
+
+
+def group_state_splits(group) -> tuple[StateSplit, ...]:  # noqa: ANN001 - a vllm KVCacheGroupSpec
+    """A Mamba group's per-rank state splits for the handshake (empty: not a Mamba group,
+    or a kind pd_tp does not re-slice, which then pairs only at equal TP sizes). The conv
+    orientation is the one this process's layers bind (VLLM_SSM_CONV_STATE_LAYOUT)."""
+    try:
+        return _state_splits_or_raise(group)
+    except ValueError as e:
+        logger.info("hybridkv P/D: Mamba group state not re-sliced across TP sizes: %s", e)
+        return ()
+
+
+def mamba_reslice_problem(kv_cache_config) -> str | None:  # noqa: ANN001 - a vllm KVCacheConfig
+    """Why this instance's Mamba state cannot be re-sliced across TP sizes (None: no Mamba
+    group, or every one is GDN state): ``LocalLayout.mamba_problem`` for the scheduler."""
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        try:
+            _state_splits_or_raise(group)
+        except ValueError as e:
+            return f"group {gid}: {e}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -147,7 +193,9 @@ class PDWorker:
         self._local = LayoutDescriptor.from_kv(layout, layout_rows(self._kv_cache_config), self._s.tp_size,
                                                spaces=self._transport.group_spaces,
                                                kv_identity=self._s.kv_identity, kv_heads=kv_heads,
-                                               total_kv_heads=self._s.total_kv_heads)
+                                               total_kv_heads=self._s.total_kv_heads,
+                                               state_splits=[group_state_splits(g)
+                                                             for g in self._kv_cache_config.kv_cache_groups])
         info = AgentInfo(
             engine_id=self._s.engine_id,
             tp_rank=self._s.tp_rank,
@@ -329,6 +377,12 @@ class PDWorker:
                 out.append(None)
                 continue
             lg = self._transport.layout.groups[gid]
+            if "Mamba" in mine.spec:
+                # every layer view of the group holds the same states (one spec per group)
+                spans = mamba_slices(mine.splits(), theirs.splits(), self._s.tp_size, len(job.remote_ports),
+                                     self._s.tp_rank, part.prefill_rank)
+                out.append([spans] * len(mine.block_bytes))
+                continue
             out.append(head_slices(mine.block_bytes, theirs.block_bytes, region_rows(mine.block_bytes, lg.kernel_rows),
                                    mine.kv_heads, theirs.kv_heads, part))
         return out

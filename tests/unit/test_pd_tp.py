@@ -197,8 +197,11 @@ def test_handshake_accepts_attention_across_sizes_and_names_what_it_refuses(cach
 def test_heterogeneous_problem_names_mamba_groups():
     assert heterogeneous_tp_problem(2, 2, (0,), 2) is None
     assert heterogeneous_tp_problem(2, 1, (), 4) is None
-    msg = heterogeneous_tp_problem(2, 1, (0,), 4)
-    assert msg and "not Mamba/linear-attention state (groups [0])" in msg and "--tensor-parallel-size" in msg
+    assert heterogeneous_tp_problem(2, 1, (0,), 4) is None  # GDN state: re-sliced, checked at the handshake
+    msg = heterogeneous_tp_problem(2, 1, (0,), 4, "mamba_type 'mamba2': only 'gdn_attn' state is re-sliced")
+    assert msg and "cannot re-slice this model's Mamba/linear-attention state (groups [0]: mamba_type 'mamba2'" in msg
+    assert "--tensor-parallel-size" in msg
+    assert heterogeneous_tp_problem(2, 2, (0,), 2, "not GDN") is None  # equal sizes copy whole
     assert "do not split evenly" in heterogeneous_tp_problem(4, 1, (), 2)
 
 
@@ -214,8 +217,9 @@ def _params(ports: tuple[int, ...]) -> dict:
     return issue_remote_prefill(p, KEY, HASHES, 32)
 
 
-def _parse(raw: dict, tp: int = 1, mamba: tuple[int, ...] = ()):
-    local = LocalLayout(True, True, (32, 32), 100, 32, tp_size=tp, mamba_group_ids=mamba, total_kv_heads=4)
+def _parse(raw: dict, tp: int = 1, mamba: tuple[int, ...] = (), mamba_problem: str | None = "not GDN"):
+    local = LocalLayout(True, True, (32, 32), 100, 32, tp_size=tp, mamba_group_ids=mamba, total_kv_heads=4,
+                        mamba_problem=mamba_problem)
     return parse_kv_transfer_params(raw, PromptView(100, HASHES), local, KEY)
 
 
@@ -227,7 +231,8 @@ def test_remote_ports_are_signed_and_validated():
     assert isinstance(_parse(raw, tp=1), RemotePrefill)  # attention only: TP2 -> TP1 re-slices
     refused = _parse(raw, tp=1, mamba=(0,))
     assert isinstance(refused, Refused) and refused.field == "remote_ports"
-    assert "lists 2 prefill ranks" in str(refused) and "not Mamba/linear-attention state" in str(refused)
+    assert "lists 2 prefill ranks" in str(refused) and "cannot re-slice this model's Mamba" in str(refused)
+    assert isinstance(_parse(raw, tp=1, mamba=(0,), mamba_problem=None), RemotePrefill)  # GDN: re-sliced
     for bad, what in (([4000, True], "not a TCP port"), ([4000, 70000], "not a TCP port"), ("4000", "not a list"),
                       ([4001, 4000], "rank 0's port"), ([], "not a list")):
         r = _parse({**raw, "remote_ports": bad}, tp=2)
