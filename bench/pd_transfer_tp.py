@@ -297,7 +297,8 @@ def planted(part, r, local_heads: int, remote_heads: int):  # noqa: ANN001
         r = [list(g) for g in r]
         r[1][0], r[1][1] = r[1][1], r[1][0]
         return part, r
-    for lh, rh in ((part.local_head0 - 1, part.remote_head0), (part.local_head0, part.remote_head0 + 1),
+    for lh, rh in ((part.local_head0 - 1, part.remote_head0), (part.local_head0 + 1, part.remote_head0),
+                   (part.local_head0, part.remote_head0 + 1),
                    (part.local_head0, part.remote_head0 - 1)):
         if 0 <= lh and lh + part.num_heads <= local_heads and 0 <= rh and rh + part.num_heads <= remote_heads:
             return replace(part, local_head0=lh, remote_head0=rh), r
@@ -690,7 +691,11 @@ def write_outputs(doc: dict, out: Path) -> None:
             f"{fmt(r['raw'])} | **{fmt_ratio(r['ratio'])}** ({q(r['ratio'], 0.25):.2f}-{q(r['ratio'], 0.75):.2f}) | {per_rank} | {build} | {overlap} |"
         )
     lines += ["", "rank overlap: median over repeats of (time both decode ranks' hybridkv READs were in flight "
-              "together) / (their joint span); 1 = fully concurrent."]
+              "together) / (their joint span); 1 = fully concurrent.",
+              "", "Read the paired ratio, not the two GB/s medians side by side: other work on this machine "
+              "starts and stops within a case (a repeat's two paths run back to back and see the same load, "
+              "but the load of repeat 5 and repeat 30 can differ twofold, so the two paths' medians can fall in "
+              "different phases; the per-repeat GB/s are in the .json and the dots of the .png)."]
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(rows) - 4:]))
     print(f"wrote {out}, {js.name}, {png.name}")
