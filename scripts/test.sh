@@ -46,6 +46,7 @@ VLLM033_TESTS=(
     tests/unit/test_save_mask.py tests/unit/test_truncation_drift.py tests/unit/test_block_copies.py
     tests/unit/test_store_connector_parts.py tests/unit/test_pd_transport.py tests/unit/test_doctor.py
     tests/unit/test_kernel_blocks.py tests/unit/test_lookup_probes.py tests/unit/test_pd_tp.py
+    tests/unit/test_store_overlap.py
 )
 [ "${HYBRIDKV_VLLM033_ALL:-0}" = "1" ] && VLLM033_TESTS=(tests/unit)
 
