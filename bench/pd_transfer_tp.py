@@ -13,12 +13,13 @@ use idles), all on loopback UCX (``UCX_NET_DEVICES=lo``; cma on one host).
 Every rank builds its KV cache with vLLM's own ``allocate_kv_cache`` (LBHNC, the
 CPU backend's layout) for a hybrid geometry: a sliding-window group and a
 full-attention group of 4 layers each, 4 KV heads in all (2 per rank at TP2), head
-size 128, 64-token blocks (128 KiB per layer block at TP1, 64 KiB at TP2); TP2->TP2
-adds a Mamba group (conv + SSM state, padded to the attention page), which
-hybridkv does not re-slice across TP sizes. A READ moves 128 full-attention blocks,
-16 sliding-window blocks (a 1024-token window) and, at TP2->TP2, 1 Mamba block
-(the request's state), at fresh random scattered ids each repeat; the block ids are
-the same on every rank of an instance (one scheduler).
+size 128, 64-token blocks (128 KiB per layer block at TP1, 64 KiB at TP2), plus a
+GDN (gated delta net) Mamba group of 4 layers with vLLM's own state shapes (conv
+``(3, q|k|v channels/tp)`` bf16 + SSM ``(v_heads/tp, 64, 64)`` f32, padded to the
+page), which ``pd_tp.mamba_slices`` re-slices across TP sizes. A READ moves 128
+full-attention blocks, 16 sliding-window blocks (a 1024-token window) and 1 Mamba
+block (the request's state), at fresh random scattered ids each repeat; the block
+ids are the same on every rank of an instance (one scheduler).
 
 Per decode rank and repeat, two paths, alternated (both decode ranks run the same
 order, lined up by a barrier before each timed read):
@@ -68,10 +69,14 @@ LAYERS = 4  # per group
 WINDOW = 1024
 NUM_BLOCKS = 320  # per rank; room for scattered, disjoint ids on both sides
 READ_BLOCKS = {"sw": WINDOW // BLOCK_TOKENS, "fa": 128, "mamba": 1}
+MAMBA_POOL = 16  # prefill block ids [NUM_BLOCKS - MAMBA_POOL, NUM_BLOCKS) hold GDN state, the rest attention KV
+# GDN (qwen3-next's linear attention) geometry, all ranks together: key / value heads and dims, conv kernel
+GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_K, GDN_HEAD_V, GDN_KERNEL = 4, 6, 64, 64, 4
+GDN_PARTS = (GDN_K_HEADS * GDN_HEAD_K, GDN_K_HEADS * GDN_HEAD_K, GDN_V_HEADS * GDN_HEAD_V)  # conv channels q | k | v
 POISON = 0xA5
 PROGRESS_DELAY_US = 100  # PDTransport's default
 # (name, prefill TP, decode TP, with a Mamba group)
-CASES = [("TP2->TP2", 2, 2, True), ("TP2->TP1", 2, 1, False), ("TP1->TP2", 1, 2, False)]
+CASES = [("TP2->TP2", 2, 2, True), ("TP2->TP1", 2, 1, True), ("TP1->TP2", 1, 2, True)]
 
 
 # ----------------------------------------------------------------------------- KV caches
@@ -90,10 +95,16 @@ def group_specs(heads: int, mamba: bool):
         KVCacheGroupSpec(names("fa"), FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=heads,
                                                         head_size=HEAD_SIZE, dtype=torch.bfloat16)),
     ]
-    if mamba:  # this rank's share of a GDN-like layer: conv + SSM state, padded to the attention page
+    if mamba:  # this rank's share of a GDN layer (vLLM's own state shapes): conv + SSM, padded to the page
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+        tp = TOTAL_HEADS // heads
+        shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+            tp, GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_K, GDN_HEAD_V, GDN_KERNEL)
         groups.append(KVCacheGroupSpec(names("mamba"), MambaSpec(
-            block_size=BLOCK_TOKENS, shapes=((3, 1024), (4, 64, 32)), dtypes=(torch.bfloat16, torch.float32),
-            mamba_cache_mode="align", page_size_padded=page)))
+            block_size=BLOCK_TOKENS, shapes=tuple(tuple(x) for x in shapes), dtypes=(torch.bfloat16, torch.float32),
+            mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align", page_size_padded=page)))
     return groups, page
 
 
@@ -124,8 +135,13 @@ class KV:
         assert self.raw.data_ptr() == self.base and self.raw.numel() == self.size
         self.group_names = [list(g.layer_names) for g in self.config.kv_cache_groups]
         kv_heads = [self.heads, self.heads] + ([0] if mamba else [])
+        from hybridkv.connector.pd_worker import group_state_splits
+
+        self.state_splits = [group_state_splits(g) for g in self.config.kv_cache_groups]
+        assert not mamba or len(self.state_splits[2]) == 2, self.state_splits  # GDN: conv + SSM, re-sliceable
         self.descriptor = LayoutDescriptor.from_kv(self.layout, layout_rows(self.config), tp_size=tp,
-                                                   kv_heads=kv_heads, total_kv_heads=TOTAL_HEADS)
+                                                   kv_heads=kv_heads, total_kv_heads=TOTAL_HEADS,
+                                                   state_splits=self.state_splits)
 
     def slot(self, t) -> int:  # noqa: ANN001
         """Which of the LAYERS shared tensors a layer view lies in (groups overlay them)."""
@@ -147,6 +163,33 @@ def pattern(slot: int, blocks, head0: int, heads: int):  # noqa: ANN001
     return ((((g * 2654435761) >> 16) & 0xFFFF) - 32768).to(torch.int16)
 
 
+def _hash(g, salt: int, bits: int):  # noqa: ANN001
+    return (((g * 2654435761 + salt * 40503) >> 13) & ((1 << bits) - 1)) - (1 << (bits - 1))
+
+
+def gdn_state(slot: int, blocks, rank: int, tp: int):  # noqa: ANN001
+    """This rank's GDN state bytes of these blocks, uint8 [n, conv + ssm bytes]: conv rows
+    ``(state_len, q|k|v channels)`` with, per part, the rank's ``1/tp`` piece of the global
+    channels (what vLLM's sharded weight loader gives it); SSM ``(v_heads, head_v, head_k)``,
+    the rank's v heads. Global content = a hash of (slot, block, row, global channel) and
+    (slot, block, global v head, i, j)."""
+    import torch
+
+    b = torch.as_tensor(blocks, dtype=torch.int64)
+    n, rows, conv_dim = len(blocks), GDN_KERNEL - 1, sum(GDN_PARTS)
+    chans = torch.cat([torch.arange(off + rank * (p // tp), off + (rank + 1) * (p // tp))
+                       for off, p in zip((0, GDN_PARTS[0], GDN_PARTS[0] + GDN_PARTS[1]), GDN_PARTS)])
+    row = torch.arange(rows, dtype=torch.int64)
+    g = ((slot * NUM_BLOCKS + b)[:, None, None] * rows + row[None, :, None]) * conv_dim + chans[None, None, :]
+    conv = _hash(g, 1, 16).to(torch.int16)
+    hv = GDN_V_HEADS // tp
+    per = GDN_HEAD_V * GDN_HEAD_K
+    heads = torch.arange(rank * hv, (rank + 1) * hv, dtype=torch.int64)
+    g = ((slot * NUM_BLOCKS + b)[:, None, None] * GDN_V_HEADS + heads[None, :, None]) * per + torch.arange(per)
+    ssm = _hash(g, 2, 32).to(torch.int32)
+    return torch.cat([conv.reshape(n, -1).view(torch.uint8), ssm.reshape(n, -1).view(torch.uint8)], dim=1)
+
+
 def fill_prefill(kv: KV, rank: int) -> None:
     """Prefill rank ``rank`` holds heads [rank*H, rank*H + H) of the global pattern, in every slot."""
     done = set()
@@ -162,12 +205,22 @@ def fill_prefill(kv: KV, rank: int) -> None:
                 ids = list(range(b0, min(NUM_BLOCKS, b0 + 32)))
                 v[b0 : b0 + len(ids)] = pattern(s, ids, rank * kv.heads, kv.heads)
     assert done == set(range(LAYERS)), done
+    if kv.mamba:  # the state pool's blocks: this rank's GDN state in every Mamba layer view
+        import torch
+
+        pool = list(range(NUM_BLOCKS - MAMBA_POOL, NUM_BLOCKS))
+        for name in kv.group_names[2]:
+            t = kv.caches[name]
+            state = gdn_state(kv.slot(t), pool, rank, kv.tp)
+            assert state.shape[1] == t[0].numel(), (state.shape, t.shape)  # the view is the states, no padding
+            t[pool] = state.view(torch.int8).reshape((len(pool), *t.shape[1:]))
 
 
 def expected_image(kv: KV, decode_rank: int, remote_ids, local_ids):  # noqa: ANN001
     """The decode allocation after a correct READ into poisoned memory: each destination block
-    holds this rank's global heads of its source block; Mamba blocks (TP2->TP2 only) the
-    state bytes of prefill rank ``decode_rank``'s block; every other byte poison."""
+    holds this rank's global heads of its source block; Mamba blocks this rank's share of the
+    GDN state of the source block (as a prefill rank of this TP size would hold it); every
+    other byte poison."""
     import torch
 
     img = torch.full_like(kv.raw, POISON)
@@ -177,11 +230,11 @@ def expected_image(kv: KV, decode_rank: int, remote_ids, local_ids):  # noqa: AN
         for name in names:
             t = kv.caches[name]
             v = torch.empty(0, dtype=t.dtype).set_(st, t.storage_offset(), t.shape, t.stride())
-            src = pattern(kv.slot(t), r_ids, h0, kv.heads)  # the whole page of the source block
             if name.startswith("mamba"):
-                state = src.reshape(len(r_ids), -1).view(torch.int8)[:, : v[0].numel()]
-                v[l_ids] = state.reshape((len(r_ids), *v.shape[1:]))
+                state = gdn_state(kv.slot(t), r_ids, decode_rank, kv.tp)
+                v[l_ids] = state.view(torch.int8).reshape((len(r_ids), *v.shape[1:]))
             else:
+                src = pattern(kv.slot(t), r_ids, h0, kv.heads)
                 v.view(v.shape[0], v.shape[1], -1).view(torch.int16)[l_ids] = src
     return img
 
@@ -270,9 +323,11 @@ def decode_main(conn, rank: int, barrier) -> None:  # noqa: ANN001
             conn.send({"error": f"decode rank {rank}: {e!r}\n{traceback.format_exc()}"})
 
 
-def spans(part, local_desc, peer_desc, kv: KV, remote_ids):  # noqa: ANN001
-    """Per group the head spans of ``part`` (None: whole blocks), as ``pd_worker._slices`` builds them."""
-    from hybridkv.connector.pd_tp import head_slices, region_rows
+def spans(part, local_desc, peer_desc, kv: KV, remote_ids, rank: int, prefill_tp: int,  # noqa: ANN001
+          plant_gdn: bool = False):
+    """Per group the spans of ``part`` (None: whole blocks), as ``pd_worker._slices`` builds them:
+    head ranges for attention, ``mamba_slices`` of the handshake's state splits for GDN state."""
+    from hybridkv.connector.pd_tp import head_slices, mamba_slices, region_rows
 
     if part.whole:
         return None
@@ -282,6 +337,13 @@ def spans(part, local_desc, peer_desc, kv: KV, remote_ids):  # noqa: ANN001
             out.append(None)
             continue
         lg = kv.layout.groups[gid]
+        if "Mamba" in mine.spec:
+            lr, rr = rank, part.prefill_rank
+            if plant_gdn:  # planted: the other rank's share of the state (ranks mixed up)
+                lr, rr = (lr, 1 - rr) if prefill_tp > kv.tp else (1 - lr, rr)
+            sp = mamba_slices(mine.splits(), theirs.splits(), kv.tp, prefill_tp, lr, rr)
+            out.append([sp] * len(mine.block_bytes))
+            continue
         out.append(head_slices(mine.block_bytes, theirs.block_bytes, region_rows(mine.block_bytes, lg.kernel_rows),
                                mine.kv_heads, theirs.kv_heads, part))
     return out
@@ -306,7 +368,7 @@ def planted(part, r, local_heads: int, remote_heads: int):  # noqa: ANN001
 
 
 def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, mamba: bool,  # noqa: ANN001
-               ports: list[int], repeats: int, warmup: int, plant: bool = False) -> dict:
+               ports: list[int], repeats: int, warmup: int, plant: str | None = None) -> dict:
     from collections import Counter
 
     import numpy as np
@@ -343,7 +405,10 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
                 out.append(perm[i : i + c])
                 i += c
             return out
-        r = rng.choice(NUM_BLOCKS, sum(counts), replace=False).tolist()
+        n_att = sum(counts[:2])
+        r = rng.choice(NUM_BLOCKS - MAMBA_POOL, n_att, replace=False).tolist()
+        if mamba:  # prefill's state blocks come from its state pool
+            r += (NUM_BLOCKS - MAMBA_POOL + rng.choice(MAMBA_POOL, counts[2], replace=False)).tolist()
         lo = rng.choice(NUM_BLOCKS, sum(counts), replace=False).tolist()
         return split(r), split(lo)
 
@@ -352,10 +417,11 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
         handles = []
         for part, pl, peer, _ in peers:
             rr = r
-            if plant:
+            if plant == "attn":
                 part, rr = planted(part, r, kv.heads, pl.groups[0].kv_heads)
             handles.append(transport.read_blocks(peer, rr, lo, notif=b"bench",
-                                                 slices=spans(part, kv.descriptor, pl, kv, rr)))
+                                                 slices=spans(part, kv.descriptor, pl, kv, rr, rank, prefill_tp,
+                                                              plant_gdn=plant == "gdn")))
         for h in handles:
             transport.wait(h, 60.0)
         t1 = time.perf_counter()
@@ -364,7 +430,8 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
         return t, t1, [(h.num_descs, h.nbytes) for h in handles]
 
     def rows(r, lo):
-        return [read_descriptors(kv.layout.groups, pl.group_layouts(), r, lo, slices=spans(part, kv.descriptor, pl, kv, r))
+        return [read_descriptors(kv.layout.groups, pl.group_layouts(), r, lo,
+                                 slices=spans(part, kv.descriptor, pl, kv, r, rank, prefill_tp))
                 for part, pl, _, _ in peers]
 
     def raw_read(r, lo) -> tuple[float, float, list]:
@@ -493,8 +560,10 @@ def main() -> None:
     ap.add_argument("--plot-only", action="store_true",
                     help="no run: re-render the .md and .png from the .json next to --out")
     ap.add_argument("--cases", nargs="*", help=f"a subset of {[c[0] for c in CASES]}")
-    ap.add_argument("--plant", action="store_true",
-                    help="plant an addressing fault in the hybridkv path (the run must abort on wrong bytes)")
+    ap.add_argument("--plant", choices=("attn", "gdn"),
+                    help="plant an addressing fault in the hybridkv path (the run must abort on wrong bytes): "
+                    "attn = a head range one head off (two source blocks swapped at equal sizes); gdn = the other "
+                    "rank's share of the GDN state (across sizes only)")
     args = ap.parse_args()
     if args.plot_only:
         write_outputs(json.loads(args.out.with_suffix(".json").read_text()), args.out)
@@ -572,7 +641,9 @@ def main() -> None:
             "repeats": repeats,
             "warmup": warmup,
             "progress_delay_us": PROGRESS_DELAY_US,
-            "geometry": {"total_kv_heads": TOTAL_HEADS, "head_size": HEAD_SIZE, "block_tokens": BLOCK_TOKENS,
+            "geometry": {"gdn": {"k_heads": GDN_K_HEADS, "v_heads": GDN_V_HEADS, "head_k": GDN_HEAD_K,
+                                 "head_v": GDN_HEAD_V, "conv_kernel": GDN_KERNEL},
+                         "total_kv_heads": TOTAL_HEADS, "head_size": HEAD_SIZE, "block_tokens": BLOCK_TOKENS,
                          "layers_per_group": LAYERS, "window": WINDOW, "num_blocks": NUM_BLOCKS,
                          "read_blocks": READ_BLOCKS},
         },
@@ -616,6 +687,10 @@ def plot(rows: list[dict], path: Path) -> str:
     return matplotlib.__version__
 
 
+def _size(n: int) -> str:
+    return f"{n} B" if n < 1024 else f"{n / 1024:.3g} KiB"
+
+
 def write_outputs(doc: dict, out: Path) -> None:
     """Markdown (``out``), JSON and PNG next to it (same stem)."""
     m, rows = doc["meta"], doc["rows"]
@@ -639,12 +714,14 @@ def write_outputs(doc: dict, out: Path) -> None:
         "cache allocated by vLLM's `allocate_kv_cache` (LBHNC): sliding-window group (window "
         f"{geo['window']}) + full-attention group, {geo['layers_per_group']} layers each, {geo['total_kv_heads']} "
         f"KV heads in all (TP2: {geo['total_kv_heads'] // 2} per rank), head size {geo['head_size']}, "
-        f"{geo['block_tokens']}-token blocks (TP1 128 KiB per layer block, TP2 64 KiB); TP2->TP2 adds a Mamba "
-        f"group (conv + SSM state, 38 KiB padded to the page). A READ: {geo['read_blocks']['fa']} full-attention "
-        f"+ {geo['read_blocks']['sw']} sliding-window blocks (+ {geo['read_blocks']['mamba']} Mamba block at "
-        "TP2->TP2), fresh random scattered ids each repeat, the same ids on every rank of an instance.",
+        f"{geo['block_tokens']}-token blocks (TP1 128 KiB per layer block, TP2 64 KiB); a GDN Mamba group of "
+        f"{geo['layers_per_group']} layers with vLLM's GDN state shapes (conv (3, q|k|v channels/tp) bf16 + SSM "
+        "(v_heads/tp, 64, 64) f32: TP1 101 KiB, TP2 51 KiB, padded to the page), re-sliced across sizes by "
+        f"`pd_tp.mamba_slices`. A READ: {geo['read_blocks']['fa']} full-attention + {geo['read_blocks']['sw']} "
+        f"sliding-window + {geo['read_blocks']['mamba']} Mamba block, fresh random scattered ids each repeat, the "
+        "same ids on every rank of an instance.",
         "- hybridkv = what `pd_worker._read` does minus the gRPC claim/release: spans from `pd_tp.rank_reads` + "
-        "`head_slices` over the handshake layouts, `read_blocks(..., slices=)` for every prefill rank of the plan "
+        "`head_slices` (attention) / `mamba_slices` of the handshake's state splits (GDN) over the handshake layouts, `read_blocks(..., slices=)` for every prefill rank of the plan "
         "(all posted, then waited). raw = a second `nixl_agent` on the same memory (same progress-thread delay, "
         f"{m['progress_delay_us']} us), `initialize_xfer` + `transfer` + poll on the rows "
         "`read_descriptors(..., slices=)` returns, built before the clock. Both paths post the same rows "
@@ -658,7 +735,8 @@ def write_outputs(doc: dict, out: Path) -> None:
         "- bytes: each prefill rank holds its heads of a pattern keyed by (layer slot, block id, GLOBAL head, "
         "offset). Per case and decode rank, the first hybridkv READ and the first raw READ went into "
         "poisoned memory and the WHOLE decode allocation was compared with the expected image (the rank's "
-        "heads of each source block in its destination block, Mamba state bytes, poison everywhere else); "
+        "heads of each source block in its destination block, its share of the GDN conv channels (per q|k|v part) "
+        "and SSM v heads of the source state, poison everywhere else, page padding included); "
         "the last timed hybridkv READ's destination blocks were compared again. "
         + ("All passed (a wrong byte aborts the run)." if all(
             len(rk["checks"]) == 3 for r in rows for rk in r["ranks"]) else "NOT ALL CHECKS RECORDED."),
@@ -678,7 +756,7 @@ def write_outputs(doc: dict, out: Path) -> None:
                 for p, lh, rh, nh, whole in rk["plan"]) + (" whole" if all(x[4] for x in rk["plan"]) else "")
             for rk in r["ranks"])
         descs = "; ".join(", ".join(
-            f"{d['descs']} (" + " + ".join(f"{c}x{sz >> 10} KiB" for sz, c in d["row_sizes"]) + ")"
+            f"{d['descs']} (" + " + ".join(f"{c}x{_size(sz)}" for sz, c in d["row_sizes"]) + ")"
             for d in rk["reads"]) for rk in r["ranks"])
         per_rank = "; ".join(f"d{rk['rank']} {statistics.median(rk['ours']):.2f} / {statistics.median(rk['raw']):.2f}"
                              for rk in r["ranks"])
@@ -687,7 +765,7 @@ def write_outputs(doc: dict, out: Path) -> None:
             for rk in r["ranks"])
         overlap = "-" if r["overlap"] is None else f"{r['overlap']:.2f}"
         lines.append(
-            f"| {r['name']}{' + Mamba' if r['mamba'] else ''} | {plan} | {descs} | {r['mib']:.0f} | {fmt(r['ours'])} | "
+            f"| {r['name']}{' + GDN' if r['mamba'] else ''} | {plan} | {descs} | {r['mib']:.0f} | {fmt(r['ours'])} | "
             f"{fmt(r['raw'])} | **{fmt_ratio(r['ratio'])}** ({q(r['ratio'], 0.25):.2f}-{q(r['ratio'], 0.75):.2f}) | {per_rank} | {build} | {overlap} |"
         )
     lines += ["", "rank overlap: median over repeats of (time both decode ranks' hybridkv READs were in flight "
