@@ -17,6 +17,7 @@ import pytest
 
 from hybridkv.connector.pd_auth import DeploymentKey
 from hybridkv.connector.pd_handshake import (
+    HANDSHAKE_VERSION,
     _CHANNEL_OPTIONS,
     _FULL_METHOD,
     _FULL_RELEASE_METHOD,
@@ -76,7 +77,8 @@ def test_agent_info_needs_the_secret(server):
         with pytest.raises(HandshakeError, match="UNAUTHENTICATED"):
             request_agent_info(server.address, req, 5.0, key)
     # a MAC copied from another body does not open this one
-    body = b'{"version": 6, "engine_id": "d", "tp_rank": 0, "expected_layout": null, "nonce": "1"}'
+    body = (b'{"version": %d, "engine_id": "d", "tp_rank": 0, "expected_layout": null, "nonce": "1"}'
+            % HANDSHAKE_VERSION)
     stolen = request_mac(KEY, "GetAgentInfo", body.replace(b'"1"', b'"2"'))
     with pytest.raises(grpc.RpcError) as e:
         _raw(server.address, _FULL_METHOD, body, ((MAC_METADATA, stolen),))
