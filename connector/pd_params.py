@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.connector.pd_auth import PURPOSE_PARAMS, DeploymentKey
-from hybridkv.connector.pd_tp import MAX_TP, heterogeneous_tp_problem
+from hybridkv.connector.pd_tp import MAMBA_TP_NOT_ENABLED, MAX_TP, heterogeneous_tp_problem
 
 MAX_ENGINE_ID_CHARS = 256
 MAX_REQUEST_ID_CHARS = 1024
@@ -49,9 +49,9 @@ class LocalLayout:
     tp_size: int = 1
     mamba_group_ids: tuple[int, ...] = ()
     total_kv_heads: int = 0
-    # Why this instance's Mamba state cannot be re-sliced across TP sizes (None: it is GDN
-    # state, which pd_tp re-slices; the prefill side's split is checked at the handshake).
-    mamba_problem: str | None = None
+    # Why this instance's Mamba state is not re-sliced across TP sizes (None: GDN state, which
+    # pd_tp re-slices, enabled; the prefill side's split is then checked at the handshake).
+    mamba_problem: str | None = MAMBA_TP_NOT_ENABLED
 
 
 @dataclass(frozen=True)

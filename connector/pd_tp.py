@@ -26,6 +26,8 @@ part); its SSM state ``(v_heads, head_v_dim, head_k_dim)`` along v heads, outerm
 span). :class:`StateSplit` describes one state on one rank; both sides send theirs in
 the handshake and :func:`mamba_slices` turns a pair into spans. Other Mamba kinds
 (Mamba1/2, KDA, replicated states) need equal TP sizes (refused with the field named).
+The scheduler still refuses Mamba models across sizes by default
+(:data:`MAMBA_TP_NOT_ENABLED` says why); passing ``mamba_problem=None`` enables it.
 """
 
 from __future__ import annotations
@@ -138,12 +140,25 @@ def head_slices(
     return out
 
 
+# Why Mamba models do not pair across TP sizes by default, although GDN state is re-sliced
+# exactly (tests/unit/test_pd_mamba_tp.py; in the real engine the re-sliced state of the
+# first GDN layer equals the other size's bit for bit): vLLM's CPU GDN kernel runs only in
+# bfloat16 (ops/cpu/gdn_attention.py), and a bf16 state computed at another TP size differs
+# from this size's own by 1-4% after the first row-parallel reduction, which moved qwen3-next's
+# greedy output beyond the P/D check against a recompute (tests/e2e/test_pd_tp.py).
+MAMBA_TP_NOT_ENABLED = (
+    "re-slicing its GDN state between TP sizes is exact but not enabled: vLLM's CPU GDN runs only in bfloat16, "
+    "where state computed at another TP size differs from this size's own beyond the P/D output check"
+)
+
+
 def heterogeneous_tp_problem(prefill_tp: int, decode_tp: int, mamba_group_ids: Sequence[int],
-                             total_kv_heads: int, mamba_problem: str | None = None) -> str | None:
+                             total_kv_heads: int, mamba_problem: str | None = MAMBA_TP_NOT_ENABLED) -> str | None:
     """Why a decode instance cannot pair with a prefill instance of another TP size
     (None: it can, or the sizes are equal). ``mamba_problem``: why this instance's
-    Mamba state cannot be re-sliced (e.g. not GDN); None lets Mamba groups pair, the
-    prefill side's split then being checked field by field at the handshake."""
+    Mamba state is not re-sliced (default :data:`MAMBA_TP_NOT_ENABLED`; a kind
+    :func:`spec_state_splits` refuses); None lets GDN groups pair, the prefill side's
+    split then being checked field by field at the handshake."""
     problem = ratio_problem(prefill_tp, decode_tp)
     if problem or prefill_tp == decode_tp:
         return problem
@@ -302,6 +317,7 @@ def head_outermost(kv_cache_layout: str | None) -> bool:
 __all__ = [
     "GDN_TYPE",
     "HEAD_OUTERMOST_LAYOUTS",
+    "MAMBA_TP_NOT_ENABLED",
     "MAX_TP",
     "RankRead",
     "StateSplit",

@@ -10,8 +10,13 @@ port (``remote_ports``); each decode rank reads what its heads need:
   rank 0 and [H/2, H) from rank 1 (two READs into one block);
 * TP1 -> TP2 (gemma3): each decode rank reads its half of the heads of prefill's one rank
   (which grants one claim per decode rank and frees the blocks after both released);
-* TP2 -> TP1 on qwen3-next is refused per request (its Mamba state is not re-sliced),
-  naming ``remote_ports`` and the fix, and decode recomputes.
+* qwen3-next across sizes: the GDN state a TP2 prefill computes, assembled into TP1's
+  layout by ``pd_tp.mamba_slices`` (conv q/k/v channel parts, SSM v heads), equals a TP1
+  engine's own state bit for bit in the first GDN layer and within bf16 TP noise after
+  (a wrong rank or part is far off); P/D TP2 -> TP1 is still refused per request
+  (``pd_tp.MAMBA_TP_NOT_ENABLED``: the CPU GDN kernel runs only in bf16, where the decode's
+  output then moved beyond the check), naming ``remote_ports`` and the fix, and decode
+  recomputes.
 
 Per pair, 3 turns: greedy tokens + top-5 logprobs == a recompute on decode under a fresh
 ``cache_salt``; every decode rank printed exactly one provenance line naming the prefill
@@ -179,6 +184,17 @@ def _shift_block_on_rank(worker, rank: int, group: int, victim: int, source: int
     return written
 
 
+def _block_bytes(worker, rank: int, group: int, block: int) -> list[bytes] | None:  # noqa: ANN001
+    """On TP rank ``rank``: the bytes of block ``block`` of every layer of ``group``."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != rank:
+        return None
+    (addrs,), sizes = get_kv_transfer_group()._worker._transport.layout.groups[group].regions([block])
+    return [ctypes.string_at(a, n) for a, n in zip(addrs, sizes[0], strict=True)]
+
+
 def test_gemma3_tp2_tp2_then_tp2_tp1_then_tp1_tp2(capfd):
     prefill2 = start("gemma3", "kv_producer", 2)
     decode2 = start("gemma3", "kv_consumer", 2)
@@ -214,6 +230,71 @@ def test_gemma3_tp2_tp2_then_tp2_tp1_then_tp1_tp2(capfd):
         shutdown(decode2, prefill1)
 
 
+def _state_splits(worker, group: int) -> list[list[int]]:  # noqa: ANN001
+    """This rank's GDN state splits as its handshake descriptor carries them."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return [list(t) for t in get_kv_transfer_group()._worker._local.groups[group].state_splits]
+
+
+def _rel(a: bytes, b: bytes, dtype) -> float:  # noqa: ANN001
+    """mean |a - b| / mean |b| over the values ``a`` and ``b`` hold."""
+    import torch
+
+    x, y = (torch.frombuffer(bytearray(v), dtype=dtype).double() for v in (a, b))
+    return float((x - y).abs().mean() / y.abs().mean())
+
+
+def gdn_state_check(prefill2, local1, seed: int) -> list[tuple]:
+    """The GDN state a TP2 prefill computes for a prompt, assembled by ``pd_tp.mamba_slices``
+    from both ranks' state blocks into TP1's layout (from the splits each worker sends in
+    its handshake), against the state a TP1 engine computes for the same prompt. Also
+    assembled with the ranks swapped and with the conv's q and k parts swapped (planted).
+    Returns per layer (conv bits equal, ssm bits equal, conv/ssm rel. diff re-sliced,
+    ranks swapped, q/k swapped)."""
+    import torch
+
+    from hybridkv.connector.pd_tp import StateSplit, mamba_slices
+
+    prompt = Session(seed=seed).prompt
+    p2, p1 = _prefill(prefill2, prompt), _prefill(local1, prompt)
+    b2 = [[b for b in p2["remote_block_ids"][0] if b][-1]] * 2
+    b1 = [b for b in p1["remote_block_ids"][0] if b][-1]
+    rank_bytes = [prefill2.collective_rpc(_block_bytes, args=(r, 0, b2[r]))[r] for r in (0, 1)]
+    want = local1.collective_rpc(_block_bytes, args=(0, 0, b1))[0]
+    local = tuple(StateSplit.from_wire(t) for t in local1.collective_rpc(_state_splits, args=(0,))[0])
+    remote = [tuple(StateSplit.from_wire(t) for t in sp) for sp in prefill2.collective_rpc(_state_splits, args=(0,))]
+    assert remote[0] == remote[1] and len(local) == 2, (local, remote)
+    conv, ssm = local
+    conv_dt, ssm_dt = torch.bfloat16, torch.float32  # CPU: bf16 conv, SSM reset to fp32 (platforms/cpu.py)
+    assert ssm.unit == 64 * 64 * 4 and conv.unit == 2, local  # SD conv layout: unit = one bf16 channel
+
+    def assemble(layer: int, order, qk: bool = False) -> bytes:
+        out = bytearray(len(want[layer]))
+        for p, src in zip((0, 1), order, strict=True):
+            spans = mamba_slices(local, remote[p], 1, 2, 0, p)
+            if qk:  # per conv row: the q span takes the peer's k bytes and vice versa
+                for i in range(conv.rows):
+                    q, k = spans[3 * i], spans[3 * i + 1]
+                    spans[3 * i], spans[3 * i + 1] = (q[0], k[1], q[2]), (k[0], q[1], k[2])
+            for lo, ro, n in spans:
+                out[lo:lo + n] = src[layer][ro:ro + n]
+        return bytes(out)
+
+    rows = []
+    for layer in range(len(want)):
+        c0, c1, s0, s1 = conv.offset, conv.offset + conv.nbytes, ssm.offset, ssm.offset + ssm.nbytes
+        w = want[layer]
+        got = assemble(layer, rank_bytes)
+        swapped = assemble(layer, rank_bytes[::-1])
+        qk = assemble(layer, rank_bytes, qk=True)
+        rows.append((layer, got[c0:c1] == w[c0:c1], got[s0:s1] == w[s0:s1],
+                     round(_rel(got[c0:c1], w[c0:c1], conv_dt), 4), round(_rel(got[s0:s1], w[s0:s1], ssm_dt), 4),
+                     round(_rel(swapped[c0:c1], w[c0:c1], conv_dt), 4), round(_rel(swapped[s0:s1], w[s0:s1], ssm_dt), 4),
+                     round(_rel(qk[c0:c1], w[c0:c1], conv_dt), 4)))
+    return rows
+
+
 def test_qwen3next_tp2_tp2_and_tp2_to_tp1_is_refused_naming_the_field(capfd):
     prefill2 = start("qwen3next", "kv_producer", 2)
     decode2 = start("qwen3next", "kv_consumer", 2)
@@ -221,8 +302,22 @@ def test_qwen3next_tp2_tp2_and_tp2_to_tp1_is_refused_naming_the_field(capfd):
         three_turns(prefill2, decode2, capfd, 2, 2, seed=45, label="qwen3next-tp2-tp2")
     finally:
         shutdown(decode2)
-    decode1 = start("qwen3next", "kv_consumer", 1)
+    decode1 = start("qwen3next", "kv_both", 1)  # kv_both: it also prefills, for the state check
     try:
+        # The GDN state is re-sliced exactly: the first GDN layer's state (input: the
+        # embeddings, no row-parallel reduction before it) is bit for bit TP1's; later layers
+        # differ by bf16 TP noise, far below what a wrong rank or part gives.
+        rows = gdn_state_check(prefill2, decode1, seed=49)
+        with capfd.disabled():
+            print("\nqwen3-next GDN state TP2 -> TP1 layout vs TP1's own: layer, conv bits equal, ssm bits equal, "
+                  "rel. diff conv/ssm re-sliced, ranks swapped conv/ssm, q/k swapped conv")
+            for r in rows:
+                print("  ", *r)
+        assert rows[0][1] and rows[0][2], rows[0]
+        for layer, _ce, _se, conv_d, ssm_d, sw_c, sw_s, qk_c in rows:
+            assert conv_d < 0.05 and ssm_d < 0.05, (layer, conv_d, ssm_d)
+            assert sw_c > 0.5 and sw_s > 0.5 and qk_c > 0.5, (layer, sw_c, sw_s, qk_c)
+        # ... but not enabled across sizes (pd_tp.MAMBA_TP_NOT_ENABLED): refused per request
         session = Session(seed=46)
         params = _prefill(prefill2, session.prompt)
         capfd.readouterr()
@@ -231,7 +326,8 @@ def test_qwen3next_tp2_tp2_and_tp2_to_tp1_is_refused_naming_the_field(capfd):
         ref = generate(decode1, session.prompt, cache_salt=f"pd-tp-refused-{uuid.uuid4()}")
         print("\n" + "\n".join(line for line in log.splitlines() if "refused" in line)[:2000])
         assert "kv_transfer_params.remote_ports lists 2 prefill ranks" in log
-        assert "not Mamba/linear-attention state" in log and "--tensor-parallel-size" in log
+        assert "cannot re-slice this model's Mamba/linear-attention state" in log
+        assert "exact but not enabled" in log and "--tensor-parallel-size" in log
         assert not _TP_LINE.search(log), "nothing may be read across TP sizes for a Mamba model"
         assert matches(got, ref)
     finally:

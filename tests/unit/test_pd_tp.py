@@ -197,7 +197,10 @@ def test_handshake_accepts_attention_across_sizes_and_names_what_it_refuses(cach
 def test_heterogeneous_problem_names_mamba_groups():
     assert heterogeneous_tp_problem(2, 2, (0,), 2) is None
     assert heterogeneous_tp_problem(2, 1, (), 4) is None
-    assert heterogeneous_tp_problem(2, 1, (0,), 4) is None  # GDN state: re-sliced, checked at the handshake
+    assert heterogeneous_tp_problem(2, 1, (0,), 4, None) is None  # GDN state, enabled: checked at the handshake
+    msg = heterogeneous_tp_problem(2, 1, (0,), 4)  # the default: not enabled, and why
+    assert msg and "(groups [0]: re-slicing its GDN state between TP sizes is exact but not enabled" in msg
+    assert "runs only in bfloat16" in msg and "--tensor-parallel-size" in msg
     msg = heterogeneous_tp_problem(2, 1, (0,), 4, "mamba_type 'mamba2': only 'gdn_attn' state is re-sliced")
     assert msg and "cannot re-slice this model's Mamba/linear-attention state (groups [0]: mamba_type 'mamba2'" in msg
     assert "--tensor-parallel-size" in msg
@@ -217,9 +220,8 @@ def _params(ports: tuple[int, ...]) -> dict:
     return issue_remote_prefill(p, KEY, HASHES, 32)
 
 
-def _parse(raw: dict, tp: int = 1, mamba: tuple[int, ...] = (), mamba_problem: str | None = "not GDN"):
-    local = LocalLayout(True, True, (32, 32), 100, 32, tp_size=tp, mamba_group_ids=mamba, total_kv_heads=4,
-                        mamba_problem=mamba_problem)
+def _parse(raw: dict, tp: int = 1, mamba: tuple[int, ...] = (), **kw):
+    local = LocalLayout(True, True, (32, 32), 100, 32, tp_size=tp, mamba_group_ids=mamba, total_kv_heads=4, **kw)
     return parse_kv_transfer_params(raw, PromptView(100, HASHES), local, KEY)
 
 
@@ -232,6 +234,7 @@ def test_remote_ports_are_signed_and_validated():
     refused = _parse(raw, tp=1, mamba=(0,))
     assert isinstance(refused, Refused) and refused.field == "remote_ports"
     assert "lists 2 prefill ranks" in str(refused) and "cannot re-slice this model's Mamba" in str(refused)
+    assert "exact but not enabled" in str(refused)  # LocalLayout's default
     assert isinstance(_parse(raw, tp=1, mamba=(0,), mamba_problem=None), RemotePrefill)  # GDN: re-sliced
     for bad, what in (([4000, True], "not a TCP port"), ([4000, 70000], "not a TCP port"), ("4000", "not a list"),
                       ([4001, 4000], "rank 0's port"), ([], "not a list")):
