@@ -418,9 +418,10 @@ def test_handshake_refuses_incompatible_layout_on_prefill(handshake_server, vari
 
 def test_handshake_refuses_tp_mismatch(handshake_server, expected):
     local = replace(expected.descriptor(), tp_size=2)
-    # (the heads of attention groups could be re-sliced; the Mamba group's state cannot)
-    msg = ("prefill group 2 tp_size=1 but decode has 2: MambaSpec state is not re-sliced between TP sizes "
-           r"\(only attention KV heads are\); start both instances with the same --tensor-parallel-size")
+    # (the heads of attention groups could be re-sliced; this Mamba group's state is not described)
+    msg = (r"prefill group 2 state_splits=\[\] but decode has \[\]: MambaSpec state cannot be re-sliced between "
+           r"TP 1 and 2: a side did not describe how its Mamba state is split over ranks \(only GDN state is "
+           r"re-sliced\); start both instances with the same --tensor-parallel-size")
     with pytest.raises(HandshakeError, match=msg):
         fetch_agent_info(handshake_server.address, local, engine_id="d", tp_rank=0)
     info = request_agent_info(handshake_server.address, AgentInfoRequest("d", 0, expected=None), 5.0)
