@@ -38,7 +38,7 @@ import pytest
 
 from hybridkv.store.cpu_affinity import usable_cpus
 from tests.e2e.engine_harness import Session, compare, generate, make_llm, matches, metric, tiny_model
-from tests.e2e.test_pd_connector import _decode, _prefill, pd_config
+from tests.e2e.test_pd_connector import _decode, _expected_blocks, _prefill, pd_config
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")
@@ -96,16 +96,6 @@ def _geometry(worker):  # noqa: ANN001, ANN202 - runs in each decode worker
             for g, lg in zip(w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True)]
 
 
-def expected_blocks(geometry, remote_block_ids, local_hit: int, handover: int) -> list[int]:
-    want = []
-    for (bs, _, mamba), remote in zip(geometry, remote_block_ids, strict=True):
-        if mamba:
-            want.append(1 if handover > local_hit else 0)
-        else:
-            want.append(sum(1 for i, b in enumerate(remote) if b and i * bs >= local_hit and (i + 1) * bs <= handover))
-    return want
-
-
 def provenance(log: str, decode_tp: int, prefill_tp: int, want: list[int], geometries) -> None:
     """One line per decode rank, each naming the prefill ranks its heads come from, the
     blocks per group and its own whole blocks' bytes; no failed or refused READ."""
@@ -145,7 +135,7 @@ def three_turns(prefill, decode, capfd, prefill_tp: int, decode_tp: int, seed: i
         log = "".join(capfd.readouterr())
         local_hit = int(metric(decode, "vllm:prefix_cache_hits") - local_before)
         handover = (len(session.prompt) - 1) // align * align
-        want = expected_blocks(geometries[0], params["remote_block_ids"], local_hit, handover)
+        want = _expected_blocks(geometries[0], params["remote_block_ids"], local_hit, handover)
         if "hybridkv P/D: read" not in log:
             print(log[-3000:])
         provenance(log, decode_tp, prefill_tp, want, geometries)
