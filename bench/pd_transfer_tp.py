@@ -325,28 +325,17 @@ def decode_main(conn, rank: int, barrier) -> None:  # noqa: ANN001
 
 def spans(part, local_desc, peer_desc, kv: KV, remote_ids, rank: int, prefill_tp: int,  # noqa: ANN001
           plant_gdn: bool = False):
-    """Per group the spans of ``part`` (None: whole blocks), as ``pd_worker._slices`` builds them:
-    head ranges for attention, ``mamba_slices`` of the handshake's state splits for GDN state."""
-    from hybridkv.connector.pd_tp import head_slices, mamba_slices, region_rows
+    """Per group the spans of ``part`` (None: whole blocks): ``pd_tp.read_spans``, what
+    ``PDWorker._slices`` calls. ``plant_gdn``: the other rank's share of the state."""
+    from hybridkv.connector.pd_tp import read_spans
 
-    if part.whole:
-        return None
-    out = []
-    for gid, (mine, theirs, ids) in enumerate(zip(local_desc.groups, peer_desc.groups, remote_ids, strict=True)):
-        if not ids or mine is None or theirs is None:
-            out.append(None)
-            continue
-        lg = kv.layout.groups[gid]
-        if "Mamba" in mine.spec:
-            lr, rr = rank, part.prefill_rank
-            if plant_gdn:  # planted: the other rank's share of the state (ranks mixed up)
-                lr, rr = (lr, 1 - rr) if prefill_tp > kv.tp else (1 - lr, rr)
-            sp = mamba_slices(mine.splits(), theirs.splits(), kv.tp, prefill_tp, lr, rr)
-            out.append([sp] * len(mine.block_bytes))
-            continue
-        out.append(head_slices(mine.block_bytes, theirs.block_bytes, region_rows(mine.block_bytes, lg.kernel_rows),
-                               mine.kv_heads, theirs.kv_heads, part))
-    return out
+    mamba_ranks = None
+    if plant_gdn:  # planted: the other rank's share of the state (ranks mixed up)
+        lr, rr = rank, part.prefill_rank
+        mamba_ranks = (lr, 1 - rr) if prefill_tp > kv.tp else (1 - lr, rr)
+    kernel_rows = [() if g is None else g.kernel_rows for g in kv.layout.groups]
+    return read_spans(part, local_desc.groups, peer_desc.groups, kernel_rows, remote_ids, kv.tp, prefill_tp, rank,
+                      mamba_ranks=mamba_ranks)
 
 
 def planted(part, r, local_heads: int, remote_heads: int):  # noqa: ANN001

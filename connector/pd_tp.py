@@ -314,7 +314,48 @@ def head_outermost(kv_cache_layout: str | None) -> bool:
     return name in HEAD_OUTERMOST_LAYOUTS
 
 
+def read_spans(
+    part: RankRead,
+    local_groups: Sequence[object | None],
+    peer_groups: Sequence[object | None],
+    local_kernel_rows: Sequence[Sequence[int]],
+    remote_block_ids: Sequence[Sequence[int]],
+    decode_tp: int,
+    prefill_tp: int,
+    decode_rank: int,
+    mamba_ranks: tuple[int, int] | None = None,
+) -> list | None:
+    """Per group, the spans one READ from ``part``'s prefill rank moves (None: whole blocks).
+
+    ``local_groups`` / ``peer_groups`` are the two sides' handshake group descriptors
+    (``pd_handshake.GroupDescriptor``: ``spec``, ``block_bytes``, ``kv_heads``,
+    ``splits()``); ``local_kernel_rows[g]`` this side's kernel rows per layer view.
+    Attention groups get head ranges (:func:`head_slices`), Mamba groups the state
+    parts (:func:`mamba_slices`; ``mamba_ranks`` overrides (decode rank, prefill rank)
+    there, for planted-fault benches). The one place the worker and the benches build
+    spans, so they cannot drift apart.
+    """
+    if part.whole:
+        return None
+    out: list = []
+    for gid, (mine, theirs, ids) in enumerate(zip(local_groups, peer_groups, remote_block_ids, strict=True)):
+        if not ids or mine is None or theirs is None:
+            out.append(None)
+            continue
+        if "Mamba" in mine.spec:  # type: ignore[attr-defined]
+            lr, rr = mamba_ranks if mamba_ranks is not None else (decode_rank, part.prefill_rank)
+            # every layer view of the group holds the same states (one spec per group)
+            spans = mamba_slices(mine.splits(), theirs.splits(), decode_tp, prefill_tp, lr, rr)  # type: ignore[attr-defined]
+            out.append([spans] * len(mine.block_bytes))  # type: ignore[attr-defined]
+            continue
+        out.append(head_slices(mine.block_bytes, theirs.block_bytes,  # type: ignore[attr-defined]
+                               region_rows(mine.block_bytes, local_kernel_rows[gid]),  # type: ignore[attr-defined]
+                               mine.kv_heads, theirs.kv_heads, part))  # type: ignore[attr-defined]
+    return out
+
+
 __all__ = [
+    "read_spans",
     "GDN_TYPE",
     "HEAD_OUTERMOST_LAYOUTS",
     "MAMBA_TP_NOT_ENABLED",

@@ -56,11 +56,9 @@ from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetad
 from hybridkv.connector.pd_tp import (
     RankRead,
     StateSplit,
-    head_slices,
-    mamba_slices,
     rank_reads,
+    read_spans,
     readers_of,
-    region_rows,
     spec_state_splits,
 )
 from hybridkv.connector.pd_transport import PDTransport, ReadHandle, TransferError, TransferTimeout, allocation_spaces
@@ -366,26 +364,11 @@ class PDWorker:
         self._release(req_id)
 
     def _slices(self, part: RankRead, peer_layout: LayoutDescriptor, job: ReadJob) -> list | None:
-        """Per group: the head spans to move from ``part``'s prefill rank (None: whole blocks)."""
-        if part.whole:
-            return None
+        """Per group: the spans to move from ``part``'s prefill rank (None: whole blocks)."""
         assert self._local is not None and self._transport is not None
-        out: list = []
-        for gid, (mine, theirs, ids) in enumerate(zip(self._local.groups, peer_layout.groups, job.remote_block_ids,
-                                                       strict=True)):
-            if not ids or mine is None or theirs is None:
-                out.append(None)
-                continue
-            lg = self._transport.layout.groups[gid]
-            if "Mamba" in mine.spec:
-                # every layer view of the group holds the same states (one spec per group)
-                spans = mamba_slices(mine.splits(), theirs.splits(), self._s.tp_size, len(job.remote_ports),
-                                     self._s.tp_rank, part.prefill_rank)
-                out.append([spans] * len(mine.block_bytes))
-                continue
-            out.append(head_slices(mine.block_bytes, theirs.block_bytes, region_rows(mine.block_bytes, lg.kernel_rows),
-                                   mine.kv_heads, theirs.kv_heads, part))
-        return out
+        kernel_rows = [() if g is None else g.kernel_rows for g in self._transport.layout.groups]
+        return read_spans(part, self._local.groups, peer_layout.groups, kernel_rows, job.remote_block_ids,
+                          self._s.tp_size, len(job.remote_ports), self._s.tp_rank)
 
     def _read(self, job: ReadJob) -> tuple[bool, list[ReadHandle] | None]:
         """(read ok, READs still in flight after a timeout or None).
