@@ -31,7 +31,7 @@ from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.keys import kv_identity
-from hybridkv.connector.store_config import ConfigError, refuse_unknown_keys
+from hybridkv.connector.store_config import ConfigError, refuse_non_tensor_parallelism, refuse_unknown_keys
 
 if TYPE_CHECKING:
     import torch
@@ -90,20 +90,6 @@ class PDConnectorConfig:
         return cls(**extra)
 
 
-def check_parallel_supported(parallel: Any) -> None:
-    """Refuse at startup what P/D cannot pair: pipeline or context parallelism (each rank's
-    blocks would hold other layers or other tokens). Any --tensor-parallel-size works; a
-    decode instance reads prefill instances of another TP size when the model's KV heads
-    re-slice (pd_tp), else that request recomputes, saying why."""
-    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
-        size = int(getattr(parallel, name, 1) or 1)
-        if size != 1:
-            raise ConfigError(
-                f"HybridPDConnector supports tensor parallelism only in this version: {name}={size}; "
-                f"start vLLM with --{name.replace('_', '-')} 1 (any --tensor-parallel-size works)"
-            )
-
-
 def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
     return tuple(
         gid
@@ -122,7 +108,9 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = self._kv_transfer_config
         self._cfg = PDConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
-        check_parallel_supported(parallel)
+        # Any --tensor-parallel-size: a decode instance reads prefill instances of another TP
+        # size when the model's KV heads re-slice (pd_tp), else that request recomputes.
+        refuse_non_tensor_parallelism(parallel, "HybridPDConnector")
         tp_size = int(parallel.tensor_parallel_size)
         model_config = vllm_config.model_config  # None in configs built without a model (tests)
         total_kv_heads = int(model_config.get_total_num_kv_heads()) if model_config is not None else 0

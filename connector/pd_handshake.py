@@ -563,11 +563,11 @@ def _heterogeneous_group_mismatches(
         except ValueError as e:
             return [Mismatch(g, "state_splits", list(p.state_splits), list(d.state_splits), f"{e}; {same_tp}")]
         problem = state_split_problem(ds, ps, decode.tp_size, prefill.tp_size)
-        for layer, (pb, db) in enumerate(zip(p.block_bytes, d.block_bytes)):
-            if problem:
-                break
-            problem = state_split_problem(ds, ps, decode.tp_size, prefill.tp_size, db, pb)
-            problem = problem and f"layer {layer}: {problem}"
+        if problem is None:  # the states must also fit each layer's page on both sides
+            for layer, (pb, db) in enumerate(zip(p.block_bytes, d.block_bytes)):
+                if why := state_split_problem(ds, ps, decode.tp_size, prefill.tp_size, db, pb):
+                    problem = f"layer {layer}: {why}"
+                    break
         if problem:
             return [Mismatch(g, "state_splits", list(p.state_splits), list(d.state_splits),
                              f"{p.spec} state cannot be re-sliced between TP {prefill.tp_size} and "

@@ -104,7 +104,8 @@ class PDScheduler:
         # client can send do_remote_decode, so unread leases must not be able to hold the
         # whole KV cache for lease_s: past this budget a finished request hands nothing over.
         self._lease_budget = int(num_blocks * max_lease_fraction) if num_blocks else 0
-        self._leased: dict[str, int] = {}
+        self._leased: dict[str, int] = {}  # req id -> its blocks
+        self._leased_blocks = 0  # sum of _leased (kept, not re-summed on every finished request)
         self.leases_refused = 0
         self._reads: list[ReadJob] = []
         self._leases: list[Lease] = []
@@ -200,7 +201,7 @@ class PDScheduler:
         if not any(any(group) for group in remote):
             return False, None
         held = len({b for group in remote for b in group if b})
-        in_use = sum(self._leased.values())
+        in_use = self._leased_blocks
         if self._lease_budget and in_use + held > self._lease_budget:
             self.leases_refused += 1
             logger.warning("hybridkv P/D: not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
@@ -213,6 +214,7 @@ class PDScheduler:
         num_tokens = min(request.num_computed_tokens, len(request.block_hashes) * hash_bs)
         lease = Lease(request.request_id, secrets.token_hex(16), self._lease_s)
         self._leases.append(lease)
+        self._leased_blocks += held - self._leased.get(request.request_id, 0)
         self._leased[request.request_id] = held
         # After lease_s the prefill side frees (and may reuse) the blocks; decode claims the
         # lease when its READ has ended and keeps the bytes only if that is granted.
@@ -293,7 +295,7 @@ class PDScheduler:
 
     def update_connector_output(self, output: Any) -> None:
         for req_id in getattr(output, "finished_sending", None) or ():
-            self._leased.pop(req_id, None)  # the lease ended: vLLM frees its blocks now
+            self._leased_blocks -= self._leased.pop(req_id, 0)  # the lease ended: vLLM frees its blocks now
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PDWorkerMetadata):
             return

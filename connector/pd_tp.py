@@ -64,6 +64,15 @@ def ratio_problem(prefill_tp: int, decode_tp: int) -> str | None:
     return None
 
 
+def heads_split_problem(total_heads: int, prefill_tp: int, decode_tp: int) -> str | None:
+    """Why the model's KV heads cannot be cut evenly over both TP sizes (None: they can).
+    vLLM replicates heads when there are fewer heads than ranks, which this does not model."""
+    if total_heads < max(1, prefill_tp, decode_tp) or total_heads % prefill_tp or total_heads % decode_tp:
+        return (f"the model's {total_heads} KV heads do not split evenly over prefill TP {prefill_tp} and "
+                f"decode TP {decode_tp} (vLLM replicates heads when there are fewer heads than ranks)")
+    return None
+
+
 def rank_reads(decode_rank: int, decode_tp: int, prefill_tp: int, total_heads: int) -> list[RankRead]:
     """The prefill ranks decode rank ``decode_rank`` reads, with head ranges, in rank order.
 
@@ -78,11 +87,8 @@ def rank_reads(decode_rank: int, decode_tp: int, prefill_tp: int, total_heads: i
         raise ValueError(f"decode rank {decode_rank} outside [0, {decode_tp})")
     if prefill_tp == decode_tp:
         return [RankRead(decode_rank, 0, 0, total_heads // decode_tp if total_heads else 0, True)]
-    if total_heads < 1 or total_heads % prefill_tp or total_heads % decode_tp:
-        raise ValueError(
-            f"{total_heads} KV heads cannot be split evenly over TP {prefill_tp} and {decode_tp} "
-            "(vLLM replicates heads when there are fewer heads than ranks)"
-        )
+    if (problem := heads_split_problem(total_heads, prefill_tp, decode_tp)) is not None:
+        raise ValueError(problem)
     hd, hp = total_heads // decode_tp, total_heads // prefill_tp
     lo, hi = decode_rank * hd, (decode_rank + 1) * hd
     out = []
@@ -166,10 +172,8 @@ def heterogeneous_tp_problem(prefill_tp: int, decode_tp: int, mamba_group_ids: S
         return (f"prefill runs tensor_parallel_size={prefill_tp} and this decode instance {decode_tp}: hybridkv "
                 f"cannot re-slice this model's Mamba/linear-attention state (groups {list(mamba_group_ids)}: "
                 f"{mamba_problem}); start both with the same --tensor-parallel-size for this model")
-    if total_kv_heads < max(prefill_tp, decode_tp) or total_kv_heads % prefill_tp or total_kv_heads % decode_tp:
-        return (f"the model's {total_kv_heads} KV heads do not split evenly over prefill TP {prefill_tp} and "
-                f"decode TP {decode_tp}; start both with the same --tensor-parallel-size")
-    return None
+    problem = heads_split_problem(total_kv_heads, prefill_tp, decode_tp)
+    return None if problem is None else f"{problem}; start both with the same --tensor-parallel-size"
 
 
 @dataclass(frozen=True)
@@ -366,6 +370,7 @@ __all__ = [
     "head_outermost",
     "spec_state_splits",
     "head_slices",
+    "heads_split_problem",
     "heterogeneous_tp_problem",
     "mamba_slices",
     "rank_reads",

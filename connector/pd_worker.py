@@ -229,7 +229,7 @@ class PDWorker:
 
     def _route(self, job: ReadJob) -> None:
         """Queue ``job`` on its prefill instance's read thread (started on first use)."""
-        key = (job.remote_host, job.remote_ports[0] if job.remote_ports else job.remote_port)
+        key = (job.remote_host, job.remote_ports[0])  # ReadJob fills remote_ports (at least rank 0's)
         with self._lock:  # puts and a thread's idle exit are decided under one lock: no job is lost
             if self._closed:
                 return
@@ -445,7 +445,7 @@ class PDWorker:
         peer = self._peers.get(key)
         if peer is not None:
             self._peers.move_to_end(key)
-        if peer is None:
+        else:
             info = fetch_agent_info(
                 f"{job.remote_host}:{key[1]}", self._local, engine_id=self._s.engine_id,
                 tp_rank=self._s.tp_rank, timeout_s=self._s.handshake_timeout_s,

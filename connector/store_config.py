@@ -164,6 +164,19 @@ def refuse_unknown_keys(config_cls: type, extra: dict[str, Any] | None, connecto
     return extra
 
 
+def refuse_non_tensor_parallelism(parallel: Any, connector: str) -> None:
+    """Refuse at startup pipeline and context parallelism (a rank's blocks would hold other
+    layers or other tokens, which neither the store's per-rank keys nor P/D's rank plan
+    model); any ``--tensor-parallel-size`` works. ``parallel``: vLLM's ParallelConfig."""
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size != 1:
+            raise ConfigError(
+                f"{connector} supports tensor parallelism only in this version: {name}={size}; "
+                f"start vLLM with --{name.replace('_', '-')} 1 (any --tensor-parallel-size works)"
+            )
+
+
 def _is_host_port(value: Any) -> bool:
     if not isinstance(value, str) or ":" not in value:
         return False

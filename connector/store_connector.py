@@ -27,6 +27,7 @@ from hybridkv.connector.store_config import (
     ConfigError,
     StoreConnectorConfig,
     load_failure_policy_warning,
+    refuse_non_tensor_parallelism,
 )
 from hybridkv.connector.store_keys import store_key_schema
 from hybridkv.connector.store_metadata import StoreConnectorMetadata
@@ -56,18 +57,8 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
             "HybridStoreConnector keys the store by prefix-cache block hashes: start vLLM with "
             "--enable-prefix-caching (or remove the connector)"
         )
-    parallel = vllm_config.parallel_config
-    unsupported = {  # each rank's objects are keyed by its tensor-parallel rank only
-        "pipeline_parallel_size": parallel.pipeline_parallel_size,
-        "decode_context_parallel_size": parallel.decode_context_parallel_size,
-        "prefill_context_parallel_size": parallel.prefill_context_parallel_size,
-    }
-    for name, size in unsupported.items():
-        if size != 1:
-            raise ConfigError(
-                f"HybridStoreConnector supports tensor parallelism only in this version: {name}={size}; "
-                f"start vLLM with --{name.replace('_', '-')} 1 (any --tensor-parallel-size works)"
-            )
+    # each rank's objects are keyed by its tensor-parallel rank only
+    refuse_non_tensor_parallelism(vllm_config.parallel_config, "HybridStoreConnector")
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         for s in layer_specs(group):
             if isinstance(s, MambaSpec) and s.mamba_cache_mode != "align":

@@ -318,14 +318,16 @@ def test_pd_with_tensor_parallel_is_accepted_and_says_what_pairs(capsys, models,
 def test_pd_refuses_pipeline_parallel_at_its_constructor():
     from types import SimpleNamespace
 
-    from hybridkv.connector.pd_connector import check_parallel_supported
-    from hybridkv.connector.store_config import ConfigError
+    from hybridkv.connector.store_config import ConfigError, refuse_non_tensor_parallelism
 
-    check_parallel_supported(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1,
-                                             prefill_context_parallel_size=1))
+    def pd_refusal(parallel) -> None:  # noqa: ANN001 - what HybridPDConnector's constructor calls
+        refuse_non_tensor_parallelism(parallel, "HybridPDConnector")
+
+    pd_refusal(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1,
+                               prefill_context_parallel_size=1))
     with pytest.raises(ConfigError, match="pipeline_parallel_size=2; start vLLM with --pipeline-parallel-size 1"):
-        check_parallel_supported(SimpleNamespace(pipeline_parallel_size=2, decode_context_parallel_size=1,
-                                                 prefill_context_parallel_size=1))
+        pd_refusal(SimpleNamespace(pipeline_parallel_size=2, decode_context_parallel_size=1,
+                                   prefill_context_parallel_size=1))
     with pytest.raises(ConfigError, match="decode_context_parallel_size=2"):
-        check_parallel_supported(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2,
-                                                 prefill_context_parallel_size=1))
+        pd_refusal(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2,
+                                   prefill_context_parallel_size=1))
