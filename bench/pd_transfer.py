@@ -336,6 +336,20 @@ def main() -> None:
     write_outputs(doc, args.out)
 
 
+def paired_bars(ax, rows: list[dict], ours_label: str, raw_label: str) -> None:  # noqa: ANN001 - a matplotlib Axes
+    """Both paths of each row (``ours`` / ``raw`` GB/s per repeat) side by side: median bar,
+    p25-p75 whisker, every repeat as a dot (bench/pd_transfer_tp.py draws the same)."""
+    width = 0.38
+    for j, (key, label, color) in enumerate((("ours", ours_label, "tab:blue"), ("raw", raw_label, "tab:gray"))):
+        xs = [i + (j - 0.5) * width for i in range(len(rows))]
+        meds = [statistics.median(r[key]) for r in rows]
+        lo = [m - q(r[key], 0.25) for m, r in zip(meds, rows)]
+        hi = [q(r[key], 0.75) - m for m, r in zip(meds, rows)]
+        ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, color=color, label=label)
+        for x, r in zip(xs, rows):
+            ax.scatter([x] * len(r[key]), r[key], s=6, color="k", zorder=3)
+
+
 def plot(rows: list[dict], path: Path) -> str:
     """GB/s per case, both paths: median bar, p25-p75 whisker, every repeat as a dot."""
     import matplotlib
@@ -344,16 +358,7 @@ def plot(rows: list[dict], path: Path) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 4.2))
-    width = 0.38
-    for j, (key, label, color) in enumerate((("ours", "hybridkv read_blocks", "tab:blue"),
-                                             ("raw", "raw NIXL READ", "tab:gray"))):
-        xs = [i + (j - 0.5) * width for i in range(len(rows))]
-        meds = [statistics.median(r[key]) for r in rows]
-        lo = [m - q(r[key], 0.25) for m, r in zip(meds, rows)]
-        hi = [q(r[key], 0.75) - m for m, r in zip(meds, rows)]
-        ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, color=color, label=label)
-        for x, r in zip(xs, rows):
-            ax.scatter([x] * len(r[key]), r[key], s=6, color="k", zorder=3)
+    paired_bars(ax, rows, "hybridkv read_blocks", "raw NIXL READ")
     ax.scatter(range(len(rows)), [r["memcpy"] for r in rows], marker="_", s=300, color="tab:red",
                label="in-process memcpy (scale)", zorder=4)
     for i, r in enumerate(rows):

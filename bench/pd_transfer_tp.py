@@ -62,6 +62,9 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")  # else a segfault at exit (two libnl copies, see pd_transport)
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.pd_transfer import fmt, paired_bars, q  # noqa: E402 - one place for the stats and the paired plot
+
 TOTAL_HEADS = 4
 HEAD_SIZE = 128
 BLOCK_TOKENS = 64
@@ -497,11 +500,6 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
 # ----------------------------------------------------------------------------- orchestration
 
 
-def q(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
-
-
 def summarize(name: str, prefill_tp: int, decode_tp: int, mamba: bool, ranks: list[dict]) -> dict:
     """Per repeat: instance GB/s (all ranks' bytes / earliest start -> latest end) for both paths,
     the ratio of the pair, and per-rank GB/s."""
@@ -530,10 +528,6 @@ def summarize(name: str, prefill_tp: int, decode_tp: int, mamba: bool, ranks: li
     return {"name": name, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "mamba": mamba,
             "mib": total / (1 << 20), "ours": ours, "raw": raw, "ratio": ratio, "ranks": per_rank,
             "overlap": overlap}
-
-
-def fmt(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} [{q(xs, 0.25):.2f}-{q(xs, 0.75):.2f}]"
 
 
 def fmt_ratio(xs: list[float]) -> str:
@@ -649,16 +643,7 @@ def plot(rows: list[dict], path: Path) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    width = 0.38
-    for j, (key, label, color) in enumerate((("ours", "hybridkv read_blocks (pd_tp spans)", "tab:blue"),
-                                             ("raw", "raw NIXL READ, same rows", "tab:gray"))):
-        xs = [i + (j - 0.5) * width for i in range(len(rows))]
-        meds = [statistics.median(r[key]) for r in rows]
-        lo = [m - q(r[key], 0.25) for m, r in zip(meds, rows)]
-        hi = [q(r[key], 0.75) - m for m, r in zip(meds, rows)]
-        ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, color=color, label=label)
-        for x, r in zip(xs, rows):
-            ax.scatter([x] * len(r[key]), r[key], s=6, color="k", zorder=3)
+    paired_bars(ax, rows, "hybridkv read_blocks (pd_tp spans)", "raw NIXL READ, same rows")
     for i, r in enumerate(rows):
         ax.annotate(f"x{statistics.median(r['ratio']):.2f}", (i, max(max(r["ours"]), max(r["raw"]))),
                     ha="center", va="bottom", fontsize=8)

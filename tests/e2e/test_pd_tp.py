@@ -185,13 +185,23 @@ def _block_bytes(worker, rank: int, group: int, block: int) -> list[bytes] | Non
     return [ctypes.string_at(a, n) for a, n in zip(addrs, sizes[0], strict=True)]
 
 
-def test_gemma3_tp2_tp2_then_tp2_tp1_then_tp1_tp2(capfd):
-    prefill2 = start("gemma3", "kv_producer", 2)
-    decode2 = start("gemma3", "kv_consumer", 2)
+def tp2_prefill_after_tp2_pair(kind: str, capfd, seed: int):  # noqa: ANN001, ANN201
+    """Start a TP2 prefill, run the TP2 -> TP2 three turns against a TP2 decode (stopped
+    after), and return the prefill for the next pair."""
+    prefill2 = start(kind, "kv_producer", 2)
+    decode2 = start(kind, "kv_consumer", 2)
     try:
-        three_turns(prefill2, decode2, capfd, 2, 2, seed=41, label="gemma3-tp2-tp2")
+        three_turns(prefill2, decode2, capfd, 2, 2, seed=seed, label=f"{kind}-tp2-tp2")
+    except BaseException:
+        shutdown(prefill2)
+        raise
     finally:
         shutdown(decode2)
+    return prefill2
+
+
+def test_gemma3_tp2_tp2_then_tp2_tp1_then_tp1_tp2(capfd):
+    prefill2 = tp2_prefill_after_tp2_pair("gemma3", capfd, seed=41)
     decode1 = start("gemma3", "kv_consumer", 1)
     try:
         three_turns(prefill2, decode1, capfd, 2, 1, seed=42, label="gemma3-tp2-tp1")
@@ -286,12 +296,7 @@ def gdn_state_check(prefill2, local1, seed: int) -> list[tuple]:
 
 
 def test_qwen3next_tp2_tp2_and_tp2_to_tp1_is_refused_naming_the_field(capfd):
-    prefill2 = start("qwen3next", "kv_producer", 2)
-    decode2 = start("qwen3next", "kv_consumer", 2)
-    try:
-        three_turns(prefill2, decode2, capfd, 2, 2, seed=45, label="qwen3next-tp2-tp2")
-    finally:
-        shutdown(decode2)
+    prefill2 = tp2_prefill_after_tp2_pair("qwen3next", capfd, seed=45)
     decode1 = start("qwen3next", "kv_both", 1)  # kv_both: it also prefills, for the state check
     try:
         # The GDN state is re-sliced exactly: the first GDN layer's state (input: the

@@ -19,20 +19,16 @@ mooncake_master, with objects small enough that one job spans many sub-batches:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
-import torch
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from hybridkv.connector import pd_auth
-from hybridkv.connector.store_config import StoreConnectorConfig
-from hybridkv.connector.store_metadata import BlockBatch, LoadJob, SaveJob, StoreConnectorMetadata
-from hybridkv.connector.store_worker import StoreWorker, WorkerLimits, plan_spans
+from hybridkv.connector.store_worker import WorkerLimits, plan_spans
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from hybridkv.store.object_trailer import ObjectMac, seal
+from tests.unit.store_rig import StoreRig, no_env_secret, rigs, store  # noqa: F401 - fixtures
 
 NUM_BLOCKS = 40
 JOB = 18  # blocks per job: 7 sub-batches with the limits below
@@ -60,36 +56,15 @@ def test_load_sub_batch_plan_covers_every_object_once_ramped():
     assert plan_spans([], 8, 20, 20) == []
 
 
-@pytest.fixture(scope="module")
-def store() -> Iterator[tuple[EmbeddedMaster, MooncakeBackend]]:
-    """A master and the client holding the store's memory (also used to read and plant objects)."""
-    with EmbeddedMaster(default_kv_lease_ttl_ms=500) as master, MooncakeBackend(
-        master.address, global_segment_size=32 << 20, local_buffer_size=4 << 20
-    ) as holder:
-        yield master, holder
-
-
-@pytest.fixture(autouse=True)
-def _no_env_secret(monkeypatch):
-    monkeypatch.delenv(pd_auth.SECRET_ENV, raising=False)
-    monkeypatch.delenv(pd_auth.SECRET_FILE_ENV, raising=False)
-
-
-class Rig:
-    """A StoreWorker over a one-group host KV cache (block b = bytes of ``kv[b]``) that records its calls."""
+class Rig(StoreRig):
+    """A StoreRig whose store calls are recorded: (op, objects, side work given)."""
 
     def __init__(self, master: EmbeddedMaster, limits: WorkerLimits, secret_file: str = "") -> None:
-        self.client = MooncakeBackend(master.address, global_segment_size=0, local_buffer_size=4 << 20)
-        self.kv = torch.randn(NUM_BLOCKS, 2, 16, 64, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
-        spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-        kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-        cfg = StoreConnectorConfig(master_address=master.address, max_batch_blocks=8, auth_secret_file=secret_file)
-        self.worker = StoreWorker(cfg, kvc, SCHEMA, self.client, limits)
-        self.worker.register_kv_caches({"l0": self.kv})
-        self.calls: list[tuple[str, int, bool]] = []  # (op, objects, side work given)
+        super().__init__(master, SCHEMA, NUM_BLOCKS, seed=16, secret_file=secret_file, limits=limits,
+                         max_batch_blocks=8)
+        self.calls: list[tuple[str, int, bool]] = []
         for op in ("put_from_parts", "get_into_parts"):
             self._record(op)
-        self.stats: dict = {}
 
     def _record(self, op: str) -> None:
         real = getattr(self.client, op)
@@ -99,49 +74,6 @@ class Rig:
             return real(keys, addrs, sizes, timeout_s=timeout_s, while_waiting=while_waiting)
 
         setattr(self.client, op, recorded)
-
-    def payload(self, block: int) -> bytes:
-        return self.kv[block].view(torch.int16).numpy().tobytes()
-
-    def save(self, hashes: list[bytes], blocks: list[int]) -> None:
-        batch = BlockBatch()
-        for h, b in zip(hashes, blocks):
-            batch.add(0, h, b)
-        self.worker.wait_for_save(StoreConnectorMetadata(saves=[SaveJob(1, batch, sync=True)]))
-        self._take_stats()
-        assert self.stats.get("saved_blocks") == len(blocks), self.stats
-
-    def load(self, req: str, hashes: list[bytes], blocks: list[int]) -> bool:
-        batch = BlockBatch()
-        for h, b in zip(hashes, blocks):
-            batch.add(0, h, b)
-        self.worker.start_load_kv(StoreConnectorMetadata(loads=[LoadJob(req, batch, load_id=1)]))
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 20:
-            res = self.worker.get_transfer_results()
-            if req in res.finished_recving:
-                self._take_stats()
-                return req not in res.failed_recving
-            time.sleep(0.005)
-        raise AssertionError(f"load {req} did not finish")
-
-    def _take_stats(self) -> None:
-        s = self.worker.take_stats()
-        for k, v in (s.data.items() if s is not None else ()):
-            if not isinstance(v, list):
-                self.stats[k] = self.stats.get(k, 0) + v
-
-    def close(self) -> None:
-        self.worker.shutdown(timeout_s=2.0)
-        self.client.close()
-
-
-@pytest.fixture
-def rigs(store) -> Iterator[list[Rig]]:
-    made: list[Rig] = []
-    yield made
-    for r in made:
-        r.close()
 
 
 def _hashes(tag: str, n: int = JOB) -> list[bytes]:
