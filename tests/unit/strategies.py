@@ -15,6 +15,7 @@ shows the distribution each run actually tested.
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass
 from functools import reduce
@@ -28,8 +29,17 @@ from tests.unit.harness import Geometry, evict_random, fa, mamba, run_prefill, s
 
 # Every property runs at least 500 examples (CI included); examples build real
 # vLLM managers, so per-example deadlines are off.
+#
+# CI is derandomized: the same examples every run, so whether a change lands does
+# not depend on which random examples a run drew (a random CI run once found a
+# false positive of a check, 2026-12-01, after many passing runs). Exploration is a
+# separate, explicit mode: HYBRIDKV_HYPOTHESIS_EXPLORE=N draws N fresh random
+# examples per property (hypothesis prints a reproducer for any failure); what it
+# finds becomes an @example or a regression test.
+_EXPLORE = int(os.environ.get("HYBRIDKV_HYPOTHESIS_EXPLORE", "0") or 0)
 PROPERTY = settings(
-    max_examples=500,
+    max_examples=max(500, _EXPLORE),
+    derandomize=not _EXPLORE,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

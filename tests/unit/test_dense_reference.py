@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from vllm.utils.math_utils import cdiv
 
@@ -301,8 +303,25 @@ def _evict_per_group(manager, rng: random.Random) -> None:
         manager.evict_blocks(victims)
 
 
+def _window_realloc_case() -> dict:
+    """The example CI found (see the file's "why"): FA32 + FA16 + a 24-token
+    window at 16; the window's hit blocks drop out of the window at the
+    reported length and come back as fresh blocks of the same request."""
+    from tests.unit.harness import sw
+
+    case = json.loads((Path(__file__).parent / "data" / "dense_reference_window_realloc.json").read_text())
+    geo = Geometry(
+        specs=[fa(32, heads=1), fa(16, heads=2), sw(16, 24, heads=1)],
+        hash_block_size=16,
+        num_blocks=240,
+        label=case["geometry"],
+    )
+    return {"geo": geo, "work": (case["prompts"], case["queries"]), "seed": case["seed"]}
+
+
 @PROPERTY
 @given(geo=_multi_dense_geometries(), work=token_workloads(), seed=st.integers(0, 2**16))
+@example(**_window_realloc_case())
 def test_strict_reference_block_tables_match_reported_tokens(geo, work, seed):
     """Over 2-3 dense groups at different block sizes + Mamba / window, random
     evictions: after the reconciled lookup, a real allocate_slots (the
@@ -349,6 +368,11 @@ def test_strict_reference_block_tables_match_reported_tokens(geo, work, seed):
         # rest new); the blocks it will write must never be cached ones.
         if reported == 0:
             continue
+        # Each hit block's hash at lookup time: a hit block may come back as a
+        # written block only after vLLM dropped it from the table (out of the
+        # window), evicted it from the prefix cache and reallocated it; then it
+        # no longer carries the hash it was a hit under.
+        hit_hash = {b.block_id: b.block_hash for group in blocks.blocks for b in group if not b.is_null}
         out = manager.allocate_slots(
             req,
             req.num_tokens - reported,
@@ -368,8 +392,14 @@ def test_strict_reference_block_tables_match_reported_tokens(geo, work, seed):
             # (Window blocks that fall out of the window are nulled by vLLM.)
             assert all(t.is_null or t.block_id == h for t, h in zip(table[:full], hit_list)), gid
             # Blocks from the token the request computes next onwards get written:
-            # none of them may be a block of the looked-up (cached) hit.
+            # none of them may be a block of the looked-up (cached) hit that still
+            # holds that hit's KV (same hash), nor one the table also reads as a hit.
             written = {b.block_id for b in table[first_written:] if not b.is_null}
-            reused = written & {i for i, b in zip(hit_list, blocks.blocks[gid]) if not b.is_null}
+            hit_ids = {i for i, b in zip(hit_list, blocks.blocks[gid]) if not b.is_null}
+            pool = manager.block_pool
+            reused = {i for i in written & hit_ids if pool.blocks[i].block_hash == hit_hash[i]}
             assert not reused, f"group {gid}: the request would write into cached hit blocks {reused}"
+            if written & hit_ids:
+                event("window: a hit block dropped, evicted and reallocated")
+                assert not written & {t.block_id for t in table[:full] if not t.is_null}, gid
         manager.free(req)
