@@ -55,11 +55,23 @@ check() {  # pytest exit code -> ours (5 = nothing collected is a failure)
     return "$1"
 }
 
+# The e2e tests record the table cells they assert; docs/results.md's marked tables are
+# checked against those records after pass 1 (tests/docs_tables.py).
+HYBRIDKV_E2E_OBSERVED="$(mktemp)"
+export HYBRIDKV_E2E_OBSERVED
+
 set +e
 # --hypothesis-show-statistics: the property tests print their event() distributions
 # (geometries with two dense block sizes + a sparse group, hits that differ from vLLM's, ...).
 HYBRIDKV_EXPECT_VLLM=0.32.0 .venv/bin/python -m pytest tests -q -p no:cacheprovider --hypothesis-show-statistics "$@"
 rc32=$?
+if [ "$#" -eq 0 ]; then
+    .venv/bin/python -m tests.docs_tables --check --observed "$HYBRIDKV_E2E_OBSERVED"
+    rcdocs=$?
+else
+    echo "== docs tables NOT checked: pass 1 ran a subset ($*)"
+    rcdocs=0
+fi
 start=$SECONDS
 echo "== vLLM 0.33 pass: ${#VLLM033_TESTS[@]} path(s) -m 'not needs_engine' with PYTHONPATH=$VLLM033"
 PYTHONPATH="$VLLM033${PYTHONPATH:+:$PYTHONPATH}" HYBRIDKV_EXPECT_VLLM=0.33.0 VLLM_TARGET_DEVICE=cpu \
@@ -69,3 +81,4 @@ echo "== vLLM 0.33 pass took $((SECONDS - start)) s (exit $rc33)"
 set -e
 check "$rc32" "vLLM 0.32 pass" || { echo "vLLM 0.32 pass FAILED" >&2; exit 1; }
 check "$rc33" "vLLM 0.33 pass" || { echo "vLLM 0.33 pass FAILED" >&2; exit 1; }
+[ "$rcdocs" -eq 0 ] || { echo "docs tables differ from what the e2e tests asserted (python -m tests.docs_tables)" >&2; exit 1; }

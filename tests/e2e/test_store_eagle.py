@@ -54,7 +54,7 @@ from tests.e2e.engine_harness import (
     store_transfer_config,
     tiny_model,
 )
-from tests.e2e.test_store_connector import _record, assert_controls_fail
+from tests.e2e.test_store_connector import _record, assert_controls_fail, observe_store_turns
 
 NUM_SPECULATIVE_TOKENS = 2
 
@@ -131,5 +131,6 @@ def test_eagle_drafter_three_turns_hit_the_store_and_match_recompute(master, tmp
                                     first_prompt=session.prompt[: rows[0].prompt],
                                     prefix=last[: hit + scheduler_block])
         assert_controls_fail(runs, hit)
+        observe_store_turns("gemma3-eagle", rows)
     finally:
         del llm

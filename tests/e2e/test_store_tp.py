@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 from hybridkv.store.cpu_affinity import usable_cpus
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from hybridkv.store.object_trailer import TRAILER_BYTES, seal
+from tests.docs_tables import observe
 from tests.e2e.engine_harness import (
     VOCAB,
     compare,
@@ -206,6 +207,11 @@ def test_tp2_three_turns_fault_and_missing_rank_object(kind, master, gemma3_tp2,
             # prompt checkpoint only), so the exact answer is 0.
             assert cached == 0, f"cached {cached}: block 1 is missing on rank 1"
             assert cmp.matches
+        observe("store-tp2", kind, {
+            "cached per turn": " / ".join(str(r.cached) for r in rows),
+            "checkpoint per turn": " / ".join(str(r.expected) for r in rows),
+            "= recompute": f"{sum(r.matches_recompute for r in rows)}/{len(rows)}",
+        })
     finally:
         if kind != "gemma3":
             del llm
