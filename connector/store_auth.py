@@ -10,6 +10,8 @@ loader, one set of file checks. Running without a secret stays allowed for the s
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 
@@ -39,3 +41,19 @@ def store_object_mac(cfg: StoreConnectorConfig) -> ObjectMac | None:
     assert key is not None  # load_key returns None only when allow_unauthenticated is set
     logger.info("hybridkv store: objects are MACed with the deployment secret from %s", key.source)
     return ObjectMac(key.secret)
+
+
+def store_key_tenant(cfg: StoreConnectorConfig) -> str:
+    """A short public id of the deployment secret, for the store keys ('' without one).
+
+    Why: two tenants on one master with the same ``namespace`` and different secrets
+    named the same keys; each saw the other's objects as forgeries and removed them, so
+    they thrashed each other's cache. With this id in the key prefix each secret has its
+    own keys. It is an HMAC of a constant under the secret: it names the secret without
+    revealing it, and nobody without the secret can compute another tenant's id from it.
+    """
+    if not secret_configured(cfg):
+        return ""
+    key = pd_auth.load_key(cfg.auth_secret_file or None, allow_unauthenticated=False)
+    assert key is not None
+    return hmac.new(key.secret, b"hybridkv store key tenant v1", hashlib.sha256).hexdigest()[:16]

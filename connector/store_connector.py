@@ -29,6 +29,7 @@ from hybridkv.connector.store_config import (
     load_failure_policy_warning,
     refuse_non_tensor_parallelism,
 )
+from hybridkv.connector.store_auth import store_key_tenant
 from hybridkv.connector.store_keys import store_key_schema
 from hybridkv.connector.store_metadata import StoreConnectorMetadata
 from hybridkv.connector.store_scheduler import StoreScheduler
@@ -107,12 +108,13 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
         self._copy_views: list["torch.Tensor"] = []  # see register_kv_caches
+        tenant = store_key_tenant(self._cfg)  # the secret's id: its own keys per secret
         if role == KVConnectorRole.SCHEDULER:
             if warning := load_failure_policy_warning(ktc.kv_load_failure_policy):
                 logger.warning("hybridkv: %s", warning)
             self._scheduler = StoreScheduler(
                 self._cfg,
-                store_key_schema(vllm_config, kv_cache_config, self._cfg.namespace),
+                store_key_schema(vllm_config, kv_cache_config, self._cfg.namespace, tenant=tenant),
                 client,
                 world_size=vllm_config.parallel_config.world_size,
             )
@@ -125,6 +127,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._cfg.namespace,
                 tp_rank=get_tensor_model_parallel_rank(),
                 pp_rank=get_pp_group().rank_in_group,
+                tenant=tenant,
             )
             with unpinned():  # its job threads must not share the engine's pinned core
                 self._worker = StoreWorker(self._cfg, kv_cache_config, schema, client)

@@ -24,12 +24,18 @@ def store_key_schema(
     namespace: str,
     tp_rank: int = 0,
     pp_rank: int = 0,
+    tenant: str = "",
 ) -> KeySchema:
-    """Schema for one rank; objects are shared only between identical layouts."""
+    """Schema for one rank; objects are shared only between identical layouts.
+
+    ``tenant`` (store_auth.store_key_tenant: an id of the deployment secret, '' without
+    one) keeps deployments with different secrets on different keys."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     rows = layout_rows(kv_cache_config)
     rows.append({"namespace": namespace})
+    if tenant:
+        rows.append({"tenant": tenant})
     return KeySchema.create(
         model_name=str(model.model),
         dtype=str(model.dtype),
