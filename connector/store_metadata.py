@@ -67,13 +67,18 @@ class StoreConnectorMetadata(BlockCopiesMetadata):
 @dataclass
 class StoreWorkerMetadata(KVConnectorWorkerMetadata):
     """Save jobs finished, and requests whose load calls have all returned (their
-    target blocks may be unpinned), on this worker; summed over workers by ``aggregate``."""
+    target blocks may be unpinned), on this worker; summed over workers by ``aggregate``.
+    ``failed_saves``: finished save jobs that did not write every object (skipped or
+    failed), so the scheduler offers their keys again instead of taking them as saved."""
 
     finished_saves: Counter = field(default_factory=Counter)
     released_loads: Counter = field(default_factory=Counter)
+    failed_saves: Counter = field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, StoreWorkerMetadata)
         return StoreWorkerMetadata(
-            self.finished_saves + other.finished_saves, self.released_loads + other.released_loads
+            self.finished_saves + other.finished_saves,
+            self.released_loads + other.released_loads,
+            self.failed_saves + other.failed_saves,
         )

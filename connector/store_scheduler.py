@@ -93,6 +93,7 @@ class StoreScheduler:
         self._load_pins: dict[int, list[Any]] = {}
         self._load_acks: Counter[int] = Counter()
         self._recent: OrderedDict[BlockKey, None] = OrderedDict()
+        self._save_keys: dict[int, list[BlockKey]] = {}  # save job -> its keys, while pinned
         self._job_ids = itertools.count(1)
         self._pins: dict[int, list[Any]] = {}
         self._acks: Counter[int] = Counter()
@@ -286,6 +287,9 @@ class StoreScheduler:
     def _pinned_job(self, blocks: BlockBatch, sync: bool, snapshot: bool = False) -> SaveJob:
         job = SaveJob(next(self._job_ids), blocks, sync=sync, snapshot=snapshot)
         self._pins[job.job_id] = self._pin(blocks.block_ids)
+        # Its keys, until every worker acknowledged it: a worker that could not write them
+        # makes them unknown again (_forget_failed_saves).
+        self._save_keys[job.job_id] = list(zip(blocks.group_ids, blocks.hashes))
         return job
 
     def _pin(self, block_ids: list[int]) -> list[Any]:
@@ -396,8 +400,30 @@ class StoreScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, StoreWorkerMetadata):
             return
+        self._forget_failed_saves(meta.failed_saves)
         self._release(meta.finished_saves, self._acks, self._pins)
         self._release(meta.released_loads, self._load_acks, self._load_pins)
+        for job_id in meta.finished_saves:
+            if job_id not in self._pins:
+                self._save_keys.pop(job_id, None)
+
+    def _forget_failed_saves(self, failed: Counter) -> None:
+        """A save job some worker skipped or could not finish: its keys leave ``_recent``.
+
+        Why: ``_recent`` stops the same block from being offered again while it is
+        believed saved; a skipped save (queue full, step budget) or a failed put left
+        the block out of the store for as long as the key stayed there (up to 131,072
+        saves), so later requests never saved it and missed. Now the next request that
+        computes the block offers it again (a put of an object that landed after all
+        answers 0 and keeps it)."""
+        forgotten = 0
+        for job_id in failed:
+            for key in self._save_keys.get(job_id, ()):
+                if key in self._recent:
+                    del self._recent[key]
+                    forgotten += 1
+        if forgotten:
+            self._stats.add("recent_saves_forgotten", forgotten)
 
     def _release(self, reported: Counter, acks: Counter, pins: dict[int, list[Any]]) -> None:
         """Unpin the blocks of every job all workers have reported done."""

@@ -218,6 +218,7 @@ class StoreWorker:
         self._lock = threading.Lock()
         self._done_loads: list[_LoadResult] = []
         self._done_saves: Counter[int] = Counter()
+        self._failed_saves: Counter[int] = Counter()  # done, but not every object written
         self._released_loads: Counter[int] = Counter()
         self._stats = HybridStoreStats()
         self._mac = store_object_mac(cfg)  # None: XXH3 trailers (no deployment secret, logged)
@@ -312,12 +313,12 @@ class StoreWorker:
         warn_once(logger, cause, "hybridkv store: skipped saving %d block(s): %s", len(job.blocks),
                   "this step's synchronous save budget is spent" if cause == "save_step_budget"
                   else f"the save queue holds {self._limits.save_queue_blocks} blocks already")
-        self._ack_save(job.job_id)
+        self._ack_save(job.job_id, ok=False)
 
     def _run_save(
         self, job: SaveJob, fence: "torch.cuda.Event | None" = None, deadline: float | None = None
     ) -> None:
-        pending = None
+        pending, ok = None, False
         try:
             if fence is not None:
                 fence.synchronize()  # the forward that wrote these blocks has finished on the device
@@ -328,11 +329,13 @@ class StoreWorker:
                     self._log_keys(job.blocks)
         finally:
             # Acknowledge (unpin the source blocks) only once no write from them runs.
-            self._after(pending, lambda: self._ack_save(job.job_id))
+            self._after(pending, lambda: self._ack_save(job.job_id, ok))
 
-    def _ack_save(self, job_id: int) -> None:
+    def _ack_save(self, job_id: int, ok: bool = True) -> None:
         with self._lock:
             self._done_saves[job_id] += 1
+            if not ok:
+                self._failed_saves[job_id] += 1
 
     def _released(self, load_id: int) -> None:
         with self._lock:
@@ -659,7 +662,8 @@ class StoreWorker:
                 return None
             done, self._done_saves = self._done_saves, Counter()
             released, self._released_loads = self._released_loads, Counter()
-        return StoreWorkerMetadata(done, released)
+            failed, self._failed_saves = self._failed_saves, Counter()
+        return StoreWorkerMetadata(done, released, failed)
 
     def _stat(self, name: str, value: float = 1) -> None:
         with self._lock:

@@ -119,11 +119,12 @@ def _fill_store(sched: Scheduler, store, upto: int) -> None:
     assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(keys)
 
 
-def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None) -> ModelRunnerOutput:
+def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, saves_failed=False) -> ModelRunnerOutput:
     """What the workers would report for this step (no forward: only connector acks)."""
     req_ids = list(out.num_scheduled_tokens)
     meta = StoreWorkerMetadata(finished_saves=Counter({s.job_id: 1 for s in saves}),
-                               released_loads=Counter({j.load_id: 1 for j in loads}))
+                               released_loads=Counter({j.load_id: 1 for j in loads}),
+                               failed_saves=Counter({s.job_id: 1 for s in saves} if saves_failed else {}))
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -189,18 +190,38 @@ def test_store_hit_through_a_real_scheduler_step(store, geo_name):
     _finish_load_and_resume(sched, req, out, job, 512)
 
 
-def _run_to_completion(sched: Scheduler, req: Request) -> None:
-    """Prefill ``req`` step by step as the engine would (workers ack every save), then finish it."""
+def _run_to_completion(sched: Scheduler, req: Request, saves_failed: bool = False) -> set[tuple[int, bytes]]:
+    """Prefill ``req`` step by step as the engine would (workers ack every save, as
+    failed with ``saves_failed``), then finish it; returns the keys its saves offered."""
     sched.add_request(req)
+    offered = set()
     for _ in range(50):
         out = sched.schedule()
         meta = out.kv_connector_metadata
+        for job in meta.saves:
+            offered |= {(g, bytes(h)) for g, h in zip(job.blocks.group_ids, job.blocks.hashes)}
         n = out.num_scheduled_tokens.get(req.request_id, 0)
         done = req.num_computed_tokens >= req.num_tokens  # schedule() already advanced it
-        sched.update_from_output(out, _worker_reply(out, saves=meta.saves, sampled={req.request_id: [5]} if done and n else None))
+        sched.update_from_output(out, _worker_reply(out, saves=meta.saves, saves_failed=saves_failed,
+                                                    sampled={req.request_id: [5]} if done and n else None))
         if req.is_finished():
-            return
+            return offered
     raise AssertionError("prefill did not finish in 50 steps")
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_save_the_workers_could_not_write_is_offered_again(store, failed):
+    """The same prompt computed twice (local cache emptied in between, the store empty:
+    no worker writes here). Saves acknowledged as written are not offered again (the
+    dedup); saves a worker reported failed or skipped are offered again, every key of
+    them, instead of being taken as saved for up to 131,072 saves."""
+    sched = _scheduler(WINDOW, store[0], store[3], f"resave-{failed}")
+    first = _run_to_completion(sched, _request(f"resave-{failed}-a"), saves_failed=failed)
+    assert first, "the first prefill offered nothing to save"
+    assert sched.kv_cache_manager.reset_prefix_cache()
+    again = _run_to_completion(sched, _request(f"resave-{failed}-b"))
+    assert again == (first if failed else set())
+    assert not sched.connector._scheduler._save_keys, "keys of acknowledged jobs must not be kept"
 
 
 def test_local_dense_prefix_cut_by_eviction_is_extended_from_the_store(store):

@@ -125,6 +125,7 @@ class Rig:
         self.stats: dict = {}
         self.saw_released: set[int] = set()
         self.saw_acks: dict[int, int] = {}
+        self.saw_failed: dict[int, int] = {}  # save jobs acknowledged as not (fully) written
 
     def payload(self, block: int) -> bytes:
         return self.kv[block].view(torch.int16).numpy().tobytes()
@@ -155,6 +156,8 @@ class Rig:
             self.saw_released.update(meta.released_loads)
             for k, v in meta.finished_saves.items():
                 self.saw_acks[k] = self.saw_acks.get(k, 0) + v
+            for k, v in meta.failed_saves.items():
+                self.saw_failed[k] = self.saw_failed.get(k, 0) + v
         stats = self.worker.take_stats()
         if stats is not None:
             for k, v in stats.data.items():
@@ -264,8 +267,10 @@ def test_synchronous_saves_share_one_budget_per_step(master, holders) -> None:
         assert rig.stats["fail.save_hkv_call_timeout"] == 2  # job 1: 2.0 s, job 2: the 0.5 s left (1 block each)
         assert rig.stats["fail.save_step_budget"] == 1 and rig.stats["skipped_saves"] == 1
         assert rig.saw_acks == {102: 1}  # skipped: unpinned at once; the others when their calls end
+        assert rig.saw_failed == {102: 1}  # ... and reported not written (the scheduler offers it again)
         hung.cont()
         assert _wait(lambda: (rig.poll(), rig.saw_acks == {100: 1, 101: 1, 102: 1})[1], 40.0), rig.saw_acks
+        assert rig.saw_failed == {100: 1, 101: 1, 102: 1}  # timed out, timed out, skipped
     finally:
         rig.close(holders)
 
@@ -289,7 +294,7 @@ def test_full_save_queue_skips_and_counts(master, holders) -> None:
         rig.poll()
         # 2 + 2 > 3: job 2 skipped (unpinned now); job 3 fits beside job 1.
         assert rig.stats["skipped_saves"] == 2 and rig.stats["fail.save_queue_full"] == 2
-        assert rig.saw_acks == {2: 1}
+        assert rig.saw_acks == {2: 1} and rig.saw_failed == {2: 1}
         hung.cont()
         assert _wait(lambda: (rig.poll(), rig.saw_acks == {1: 1, 2: 1, 3: 1})[1], 40.0), rig.saw_acks
         before = rig.stats.get("saved_blocks", 0)  # jobs 1 and 3: written if the owner resumed in time
@@ -298,6 +303,7 @@ def test_full_save_queue_skips_and_counts(master, holders) -> None:
         rig.worker.wait_for_save(StoreConnectorMetadata(saves=[job(4, [6, 7, 8, 9, 10])]))
         assert _wait(lambda: (rig.poll(), 4 in rig.saw_acks)[1], 10.0)
         assert rig.stats["skipped_saves"] == 2 and rig.stats["saved_blocks"] - before == 5, rig.stats
+        assert 4 not in rig.saw_failed and 2 in rig.saw_failed  # written: not offered again
     finally:
         rig.close(holders)
 
