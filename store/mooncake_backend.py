@@ -52,6 +52,15 @@ lease (``default_kv_lease_ttl`` of the master, renewed by exists/get) has not ex
 segment), and it HOLDS THE GIL throughout (every other verb above releases it), so it cannot
 be bounded from Python: reuse clients, close once.
 
+Listeners (issue 13)
+--------------------
+Each client listens on two TCP ports: the P2P handshake/RPC port ("Transfer Engine RPC using
+P2P handshake, listening on HOST:PORT" in its log) and the TCP transport's data port
+("TcpTransport: listen on port N"), which serves the whole registered memory. Mooncake binds
+both to all interfaces (0.0.0.0 and [::]) whatever ``local_hostname`` or MC_* variables say;
+``pin_listeners`` (below) makes them bind ``local_hostname``'s address: measured 127.0.0.1 and
+[::ffff:127.0.0.1], and puts/gets between two processes still work over them.
+
 Master failure, measured
 ------------------------
 * SIGKILLed master: the first call answers -900 at once; every later call blocks ~4.3-4.5 s
@@ -89,6 +98,7 @@ fails before any transfer when the master is the problem, but a slow peer could 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import socket
@@ -103,6 +113,7 @@ from hybridkv.store.cpu_affinity import unpinned
 
 __all__ = [
     "MooncakeBackend",
+    "pin_listeners",
     "StoreError",
     "ERROR_NAMES",
     "code_name",
@@ -290,6 +301,196 @@ def _parse_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# --- listeners on the configured host (issue 13) ---------------------------------------------
+# Mooncake 0.3.13's store client opens two TCP listeners in setup() and binds both to ALL
+# interfaces, with no setting for the address (read in kvcache-ai/Mooncake and measured here):
+#   * the P2P handshake / RPC listener: findAvailableTcpPort() in
+#     mooncake-transfer-engine/src/transfer_metadata_plugin.cpp binds INADDR_ANY (IN6ADDR_ANY with
+#     MC_USE_IPV6); transfer_engine_impl.cpp only *advertises* local_hostname, and
+#     MC_TCP_BIND_ADDRESS is read only in the non-P2P "new RPC mapping" branch, to advertise too;
+#   * the TCP transport's data listener: TcpContext in tcp_transport_session_impl.h binds
+#     tcp::v6() (dual stack, "::") and falls back to tcp::v4() ("0.0.0.0").
+# Measured with a real master: 0.0.0.0:<port> and [::]:<port> per client, whatever
+# local_hostname, MC_TCP_BIND_ADDRESS, MC_RDMA_BIND_ADDRESS, MC_HANDSHAKE_PORT, MC_USE_IPV6 or
+# MC_LEGACY_RPC_PORT_BINDING said; the whole registered KV cache is served on the data port.
+# So hybridkv interposes bind() for Mooncake's own libraries only: their PLT slot for bind
+# (the GOT entry, filled by the dynamic linker) is pointed at _wildcard_bind, which turns a
+# wildcard address into the host the client advertises (local_hostname) and calls libc's bind.
+# Peers connect to local_hostname anyway, so nothing reachable changes for them. An IPv6
+# wildcard becomes the IPv4-mapped host (::ffff:127.0.0.1): the socket stays dual stack and
+# keeps accepting the IPv4 connections peers make. Specific addresses pass unchanged.
+# Process-wide (one GOT per library): the host of the latest setup() applies; one host per
+# process is the supported case. Linux/glibc, x86_64 and aarch64 ELF; anything else logs a
+# warning and leaves the listeners as Mooncake opens them.
+
+_BIND_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, use_errno=True)
+_JUMP_RELOCS = {62: (6, 7), 183: (1025, 1026)}  # e_machine -> (GLOB_DAT, JUMP_SLOT): x86_64, aarch64
+_bind_lock = threading.Lock()
+_bind_to: "tuple[bytes, bytes] | None" = None  # (IPv4 4 bytes, IPv6 16 bytes); None: pass through
+_bind_hook: Any = None  # the ctypes callback; must live as long as the process
+_real_bind: Any = None
+_patched_libs: set[str] = set()  # libraries whose bind() goes through the hook
+_inspected_libs: set[str] = set()  # every Mooncake library read once (most never call bind)
+
+
+def _host_of(local_hostname: str) -> str:
+    """``local_hostname`` without Mooncake's optional ``:port`` (``[v6]:port`` too)."""
+    h = local_hostname.strip()
+    if h.startswith("["):
+        return h[1:h.index("]")] if "]" in h else h[1:]
+    if h.count(":") == 1:
+        return h.split(":", 1)[0]
+    return h
+
+
+def _listen_addresses(host: str) -> tuple[bytes, bytes]:
+    """Packed (IPv4, IPv6) addresses to bind for ``host``: an IP literal or a resolvable name."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError as e:
+            raise StoreError("setup", INVALID_PARAMS, f"local_hostname {host!r} does not resolve ({e})",
+                             fix="set local_hostname to this host's address as peers reach it") from e
+        v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+        ip = ipaddress.ip_address(v4[0] if v4 else infos[0][4][0])
+    if ip.version == 4:
+        return ip.packed, ipaddress.IPv6Address(f"::ffff:{ip}").packed
+    # An IPv6 host: IPv4 sockets (the handshake unless MC_USE_IPV6) stay on IPv4 loopback.
+    return ipaddress.IPv4Address("127.0.0.1").packed, ip.packed
+
+
+def _wildcard_bind(fd: int, addr: int | None, addrlen: int) -> int:
+    """bind() for Mooncake's libraries: a wildcard address becomes the configured host."""
+    try:
+        target = _bind_to
+        if target is not None and addr:
+            family = ctypes.c_uint16.from_address(addr).value
+            if family == socket.AF_INET and addrlen >= 8 and ctypes.string_at(addr + 4, 4) == bytes(4):
+                sa = ctypes.create_string_buffer(ctypes.string_at(addr, addrlen), addrlen)
+                ctypes.memmove(ctypes.addressof(sa) + 4, target[0], 4)
+                return int(_real_bind(fd, ctypes.addressof(sa), addrlen))
+            if family == socket.AF_INET6 and addrlen >= 24 and ctypes.string_at(addr + 8, 16) == bytes(16):
+                sa = ctypes.create_string_buffer(ctypes.string_at(addr, addrlen), addrlen)
+                ctypes.memmove(ctypes.addressof(sa) + 8, target[1], 16)
+                return int(_real_bind(fd, ctypes.addressof(sa), addrlen))
+    except Exception:  # noqa: BLE001 - a callback must not raise (ctypes would answer 0 = bound)
+        logger.exception("hybridkv: bind interposer failed; binding as Mooncake asked")
+    return int(_real_bind(fd, addr, addrlen))
+
+
+def _bind_slots(path: str) -> list[int]:
+    """Offsets (from the load base) of the GOT entries through which ``path`` calls bind()."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:  # 64-bit little endian only
+        raise ValueError("not a 64-bit little-endian ELF")
+    machine = struct.unpack_from("<H", data, 0x12)[0]
+    if machine not in _JUMP_RELOCS:
+        raise ValueError(f"ELF machine {machine} not handled")
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    slots = []
+    for _name, kind, _fl, _va, off, size, link, _info, _al, _es in sections:
+        if kind != 4:  # SHT_RELA
+            continue
+        symtab, strtab = sections[link], sections[sections[link][6]]
+        for r in range(off, off + size, 24):
+            r_offset, r_info = struct.unpack_from("<QQ", data, r)
+            if (r_info & 0xFFFFFFFF) not in _JUMP_RELOCS[machine]:
+                continue
+            st_name = struct.unpack_from("<I", data, symtab[4] + (r_info >> 32) * 24)[0]
+            start = strtab[4] + st_name
+            if data[start:data.index(b"\0", start)] == b"bind":
+                slots.append(r_offset)
+    return slots
+
+
+def _loaded_mooncake_libs() -> dict[str, int]:
+    """Load base of every loaded shared object shipped in the mooncake wheel (dl_iterate_phdr)."""
+    import os
+
+    import mooncake
+
+    pkg = os.path.realpath(os.path.dirname(mooncake.__file__))
+    roots = (pkg + os.sep, os.path.dirname(pkg) + os.sep + "mooncake_")  # mooncake/, mooncake_*.libs/
+
+    class _Info(ctypes.Structure):
+        _fields_ = [("addr", ctypes.c_size_t), ("name", ctypes.c_char_p)]
+
+    found: dict[str, int] = {}
+
+    def visit(info: Any, _size: int, _data: Any) -> int:
+        name = (info.contents.name or b"").decode(errors="replace")
+        if name and os.path.realpath(name).startswith(roots):
+            found[os.path.realpath(name)] = int(info.contents.addr)
+        return 0
+
+    cb = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Info), ctypes.c_size_t, ctypes.c_void_p)(visit)
+    ctypes.CDLL(None).dl_iterate_phdr(cb, None)
+    return found
+
+
+def _write_slot(address: int, value: int) -> None:
+    """Store a pointer in a GOT entry; a read-only one (full RELRO) is unprotected for the write."""
+    import mmap
+
+    page = address & ~(mmap.PAGESIZE - 1)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    writable = False
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                writable = perms[1] == "w"
+                break
+    if not writable and libc.mprotect(page, mmap.PAGESIZE, 3) != 0:  # PROT_READ | PROT_WRITE
+        raise OSError(ctypes.get_errno(), "mprotect of a GOT page failed")
+    ctypes.c_void_p.from_address(address).value = value
+    if not writable:
+        libc.mprotect(page, mmap.PAGESIZE, 1)  # PROT_READ, as the dynamic linker left it
+
+
+def pin_listeners(local_hostname: str | None) -> list[str]:
+    """Make Mooncake's listeners in this process bind ``local_hostname``'s address (None: any).
+
+    Installs the bind() interposer (see the comment above) in every loaded Mooncake library
+    once, then sets the address the NEXT binds use: call it before ``setup()``. Returns the
+    libraries whose bind() goes through the interposer; [] (and a warning) when this platform
+    cannot be handled, in which case the listeners stay on all interfaces.
+    """
+    global _bind_to, _bind_hook, _real_bind
+    target = None if local_hostname is None else _listen_addresses(_host_of(local_hostname))
+    with _bind_lock:
+        if target is not None or _patched_libs:
+            try:
+                if _bind_hook is None:
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    _real_bind = _BIND_T(ctypes.cast(libc.bind, ctypes.c_void_p).value)
+                    _bind_hook = _BIND_T(_wildcard_bind)
+                hook = ctypes.cast(_bind_hook, ctypes.c_void_p).value
+                for path, base in _loaded_mooncake_libs().items():
+                    if path not in _inspected_libs:
+                        for off in _bind_slots(path):
+                            _write_slot(base + off, hook)
+                            _patched_libs.add(path)
+                        _inspected_libs.add(path)
+            except (OSError, ValueError) as e:
+                logger.warning("hybridkv: cannot pin Mooncake's listeners to %s (%s): they listen on ALL "
+                               "interfaces; firewall their ports", local_hostname, e)
+                return []
+        _bind_to = target
+        return sorted(_patched_libs)
+
+
 class MooncakeBackend:
     """One Mooncake store client with bounded calls; see the module docstring for semantics.
 
@@ -300,6 +501,9 @@ class MooncakeBackend:
     CLIENT_STUCK (one stuck metadata call refuses everything: the master is hung). 1 suits one
     caller; a data path with independent requests wants more, so a call stuck on one hung
     segment owner does not refuse requests served by other nodes (each call is still bounded).
+    ``listen_on_host`` (default True): Mooncake's two listeners (P2P handshake, TCP data) bind
+    ``local_hostname``'s address instead of all interfaces (``pin_listeners``); False keeps
+    Mooncake's own all-interfaces binds. ``listeners_pinned`` says whether the binds were pinned.
     """
 
     def __init__(
@@ -315,6 +519,7 @@ class MooncakeBackend:
         rdma_devices: str = "",
         metadata_server: str = "P2PHANDSHAKE",
         max_stuck_calls: int = 1,
+        listen_on_host: bool = True,
     ) -> None:
         self.master_address = master_address
         self.max_stuck_calls = max(1, int(max_stuck_calls))
@@ -354,6 +559,9 @@ class MooncakeBackend:
                 "or correct master_address",
             ) from e
 
+        # Mooncake binds its handshake and data listeners to all interfaces; bind them to the
+        # address this client advertises instead (pin_listeners, issue 13).
+        self.listeners_pinned = bool(pin_listeners(local_hostname if listen_on_host else None)) and listen_on_host
         self._store = MooncakeDistributedStore()
         setup_timeout = max(self.timeout_s or 0.0, 30.0) if self.timeout_s else None
         # The call threads, and the transfer threads Mooncake starts inside setup(), inherit
