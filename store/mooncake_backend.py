@@ -357,6 +357,10 @@ def _listen_addresses(host: str) -> tuple[bytes, bytes]:
                              fix="set local_hostname to this host's address as peers reach it") from e
         v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
         ip = ipaddress.ip_address(v4[0] if v4 else infos[0][4][0])
+        if ip.is_loopback and host != "localhost":  # e.g. Debian's "127.0.1.1 <hostname>" line
+            logger.warning("hybridkv: local_hostname %r resolves to %s here, so Mooncake's listeners "
+                           "bind loopback and peers on other hosts cannot reach them; set "
+                           "local_hostname to the IP address peers use", host, ip)
     if ip.version == 4:
         return ip.packed, ipaddress.IPv6Address(f"::ffff:{ip}").packed
     # An IPv6 host: IPv4 sockets (the handshake unless MC_USE_IPV6) stay on IPv4 loopback.

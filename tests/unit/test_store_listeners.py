@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
+import logging
 import os
 import re
 import socket
@@ -152,8 +153,9 @@ def test_every_store_client_listener_is_on_the_configured_host(master: EmbeddedM
         assert offenders(owned, names) == [], "segment owner reachable from other hosts"
         assert len(mine) == 2 and offenders(mine, {}) == [], f"reading client: {sorted(mine)}"
         assert owner.pinned is True
-        assert offenders(listening(master.pid), {master.rpc_port: "master RPC",
-                                                  master.metrics_port: "master metrics"}) == []
+        at_master = listening(master.pid)
+        assert {master.rpc_port, master.metrics_port} <= {port for _, port in at_master}, at_master
+        assert offenders(at_master, {master.rpc_port: "master RPC", master.metrics_port: "master metrics"}) == []
         for ip in non_loopback_addresses():
             for port in names:
                 assert not reachable(ip, port), f"{names[port]} port {port} answers on {ip}"
@@ -225,3 +227,35 @@ def test_a_read_only_got_page_is_written_and_left_read_only() -> None:
     finally:
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.munmap(page, mmap.PAGESIZE)
+
+
+def test_a_name_that_resolves_to_loopback_here_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debian-style hosts files map the machine's own name to 127.0.1.1: listeners would bind
+    loopback while remote peers reach the name at the real address. Resolution is faked (named
+    so): which names resolve where depends on the machine's hosts file."""
+    import hybridkv.store.mooncake_backend as mb
+
+    real = socket.getaddrinfo
+    fake = {"node7": "127.0.1.1", "node8": "10.9.8.7"}
+
+    def getaddrinfo(host: str, *a: object, **k: object) -> list:
+        if host in fake:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (fake[host], 0))]
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(mb.socket, "getaddrinfo", getaddrinfo)
+    # A handler on the module's logger itself: vLLM's logging config may stop "vllm.*"
+    # propagating to the root logger, where caplog listens.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    mb.logger.addHandler(handler)
+    try:
+        assert _listen_addresses("node8")[0] == socket.inet_aton("10.9.8.7")
+        assert records == []
+        assert _listen_addresses("node7")[0] == socket.inet_aton("127.0.1.1")
+    finally:
+        mb.logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [
+        "hybridkv: local_hostname 'node7' resolves to 127.0.1.1 here, so Mooncake's listeners bind loopback "
+        "and peers on other hosts cannot reach them; set local_hostname to the IP address peers use"]
