@@ -31,6 +31,8 @@ import hashlib
 import json
 import logging
 import secrets
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -777,15 +779,63 @@ def _reader_fields(obj: dict[str, Any]) -> tuple[int, int]:
 # --------------------------------------------------------------------------- client
 
 
+class _Channels:
+    """One gRPC channel per peer address, reused by every call to it (bounded LRU).
+
+    Why: each release, claim and handshake opened a channel of its own (a TCP connect
+    and HTTP/2 setup per call, on the peer's read thread); a decode serving many
+    requests from one prefill paid that per request. A channel that saw a failed call
+    is dropped, so the next call to a restarted peer starts clean instead of waiting out
+    a reconnect backoff. An evicted channel is not closed here: a call running on it
+    holds its own reference, and gRPC closes it once the last one is gone.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._by_address: OrderedDict[str, grpc.Channel] = OrderedDict()
+        self.opened = 0  # channels created (tests and bounds)
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._by_address.get(address)
+            if channel is not None:
+                self._by_address.move_to_end(address)
+                return channel
+            channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self.opened += 1
+            self._by_address[address] = channel
+            while len(self._by_address) > self._capacity:
+                self._by_address.popitem(last=False)
+            return channel
+
+    def drop(self, address: str, channel: grpc.Channel) -> None:
+        with self._lock:
+            if self._by_address.get(address) is channel:
+                del self._by_address[address]
+
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+
+MAX_PEER_CHANNELS = 64  # as many as the NIXL peers a decode worker keeps (PDWorker MAX_PEERS)
+_channels = _Channels(MAX_PEER_CHANNELS)
+
+
 def _call(address: str, method: str, obj: dict[str, Any], timeout_s: float, key: DeploymentKey | None) -> bytes:
     """One authenticated unary call: a nonce in the body, the MAC in the metadata, the
     answer's MAC checked (raises :class:`HandshakeError` if it is missing or wrong)."""
     body = json.dumps({**obj, "nonce": secrets.token_hex(16)}).encode()
     metadata = () if key is None else ((MAC_METADATA, request_mac(key, method, body)),)
-    with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+    channel = _channels.get(address)
+    try:
         answer, call = channel.unary_unary(
             f"/{SERVICE}/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
         ).with_call(body, timeout=timeout_s, metadata=metadata)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # a refusal is an answer: the channel is fine
+            _channels.drop(address, channel)
+        raise
     if key is not None and not key.verify(_metadata_value(call.trailing_metadata()), PURPOSE_RPC_ANSWER,
                                           method, _digest(body), _digest(answer)):
         raise HandshakeError(
