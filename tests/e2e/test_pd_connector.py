@@ -20,7 +20,18 @@ from pathlib import Path
 import pytest
 
 from hybridkv.connector.pd_auth import write_secret_file
-from tests.e2e.engine_harness import Completion, Session, completion_from, generate, make_llm, matches, metric, tiny_model
+from tests.docs_tables import observe
+from tests.e2e.engine_harness import (
+    TOP_LOGPROBS,
+    Completion,
+    Session,
+    completion_from,
+    generate,
+    make_llm,
+    matches,
+    metric,
+    tiny_model,
+)
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes CPU hosts at exit
@@ -63,8 +74,10 @@ def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8) -> Comple
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True,
-                        extra_args={"kv_transfer_params": params})
+    # Top-k logprobs as every compared completion has (engine_harness.matches): with the
+    # chosen token's logprob alone a wrong hand-over that keeps the argmax could pass.
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP_LOGPROBS, detokenize=False,
+                        ignore_eos=True, extra_args={"kv_transfer_params": params})
     return completion_from(llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0])
 
 
@@ -159,6 +172,8 @@ def test_pd_three_turns_match_recompute(kind, monkeypatch, capfd):
         else:  # the previous prompt's last scheduler-block boundary is decode's own hit at least
             assert local_hit >= (prev - 1) // align * align
         prev = prompt
+    cells = {f"turn {t}": f"{local_hit} + {pulled} of {prompt}" for t, prompt, _, local_hit, pulled, *_ in rows}
+    observe("pd-e2e", kind, {**cells, "matches recompute": "all"})
     del prefill, decode
 
 
