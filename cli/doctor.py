@@ -428,11 +428,17 @@ def listener_checks(use: ConnectorUse, authenticated: bool) -> Check:
     else:
         mhost, _ = _split_host_port(master)
         parts.append(f"master {master}" + ("" if _is_loopback(mhost) else " (over the network)"))
+    if not use.cfg.pin_mooncake_listeners:
+        return Check(name, WARN, "; ".join(parts) + "; pin_mooncake_listeners=false: Mooncake's store client "
+                     "opens its handshake and data listeners (the whole registered KV cache, no "
+                     "authentication) on ALL interfaces",
+                     "set pin_mooncake_listeners true, or firewall those ports (docs/security.md)")
+    parts.append(f"Mooncake's store client handshake and data listeners bound to {use.cfg.local_hostname} "
+                 "(hybridkv pins Mooncake's all-interfaces binds)")
     if not _is_loopback(use.cfg.local_hostname):
-        parts.append(f"this engine's segment advertised as {use.cfg.local_hostname}")
-    return Check(name, WARN, "; ".join(parts) + "; Mooncake 0.3.13's store client opens its transfer "
-                 "listeners on ALL interfaces (no setting changes it)",
-                 "firewall the store hosts' ports to the cluster (docs/security.md)")
+        return Check(name, WARN, "; ".join(parts) + " (reachable from the network; data unauthenticated)",
+                     "firewall those ports to the store hosts (docs/security.md)")
+    return Check(name, OK, "; ".join(parts))
 
 
 # ------------------------------------------------------------------ model: KV cache groups

@@ -57,6 +57,11 @@ class StoreConnectorConfig:
     rdma_devices: str = ""
     # Address other store nodes use to reach this engine's segment.
     local_hostname: str = "127.0.0.1"
+    # Mooncake 0.3.13 binds its store client's handshake and data listeners to ALL interfaces
+    # with no setting; hybridkv rebinds them to local_hostname by interposing bind() in
+    # Mooncake's own libraries (store/mooncake_backend.pin_listeners). false: leave them as
+    # Mooncake opens them (then firewall their ports), e.g. if the interposer misbehaves.
+    pin_mooncake_listeners: bool = True
     # Bound on any one store call (seconds); a dead store costs at most this per request.
     timeout_s: float = 5.0
     # Bound on the scheduler's existence query (seconds); on expiry the lookup is a miss.
@@ -110,9 +115,9 @@ class StoreConnectorConfig:
                 if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                     raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: expected a positive integer")
                 kw[key] = value
-            elif key == "save_decode":
+            elif key in ("save_decode", "pin_mooncake_listeners"):
                 if not isinstance(value, bool):
-                    raise ConfigError(f"kv_connector_extra_config.save_decode={value!r}: expected true or false")
+                    raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: expected true or false")
                 kw[key] = value
             elif key == "protocol":
                 if value not in ("tcp", "rdma"):

