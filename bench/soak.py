@@ -29,10 +29,11 @@ turn (re-running one re-reads its old objects). Per phase: requests, failures (H
 empty answer; the policy is recompute, so the target is 0), p50/p99 TTFT, prompt-token hit rate,
 store failed loads and corrupt objects refused (metric deltas), sampled turns that differ from
 a salted recompute (after the run, up to ``--samples`` turns per phase, 3x that after a data
-fault, that had cached tokens are re-sent with a fresh ``cache_salt``, compared with the demo's rule; target 0); seconds from the
-new master until the store serves loads again (``vllm:hybridkv_store_loaded_blocks`` grows),
-against :func:`recovery_bound_s`; the server's RSS and thread count sampled every 2 s (growth
-target < 5 %); processes and temp dirs left after shutdown (target none).
+fault, that had cached tokens are re-sent with a fresh ``cache_salt``, compared with the demo's
+rule; target 0); turns longer than the slowest healthy turn + 2 x timeout_s (target 0); seconds
+from the new master until the store serves loads again (``vllm:hybridkv_store_loaded_blocks``
+grows), against :func:`recovery_bound_s`; the server's RSS and thread count sampled every 2 s
+(growth target < 5 %); processes and temp dirs left after shutdown (target none).
 Writes ``soak.json``, ``soak.md`` (the table) and ``soak.png`` (TTFT, hit rate, RSS over time).
 
 ``--plant`` (for showing that the CI checks can fail, never for results): ``no-restart`` (the
@@ -429,7 +430,8 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
         for i in picked:
             prompt, served = completions[i]
             try:
-                ref = probe.complete(srv_model, prompt, cfg.max_tokens, cache_salt=f"soak-recompute-{uuid.uuid4().hex}")
+                salt = f"soak-recompute-{uuid.uuid4().hex}"
+                ref = probe.complete(srv_model, prompt, cfg.max_tokens, cache_salt=salt)
                 cmp = compare(served, ref, DEFAULT_LOGPROB_TOL)
                 same = cmp.matches and not ref.cached_tokens
                 why = cmp.why + (f"; recompute was not a miss ({ref.cached_tokens} cached)" if ref.cached_tokens
@@ -449,15 +451,15 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
             if "leak-master" in cfg.plant and m is masters[-1] and len(masters) > 1:
                 continue
             m.stop()
+        if keep_log and (work / "vllm.log").exists():
+            shutil.copy(work / "vllm.log", out / "soak.vllm.log")
+        shutil.rmtree(work, ignore_errors=True)
     time.sleep(2.0)
     left_procs = sorted({pid for pid, created in server_pids.items() if _alive(pid, created)}
                         | _new_children(me, children_before)
                         | {p_.pid for p_ in psutil.process_iter(["cmdline"])
                            if any(f"--rpc_port={port}" in a for a in (p_.info["cmdline"] or []))})
     left_dirs = [str(d) for d in master_dirs if d.exists()]
-    if keep_log and (work / "vllm.log").exists():
-        shutil.copy(work / "vllm.log", out / "soak.vllm.log")
-    shutil.rmtree(work, ignore_errors=True)
     if work.exists():
         left_dirs.append(str(work))
 
@@ -478,6 +480,10 @@ def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events:
     recovered = next((s["t"] - back for s in valid if back is not None and s["t"] > back
                       and s["loaded_blocks"] > base), None)
     order = [*PHASES, "end"]
+    warm = [r for r in records if r["phase"] == "warm" and r.get("ok")]
+    turn_s = max((r["latency_s"] for r in warm), default=0.0)
+    # A faulted turn may pay one lookup and one load timeout more than the slowest healthy turn.
+    turn_bound = turn_s + 2 * cfg.timeout_s
     rows = []
     for k, name in enumerate(PHASES):
         rs = [r for r in records if r["phase"] == name]
@@ -491,11 +497,10 @@ def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events:
                      "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99),
                      "hit_rate": sum(r["cached"] for r in good) / prompt if prompt else None,
                      "max_latency_s": max((r["latency_s"] for r in rs), default=None),
+                     "over_bound": sum(r["latency_s"] > turn_bound for r in rs),
                      "failed_loads": delta.get("failed_loads"), "corrupt_refused": delta.get("corrupt_refused"),
                      "loaded_blocks": delta.get("loaded_blocks"),
                      "sampled": len(sampled), "differ": sum(not c["matches"] for c in sampled)})
-    warm = [r for r in records if r["phase"] == "warm" and r.get("ok")]
-    turn_s = max((r["latency_s"] for r in warm), default=0.0)
     after = [r for r in records if r["phase"] == "after-kill" and r.get("ok") and recovered is not None
              and r["t"] >= back + recovered]
     after_prompt = sum(r["prompt"] for r in after)
@@ -504,11 +509,12 @@ def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events:
     thr_growth = (samples[-1]["threads"] / statistics.mean(x["threads"] for x in warm_s[-3:]) - 1) if warm_s else None
     return {"config": asdict(cfg), "phases": rows, "events": events, "store_loads_back_after_s": recovered,
             "recovery_bound_s": recovery_bound_s(cfg, turn_s), "warm_max_turn_s": turn_s,
+            "turn_bound_s": turn_bound,
             "hit_rate_after_recovery": sum(r["cached"] for r in after) / after_prompt if after_prompt else None,
             "corruption": corruption, "recompute_checks": checks,
             "rss_growth": rss_growth, "thread_growth": thr_growth, "left_processes": left_procs,
             "left_dirs": left_dirs, "samples": samples, "counters": counters,
-            "failure_examples": [r for r in records if not r.get("ok")][:5]}
+            "failure_examples": [r for r in records if not r.get("ok")][:5], "records": records}
 
 
 def _f(x, spec: str = ".1f") -> str:  # noqa: ANN001
@@ -518,11 +524,12 @@ def _f(x, spec: str = ".1f") -> str:  # noqa: ANN001
 def table(doc: dict) -> str:
     """``soak.md``: the per-phase table and the run's targets."""
     lines = ["| phase | requests | failures | TTFT p50 ms | TTFT p99 ms | hit rate | max latency s "
-             "| store failed loads | corrupt refused | sampled / differ from recompute |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| over bound | store failed loads | corrupt refused | sampled / differ from recompute |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["phases"]:
         lines.append(f"| {r['phase']} | {r['requests']} | {r['failures']} | {_f(r['ttft_p50_ms'])} "
                      f"| {_f(r['ttft_p99_ms'])} | {_f(r['hit_rate'], '.3f')} | {_f(r['max_latency_s'], '.2f')} "
+                     f"| {r['over_bound']} "
                      f"| {_f(r['failed_loads'], '.0f')} | {_f(r['corrupt_refused'], '.0f')} "
                      f"| {r['sampled']} / {r['differ']} |")
     c = doc["config"]
@@ -531,6 +538,8 @@ def table(doc: dict) -> str:
               f"{c['turns']} turns x {c['cycle']} trajectories each, tiny {c['kind']}, "
               f"timeout_s {c['timeout_s']:g}, {c['num_gpu_blocks']} local KV blocks"
               + (f"; PLANTED: {', '.join(c['plant'])}" if c["plant"] else ""),
+              f"over bound: turns longer than the slowest warm turn + 2 x timeout_s "
+              f"({_f(doc['turn_bound_s'])} s; target 0)",
               f"corrupted in place: {doc['corruption'].get('planted', 0)} of {doc['corruption'].get('present', 0)} "
               "stored objects",
               f"store loads again {_f(doc['store_loads_back_after_s'])} s after the new master "
@@ -542,8 +551,32 @@ def table(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rounded(x):  # noqa: ANN001, ANN202 - json-able values
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def dumps(doc: dict) -> str:
+    """The document as json (floats to 4 decimals), each item of a long list (records,
+    samples, checks) on one line."""
+    doc = _rounded(doc)
+    parts = []
+    for key, value in doc.items():
+        if isinstance(value, list) and len(value) > 20:
+            body = ",\n  ".join(json.dumps(v, default=str) for v in value)
+            parts.append(f"{json.dumps(key)}: [\n  {body}\n ]")
+        else:
+            parts.append(f"{json.dumps(key)}: {json.dumps(value, default=str)}")
+    return "{\n " + ",\n ".join(parts) + "\n}\n"
+
+
 def write_results(doc: dict, records: list[dict], out: pathlib.Path) -> None:
-    (out / "soak.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "soak.json").write_text(dumps(doc))
     text = table(doc)
     (out / "soak.md").write_text(text)
     print(text)
@@ -573,6 +606,16 @@ def write_results(doc: dict, records: list[dict], out: pathlib.Path) -> None:
         print(f"plot skipped: {e}", file=sys.stderr)
 
 
+def render(json_path: pathlib.Path, out: pathlib.Path) -> dict:
+    """Re-render ``soak.md`` / ``soak.png`` (and the summary) from a run's ``soak.json``."""
+    d = json.loads(json_path.read_text())
+    doc = summarize(SoakConfig(**d["config"]), d["records"], d["samples"], d["events"], d["counters"],
+                    d["recompute_checks"], d["corruption"], d["left_processes"], d["left_dirs"])
+    doc["wall_s"] = d.get("wall_s")
+    write_results(doc, doc["records"], out)
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = SoakConfig()
@@ -591,7 +634,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="a planted fault (shows a check can fail; never for results)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="writes soak.{json,md,png} here")
     p.add_argument("--keep-log", action="store_true", help="copy the server's log to OUT/soak.vllm.log")
+    p.add_argument("--render", metavar="SOAK_JSON", help="no run: re-render OUT/soak.{md,png} from a soak.json")
     args = p.parse_args(argv)
+    if args.render:
+        render(pathlib.Path(args.render), pathlib.Path(args.out))
+        return 0
     cfg = SoakConfig(sessions=args.sessions, phase_s=args.phase_s, stop_s=args.stop_s, turns=args.turns,
                      max_tokens=args.max_tokens, num_gpu_blocks=args.num_gpu_blocks, timeout_s=args.timeout_s,
                      kind=args.kind, cycle=args.cycle, corrupt_fraction=args.corrupt_fraction,

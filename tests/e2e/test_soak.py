@@ -9,10 +9,14 @@ recompute), every sampled turn equal to a salted recompute, the misplaced object
 the trailer check, store loads back within ``soak.recovery_bound_s`` of the new master and a
 non-zero hit rate after that, nothing left after shutdown.
 
-How each check was shown to fail (``soak_problems`` over a planted run,
-``bench/soak.py --plant``): ``no-restart`` -> no store loads after the kill, hit rate 0;
-``sealed-corruption`` -> 0 refused, sampled turns differ; ``policy-fail`` -> failed requests;
-``leak-master`` -> a master process and its dir left.
+How each check was shown to fail: ``soak_problems`` over this configuration with
+``SoakConfig.plant`` (bench/soak.py ``--plant``), 2026-12-01. no-restart + sealed-corruption +
+policy-fail in one run: "store loads back after None s", "hit rate after recovery None"
+(no-restart); "none of 8 corrupted objects was refused" and 3 of 9 sampled turns differ from
+recompute in corrupt and in after-corrupt (sealed-corruption: misplaced KV re-sealed under the
+victim's key loads and changes the answers); 4 + 24 failed requests in after-corrupt /
+after-node-kill (policy-fail: failed loads fail the request). leak-master alone: "left after
+shutdown: processes [master, its watchdog], dirs [its temp dir]", every other check met.
 """
 
 from __future__ import annotations
