@@ -469,18 +469,34 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
     return doc
 
 
+def loads_back_after(samples: list[dict], t: float | None) -> float | None:
+    """Seconds from ``t`` until a sample shows the store loaded blocks again (None: never)."""
+    if t is None:
+        return None
+    valid = [s for s in samples if s["loaded_blocks"] == s["loaded_blocks"]]  # not NaN
+    before = [s["loaded_blocks"] for s in valid if s["t"] <= t]
+    base = before[-1] if before else 0.0
+    return next((s["t"] - t for s in valid if s["t"] > t and s["loaded_blocks"] > base), None)
+
+
 def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events: dict[str, float],
               counters: dict[str, dict[str, float]], checks: list[dict], corruption: dict[str, int],
               left_procs: list[int], left_dirs: list[str]) -> dict:
     """The per-phase table and the run's targets as one json-able document."""
     back = events.get("master_back")
-    valid = [s for s in samples if s["loaded_blocks"] == s["loaded_blocks"]]
-    before_back = [s["loaded_blocks"] for s in valid if back is not None and s["t"] <= back]
-    base = before_back[-1] if before_back else 0.0
-    recovered = next((s["t"] - back for s in valid if back is not None and s["t"] > back
-                      and s["loaded_blocks"] > base), None)
+    recovered = loads_back_after(samples, back)
     order = [*PHASES, "end"]
     warm = [r for r in records if r["phase"] == "warm" and r.get("ok")]
+    warm_hit = sum(r["cached"] for r in warm) / max(1, sum(r["prompt"] for r in warm))
+    # Per fault, from the moment it ended: store loads again; the first turn (started after)
+    # whose hit rate is at least half the warm phase's.
+    ends = {"master SIGSTOP": events.get("after-stop"), "objects corrupted": events.get("after-corrupt"),
+            "store node SIGKILL": events.get("after-node-kill"), "master SIGKILL": back}
+    recovery = {name: {"loads_back_s": loads_back_after(samples, t),
+                       "hit_back_s": next((r["t"] - t for r in sorted(records, key=lambda r: r["t"])
+                                           if r["t"] >= t and r.get("ok") and r["prompt"]
+                                           and r["cached"] / r["prompt"] >= warm_hit / 2), None)}
+                for name, t in ends.items() if t is not None}
     turn_s = max((r["latency_s"] for r in warm), default=0.0)
     # A faulted turn may pay one lookup and one load timeout more than the slowest healthy turn.
     turn_bound = turn_s + 2 * cfg.timeout_s
@@ -509,7 +525,7 @@ def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events:
     thr_growth = (samples[-1]["threads"] / statistics.mean(x["threads"] for x in warm_s[-3:]) - 1) if warm_s else None
     return {"config": asdict(cfg), "phases": rows, "events": events, "store_loads_back_after_s": recovered,
             "recovery_bound_s": recovery_bound_s(cfg, turn_s), "warm_max_turn_s": turn_s,
-            "turn_bound_s": turn_bound,
+            "turn_bound_s": turn_bound, "recovery": recovery, "warm_hit_rate": warm_hit,
             "hit_rate_after_recovery": sum(r["cached"] for r in after) / after_prompt if after_prompt else None,
             "corruption": corruption, "recompute_checks": checks,
             "rss_growth": rss_growth, "thread_growth": thr_growth, "left_processes": left_procs,
@@ -545,6 +561,9 @@ def table(doc: dict) -> str:
               f"store loads again {_f(doc['store_loads_back_after_s'])} s after the new master "
               f"(bound {_f(doc['recovery_bound_s'])} s, target <= 30); hit rate after recovery "
               f"{_f(doc['hit_rate_after_recovery'], '.3f')}",
+              "recovery after each fault ended (store loads again / first turn cached >= half the warm hit rate): "
+              + "; ".join(f"{k} {_f(v['loads_back_s'])} / {_f(v['hit_back_s'])} s"
+                          for k, v in doc.get("recovery", {}).items()),
               f"RSS growth {_f(None if rss is None else 100 * rss)} %, threads "
               f"{_f(None if thr is None else 100 * thr)} % (target < 5 %)",
               f"left after shutdown: processes {doc['left_processes'] or 'none'}, dirs {doc['left_dirs'] or 'none'}"]
