@@ -32,6 +32,7 @@ def pd_transfer_config(role: str, module_path: bool = True) -> dict:
 
 
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+NOBIND = "nobind"  # vLLM's value for "do not bind this engine's threads"
 
 
 def split_cpus(cpus: set[int] | None = None) -> tuple[str, str] | None:
@@ -50,10 +51,40 @@ def split_cpus(cpus: set[int] | None = None) -> tuple[str, str] | None:
     return format_cpu_list(ordered[:half]), format_cpu_list(ordered[half:])
 
 
-def disjoint_core_envs() -> tuple[dict[str, str], dict[str, str]]:
-    """Extra environment for the prefill and the decode server: disjoint cores, unless the
-    user chose a binding (``VLLM_CPU_OMP_THREADS_BIND`` set) or there is one core."""
-    split = None if OMP_BIND_ENV in os.environ else split_cpus()
+def rank_cpus(prefill_tp: int, decode_tp: int, cpus: set[int] | None = None) -> tuple[str, str] | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` values for a prefill and a decode instance at any TP size:
+    one ``|``-separated core list per rank (vLLM's CPU worker binds rank r to the r-th).
+
+    At TP1 -> TP1 this is :func:`split_cpus` (disjoint halves). Otherwise, with at least one
+    core per rank of both instances, every rank gets its own equal run of cores, prefill's
+    ranks first. With fewer cores than ranks (TP2 -> TP2 on 2 cores): ``nobind`` for both
+    (vLLM leaves the threads to the kernel). Why not one core per rank with the instances
+    sharing cores, as the in-process tests/e2e/test_pd_tp.py pins them: measured through
+    the servers, a prefill rank's gRPC handshake thread, pinned to the core its own step
+    loop spins on while a lease is held, did not answer decode for 35 s ("connection
+    attempt timed out") or the READ ended after the 60 s lease, from the first or second
+    turn on (2 runs of 2, qwen3-next TP2 -> TP2); unpinned every READ landed (measured at
+    TP2 -> TP2 only). tests/e2e/test_pd_store_multiconnector.py unpins its TP2 ranks for a
+    like reason. None when there is one core.
+    """
+    if prefill_tp == decode_tp == 1:
+        return split_cpus(cpus)
+    ordered = sorted(cpus if cpus is not None else usable_cpus())
+    slots = prefill_tp + decode_tp
+    if len(ordered) >= slots:
+        size = len(ordered) // slots
+        runs = [ordered[i * size:(i + 1) * size] for i in range(slots)]
+        return "|".join(map(format_cpu_list, runs[:prefill_tp])), "|".join(map(format_cpu_list, runs[prefill_tp:]))
+    if len(ordered) < 2:
+        return None
+    return NOBIND, NOBIND
+
+
+def disjoint_core_envs(prefill_tp: int = 1, decode_tp: int = 1) -> tuple[dict[str, str], dict[str, str]]:
+    """Extra environment for the prefill and the decode server: each rank its own cores
+    (:func:`rank_cpus`), unless the user chose a binding (``VLLM_CPU_OMP_THREADS_BIND``
+    set) or there are too few cores."""
+    split = None if OMP_BIND_ENV in os.environ else rank_cpus(prefill_tp, decode_tp)
     if split is None:
         return {}, {}
     return {OMP_BIND_ENV: split[0]}, {OMP_BIND_ENV: split[1]}
@@ -72,14 +103,26 @@ class PDStack:
         startup_timeout_s: float = 300.0,
         prefill_config: dict | None = None,
         decode_config: dict | None = None,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
+        prefill_args: Sequence[str] = (),
+        decode_args: Sequence[str] = (),
     ) -> None:
+        """``prefill_tp`` / ``decode_tp``: each instance's ``--tensor-parallel-size`` (P/D pairs
+        any sizes where one divides the other; see connector/pd_tp.py); ``prefill_args`` /
+        ``decode_args``: one side's extra server arguments, after ``extra_args``."""
         log_dir = pathlib.Path(log_dir)
-        common = dict(max_model_len=max_model_len, extra_args=extra_args, startup_timeout_s=startup_timeout_s)
+        common = dict(max_model_len=max_model_len, startup_timeout_s=startup_timeout_s)
+
+        def args(tp: int, own: Sequence[str]) -> list[str]:
+            return [*extra_args, *(["--tensor-parallel-size", str(tp)] if tp != 1 else []), *own]
+
         self.prefill = VllmServer(model, kv_transfer_config=prefill_config or pd_transfer_config("kv_producer"),
-                                  log_path=log_dir / "prefill.log", **common)
+                                  log_path=log_dir / "prefill.log", extra_args=args(prefill_tp, prefill_args),
+                                  **common)
         self.decode = VllmServer(model, kv_transfer_config=decode_config or pd_transfer_config("kv_consumer"),
-                                 log_path=log_dir / "decode.log", **common)
-        for server, env in zip((self.prefill, self.decode), disjoint_core_envs()):
+                                 log_path=log_dir / "decode.log", extra_args=args(decode_tp, decode_args), **common)
+        for server, env in zip((self.prefill, self.decode), disjoint_core_envs(prefill_tp, decode_tp)):
             for name, value in env.items():
                 server.extra_env.setdefault(name, value)
         # One deployment secret for the pair (signs kv_transfer_params and the side channel),

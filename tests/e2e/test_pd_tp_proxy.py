@@ -1,0 +1,225 @@
+"""P/D at TP2 -> TP2 through ``hybridkv proxy``: qwen3-next (GDN linear attention + full attention).
+
+What a P/D user at tensor parallelism runs: ``PDStack`` starts a TP2 prefill and a TP2
+decode OpenAI server (each rank on its own core, ``pd_stack.rank_cpus``) and the proxy
+subprocess; every turn is one client POST to the proxy's port. Why qwen3-next: gemma3 at
+TP2 -> TP2 is covered in-process (tests/e2e/test_pd_tp.py) and through the proxy at TP1
+(test_demo, test_pd_hostile_client); qwen3-next's per-rank GDN state through the servers
+was covered by nothing. (Its in-process TP2 -> TP2 pair moved here: the suite does not grow
+by a pair.)
+
+3 turns (600 / 908 / 1216 tokens, each prompt = previous prompt + answer + 300 tokens):
+* greedy tokens + top-5 logprobs == a recompute on the decode server under a fresh
+  ``cache_salt`` (engine_harness.compare: near-ties excused only when seen from both runs);
+* provenance: each decode rank logged exactly one read line for the turn, naming its own
+  prefill rank, blocks per group == what it lacked (the GDN state block at the hand-over +
+  every full-attention block in [its own prefix hit, hand-over)), bytes == those whole
+  blocks of its own layout; no failed or refused READ, no lease expiry;
+Control: the proxy sends its two legs back to back, so there is no moment between them to
+plant a fault; the test sends them itself (as the proxy does: prefill with
+``do_remote_decode``, then decode with the answer's ``kv_transfer_params``) and in between,
+on prefill rank 1 only, overwrites one full-attention block the hand-over lists with another
+block's real KV (a one-block shift, test_pd_tp's plant). Both decode ranks must read it, and
+the output must then differ from the recompute.
+
+The geometry and the plant run inside the servers' workers through vLLM's own
+``--worker-extension-cls`` + ``POST /collective_rpc`` (dev mode; method names only, no code
+over HTTP): :class:`PDProbe` below.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+TP = 2
+KIND = "qwen3next"
+SERVER_ARGS = ["--block-size", "256"]  # as the in-process qwen3-next P/D cases
+# Shorter turns than the in-process cases (1000 + 500 per turn): 600 / 908 / 1216 tokens still
+# hand over 2 / 3 / 4 blocks (the GDN state + 1-3 full-attention blocks the decode lacks), in
+# less of the suite's time: the recompute of each prompt at TP2 on two shared cores dominates.
+TURN_TOKENS = {"first_tokens": 600, "growth_tokens": 300}
+# The side channel's bound (default 5 s): with 4 ranks, 2 engine cores, 2 API servers and the
+# proxy on 2 cores, one lease claim of 4 took longer (DEADLINE_EXCEEDED, the read discarded).
+HANDSHAKE_TIMEOUT_S = 30.0
+PROBE = f"{__name__}.PDProbe"
+BAD_SIGNS = ("pd_lease_expired", "pd_read_outlived_lease", "[pd_read:", "[pd_refused]", "[pd_release:",
+             "P/D handshake with")
+
+
+class PDProbe:
+    """Mixed into each server's workers (``--worker-extension-cls``); called by name over
+    ``/collective_rpc``, whose arguments arrive as strings."""
+
+    def hkv_pd_geometry(self) -> list[list]:
+        """Per KV cache group: block size, this rank's bytes per block (all layers), Mamba?"""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        w = get_kv_transfer_group()._worker
+        return [[int(g.kv_cache_spec.block_size), 0 if lg is None else int(lg.object_bytes),
+                 "Mamba" in type(g.kv_cache_spec).__name__]
+                for g, lg in zip(w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True)]
+
+    def hkv_pd_shift_block(self, rank: str, group: str, victim: str, source: str) -> list[int]:
+        """On TP rank ``rank`` only: block ``source``'s real KV over block ``victim`` in every
+        layer of ``group``. Returns [bytes written] (a list: /collective_rpc keeps lists)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        if get_tensor_model_parallel_rank() != int(rank):
+            return [0]
+        layout = get_kv_transfer_group()._worker._transport.layout.groups[int(group)]
+        (dst,), sizes = layout.regions([int(victim)])
+        (src,), _ = layout.regions([int(source)])
+        written = 0
+        for d, s, n in zip(dst, src, sizes[0], strict=True):
+            ctypes.memmove(d, s, n)
+            written += n
+        return [written]
+
+
+def _rpc(http, url: str, method: str, *args: object) -> list:  # noqa: ANN001
+    r = http.post(url + "/collective_rpc", json={"method": method, "args": [str(a) for a in args]}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["results"]
+
+
+def _counter(http, url: str, name: str) -> float:  # noqa: ANN001
+    """Sum of a Prometheus counter over its label sets on ``url``/metrics."""
+    total = 0.0
+    for line in http.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _body(model: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
+    from tests.e2e.engine_harness import TOP_LOGPROBS
+
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "ignore_eos": True, **extra}
+
+
+def _completion(r):  # noqa: ANN001, ANN202 - a requests.Response -> (engine_harness.Completion, cached tokens)
+    from tests.e2e.engine_harness import Completion
+
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    lp = doc["choices"][0]["logprobs"]
+    tid = lambda t: int(t.split(":")[1])  # noqa: E731 - "token_id:N"
+    tops = [{tid(t): float(v) for t, v in (top or {}).items()} for top in lp["top_logprobs"]]
+    tokens = [tid(t) for t in lp["tokens"]]
+    for top, t, v in zip(tops, tokens, lp["token_logprobs"], strict=True):
+        top.setdefault(t, float(v))
+    cached = int(((doc.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return Completion(tokens, [float(v) for v in lp["token_logprobs"]], cached, tops), cached
+
+
+class LogTail:
+    """What a server log gained since the last :meth:`new` (worker lines included)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, path.stat().st_size
+
+    def new(self, settle_s: float = 0.3) -> str:
+        time.sleep(settle_s)  # workers' lines are written before the answer; let the pipe drain
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        return data.decode(errors="replace")
+
+
+def test_qwen3next_tp2_to_tp2_through_the_proxy(tmp_path):
+    import requests
+
+    from hybridkv.cli.pd_stack import PDStack, pd_transfer_config, rank_cpus
+    from hybridkv.store.cpu_affinity import usable_cpus
+    from tests.e2e.engine_harness import Session, compare, tiny_model
+    from tests.e2e.test_pd_connector import _expected_blocks
+    from tests.e2e.test_pd_tp import _FAILED, _TP_LINE, provenance
+
+    if len(usable_cpus()) < TP:
+        pytest.fail(f"TP{TP} needs {TP} usable CPUs (one per rank), this runner has {sorted(usable_cpus())}")
+    t0 = time.monotonic()
+    http = requests.Session()
+    worker_args = [*SERVER_ARGS, "--worker-extension-cls", PROBE]
+    decode_config = pd_transfer_config("kv_consumer") | {
+        "kv_connector_extra_config": {"handshake_timeout_s": HANDSHAKE_TIMEOUT_S}}
+    with PDStack(tiny_model(KIND), max_model_len=2048, log_dir=tmp_path, prefill_tp=TP, decode_tp=TP,
+                 prefill_args=worker_args, decode_args=worker_args, decode_config=decode_config) as stack:
+        boot_s = time.monotonic() - t0
+        binds = [s.extra_env.get("VLLM_CPU_OMP_THREADS_BIND") for s in (stack.prefill, stack.decode)]
+        assert binds == [rank_cpus(TP, TP)[0], rank_cpus(TP, TP)[1]], binds
+        model = http.get(stack.decode.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        geometries = _rpc(http, stack.decode.url, "hkv_pd_geometry")
+        assert len(geometries) == TP and geometries[0] == geometries[1], geometries  # same shares per rank
+        assert sorted(m for _, _, m in geometries[0]) == [False, True], geometries  # GDN + full attention
+        align = math.lcm(*(bs for bs, _, _ in geometries[0]))
+        dense = next(g for g, (_, _, mamba) in enumerate(geometries[0]) if not mamba)
+        decode_log = LogTail(Path(stack.decode.log_path))
+        session = Session(seed=45, **TURN_TOKENS)
+        rows = []
+        for turn in range(1, 4):
+            prompt = session.prompt
+            hits_before = _counter(http, stack.decode.url, "vllm:prefix_cache_hits_total")
+            decode_log.new(0)
+            t = time.monotonic()
+            got, prefill_hit = _completion(http.post(stack.url + "/v1/completions", json=_body(model, prompt),
+                                                     timeout=300))
+            leg_s = time.monotonic() - t
+            log = decode_log.new()
+            local_hit = int(_counter(http, stack.decode.url, "vllm:prefix_cache_hits_total") - hits_before)
+            handover = (len(prompt) - 1) // align * align
+            # Full attention keeps every block of a request (none is null), so what decode lacks
+            # is each block from its own hit to the hand-over, and the GDN state block.
+            every_block = [[1] * (len(prompt) // bs + 1) for bs, _, _ in geometries[0]]
+            want = _expected_blocks(geometries[0], every_block, local_hit, handover)
+            provenance(log, TP, TP, want, geometries)
+            t = time.monotonic()
+            ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                           json=_body(model, prompt, cache_salt=f"pd-tp-proxy-{uuid.uuid4()}")))
+            cmp = compare(got, ref)
+            rows.append((turn, len(prompt), handover, prefill_hit, local_hit, want, cmp.matches,
+                         f"{cmp.max_logprob_diff:.3g}", cmp.why, f"{leg_s:.1f}/{time.monotonic() - t:.1f} s"))
+            assert sum(want) > 0 and want[dense] > 0, rows[-1]
+            session.extend(got.token_ids)
+        print(f"\nP/D {KIND} TP{TP} -> TP{TP} through hybridkv proxy (boot {boot_s:.0f} s): turn, prompt, "
+              "hand-over, prefill's hit, decode's own hit, blocks read per group (each rank), matches_recompute, "
+              "max logprob diff, why, proxy/recompute time")
+        for r in rows:
+            print("  ", *r)
+        assert [r[6] for r in rows] == [True] * 3, rows
+
+        # Control: one full-attention block of prefill rank 1 holds another block's real KV.
+        prompt = Session(seed=46, **TURN_TOKENS).prompt
+        r = http.post(stack.prefill.url + "/v1/completions", timeout=300,  # the proxy's first leg
+                      json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        assert r.status_code == 200, r.text
+        ids = [b for b in r.json()["kv_transfer_params"]["remote_block_ids"][dense] if b]
+        written = [w[0] for w in _rpc(http, stack.prefill.url, "hkv_pd_shift_block", 1, dense, ids[0], ids[1])]
+        assert written[0] == 0 and written[1] == geometries[1][dense][1], written  # the whole block, rank 1 only
+        decode_log.new(0)
+        got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                       json=_body(model, prompt, kv_transfer_params=r.json()["kv_transfer_params"])))
+        log = decode_log.new()
+        ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                       json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}")))
+        cmp = compare(got, ref)
+        print(f"planted: prefill rank 1's block {ids[0]} = its block {ids[1]} ({written[1]} bytes); "
+              f"matches recompute: {cmp.matches} ({cmp.why})")
+        assert len(_TP_LINE.findall(log)) == TP and not _FAILED.search(log), \
+            "both decode ranks must have read the planted prompt's blocks"
+        assert not cmp.matches, "prefill rank 1's shifted block went unnoticed: its KV is not what decode used"
+        for path in (stack.prefill.log_path, stack.decode.log_path):
+            text = Path(path).read_text(errors="replace")
+            bad = [s for s in BAD_SIGNS if s in text]
+            assert not bad, f"{Path(path).name}: {bad}"
+    print(f"total {time.monotonic() - t0:.0f} s")
