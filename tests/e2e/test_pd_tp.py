@@ -4,8 +4,9 @@ Each rank of an engine runs on its own core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``
 engine on the second core). The prefill instance tells decode every rank's handshake
 port (``remote_ports``); each decode rank reads what its heads need:
 
-* TP2 -> TP2 (gemma3: sliding + full attention; qwen3-next: GDN linear attention + full
-  attention): decode rank r reads prefill rank r whole, Mamba state included;
+* TP2 -> TP2 (gemma3: sliding + full attention): decode rank r reads prefill rank r whole
+  (qwen3-next's TP2 -> TP2, GDN state included, runs through the servers and the proxy:
+  tests/e2e/test_pd_tp_proxy.py; its in-process pair here moved there);
 * TP2 -> TP1 (gemma3): decode's one rank reads heads [0, H/2) of each block from prefill
   rank 0 and [H/2, H) from rank 1 (two READs into one block);
 * TP1 -> TP2 (gemma3): each decode rank reads its half of the heads of prefill's one rank
@@ -295,8 +296,9 @@ def gdn_state_check(prefill2, local1, seed: int) -> list[tuple]:
     return rows
 
 
-def test_qwen3next_tp2_tp2_and_tp2_to_tp1_is_refused_naming_the_field(capfd):
-    prefill2 = tp2_prefill_after_tp2_pair("qwen3next", capfd, seed=45)
+def test_qwen3next_tp2_state_reslices_exactly_and_tp2_to_tp1_is_refused_naming_the_field(capfd):
+    # (qwen3-next TP2 -> TP2: tests/e2e/test_pd_tp_proxy.py, through the proxy.)
+    prefill2 = start("qwen3next", "kv_producer", 2)
     decode1 = start("qwen3next", "kv_both", 1)  # kv_both: it also prefills, for the state check
     try:
         # The GDN state is re-sliced exactly: the first GDN layer's state (input: the
