@@ -223,3 +223,30 @@ def test_qwen3next_tp2_to_tp2_through_the_proxy(tmp_path):
             bad = [s for s in BAD_SIGNS if s in text]
             assert not bad, f"{Path(path).name}: {bad}"
     print(f"total {time.monotonic() - t0:.0f} s")
+
+
+def test_rank_cpus_gives_each_rank_its_cores_or_unbinds():
+    """The binding rule PDStack applies (no engine: pure function and command lines)."""
+    from hybridkv.cli.pd_stack import rank_cpus
+
+    assert rank_cpus(1, 1, {0, 1}) == ("0", "1")  # TP1 -> TP1: split_cpus' halves, unchanged
+    assert rank_cpus(1, 1, {0, 2, 3, 4, 9, 10}) == ("0,2-3", "4,9-10")
+    assert rank_cpus(2, 2, set(range(8))) == ("0-1|2-3", "4-5|6-7")  # one run per rank, prefill first
+    assert rank_cpus(2, 1, set(range(7))) == ("0-1|2-3", "4-5")
+    assert rank_cpus(1, 2, {0, 1, 2}) == ("0", "1|2")
+    assert rank_cpus(2, 2, {0, 1}) == ("nobind", "nobind")  # fewer cores than ranks: not pinned
+    assert rank_cpus(2, 1, {0, 1}) == ("nobind", "nobind")
+    assert rank_cpus(2, 2, {0}) is None and rank_cpus(1, 1, {0}) is None
+
+
+def test_pd_stack_passes_each_side_its_tp_size_and_args(tmp_path, monkeypatch):
+    from hybridkv.cli.pd_stack import PDStack
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    default = PDStack("m", log_dir=tmp_path / "a", extra_args=["--x"])
+    for server in (default.prefill, default.decode):  # the defaults: no TP flag, extra args last
+        assert "--tensor-parallel-size" not in server.command() and server.command()[-1] == "--x"
+    stack = PDStack("m", log_dir=tmp_path / "b", extra_args=["--x"], prefill_tp=2, decode_tp=1,
+                    prefill_args=["--p"], decode_args=["--d"])
+    assert stack.prefill.command()[-4:] == ["--x", "--tensor-parallel-size", "2", "--p"]
+    assert stack.decode.command()[-2:] == ["--x", "--d"] and "--tensor-parallel-size" not in stack.decode.command()
