@@ -47,6 +47,9 @@ COUNTERS: dict[str, str] = {
     "failed_saves": "Blocks whose write failed",
     "skipped_saves": "Blocks not written: save queue full or the step's synchronous save budget spent",
     "snapshot_blocks": "Blocks copied before their checksum and write (partial tails still being written)",
+    "removed_objects": "Stored objects this instance removed because they failed verification (corrupt, forged)",
+    "recent_saves_dropped": "Times the 'saved recently' set was emptied because the master lost its objects",
+    "recent_saves_forgotten": "Keys offered for saving again: their save was skipped or failed, or their load failed",
 }
 
 # Latencies (seconds) kept per call, exported as histograms: a sum hides the slow calls.
