@@ -389,3 +389,33 @@ def timed_generate(llm, prompt: list[int], **kw: Any) -> tuple[Completion, float
     t0 = time.monotonic()
     out = generate(llm, prompt, **kw)
     return out, time.monotonic() - t0
+
+
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def listeners(pids: set[int]) -> list[tuple[int, str, str, int]]:
+    """Every listening TCP socket and bound UDP socket of these processes: (pid, name, ip, port)."""
+    import socket
+
+    import psutil
+
+    out = []
+    for pid in sorted(pids):
+        try:
+            proc = psutil.Process(pid)
+            conns = proc.net_connections(kind="inet")
+            name = proc.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for c in conns:
+            if c.laddr and (c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)):
+                out.append((pid, name, c.laddr.ip, c.laddr.port))
+    return out
+
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and all its descendants."""
+    import psutil
+
+    return {root} | {c.pid for c in psutil.Process(root).children(recursive=True)}

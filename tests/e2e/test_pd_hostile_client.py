@@ -24,7 +24,7 @@ from hybridkv.cli.pd_stack import PDStack
 from hybridkv.connector.pd_auth import PURPOSE_PARAMS, DeploymentKey, load_key
 from hybridkv.connector.pd_handshake import AgentInfoRequest, HandshakeError, release_blocks, request_agent_info
 from hybridkv.connector.pd_params import RemotePrefill, covered_hashes, issue_remote_prefill
-from tests.e2e.engine_harness import Completion, Session, matches, tiny_model
+from tests.e2e.engine_harness import LOOPBACK, Completion, Session, listeners, matches, tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -289,27 +289,6 @@ def test_block_count_bound_matches_the_servers_layout(stack, http):
     assert [len(g) for g in params["remote_block_ids"]] == [math.ceil(len(prompt) / HASH_BLOCK)] * 2
 
 
-_LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
-
-
-def _listeners(pids: set[int]) -> list[tuple[int, str, str, int]]:
-    """Every listening TCP socket and bound UDP socket of these processes: (pid, name, ip, port)."""
-    import psutil
-
-    out = []
-    for pid in sorted(pids):
-        try:
-            proc = psutil.Process(pid)
-            conns = proc.net_connections(kind="inet")
-            name = proc.name()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        for c in conns:
-            if c.laddr and (c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)):
-                out.append((pid, name, c.laddr.ip, c.laddr.port))
-    return out
-
-
 def test_every_socket_the_pd_stack_listens_on_is_loopback(stack, http):
     """Trust boundary: on a single-host pair nothing the stack opens may be reachable from
     another host -- the proxy, both API servers, the engines, their workers (gRPC handshake,
@@ -324,13 +303,13 @@ def test_every_socket_the_pd_stack_listens_on_is_loopback(stack, http):
     pids = set(roots)
     for pid in roots:
         pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-    found = _listeners(pids)
+    found = listeners(pids)
     print("\nlisteners of the P/D stack:", *found, sep="\n  ")
     assert len(found) >= 4, f"expected at least proxy + 2 API servers + a handshake listener, got {found}"
     ports = {port for *_, port in found}
     for url in (stack.url, stack.prefill.url, stack.decode.url):
         assert int(url.rsplit(":", 1)[1]) in ports, f"{url} not among the listed sockets: the listing misses some"
-    exposed = [x for x in found if x[2] not in _LOOPBACK]
+    exposed = [x for x in found if x[2] not in LOOPBACK]
     assert not exposed, f"sockets reachable from other hosts: {exposed}"
     # Control: the listing sees an all-interfaces listener (this process's own).
     import os
@@ -338,4 +317,4 @@ def test_every_socket_the_pd_stack_listens_on_is_loopback(stack, http):
     with socket.socket() as wide:
         wide.bind(("0.0.0.0", 0))
         wide.listen()
-        assert [x for x in _listeners({os.getpid()}) if x[2] == "0.0.0.0" and x[3] == wide.getsockname()[1]]
+        assert [x for x in listeners({os.getpid()}) if x[2] == "0.0.0.0" and x[3] == wide.getsockname()[1]]

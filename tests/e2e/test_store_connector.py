@@ -24,12 +24,15 @@ from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
 from tests.docs_tables import observe
 from tests.e2e.engine_harness import (
+    LOOPBACK,
     FaultRun,
     TurnRow,
     format_table,
     kv_cache_layout,
+    listeners,
     make_llm,
     plausible_fault_runs,
+    process_tree,
     run_turns,
     store_transfer_config,
     tiny_model,
@@ -65,6 +68,23 @@ def _record(title: str, rows: list[TurnRow]) -> None:
 def observe_store_turns(row: str, rows: list[TurnRow]) -> None:
     """docs/results.md's store e2e table: turns 2 and 3, cached / expected (asserted equal)."""
     observe("store-e2e", row, {f"turn {r.turn} cached / expected": f"{r.cached} / {r.expected}" for r in rows[1:3]})
+
+
+def assert_store_stack_on_loopback(master) -> None:  # noqa: ANN001 - EmbeddedMaster
+    """Trust boundary (issue 13): every socket this test's process tree listens on -- the
+    master, the engine core, its worker with Mooncake's handshake and data listeners (the
+    data port serves the whole registered KV cache) -- is on loopback. The listing's power:
+    it must show the master's port and at least two listeners in another process (the
+    worker's Mooncake client); without hybridkv's pin they are 0.0.0.0 and :: (the control
+    in tests/unit/test_store_listeners.py)."""
+    found = listeners(process_tree(os.getpid()))
+    print("\nlisteners of the store stack:", *found, sep="\n  ")
+    master_port = int(master.address.rsplit(":", 1)[1])
+    assert master_port in {port for *_, port in found}, f"the master's port is not listed: {found}"
+    others = [x for x in found if x[0] not in (os.getpid(), master.pid)]
+    assert len(others) >= 2, f"expected the worker's Mooncake listeners, got {found}"
+    exposed = [x for x in found if x[2] not in LOOPBACK]
+    assert not exposed, f"sockets reachable from other hosts: {exposed}"
 
 
 def assert_controls_fail(runs: list[FaultRun], expected_hit: int) -> None:
@@ -117,6 +137,7 @@ def test_three_turns_hit_the_store_and_match_recompute(case, master, tmp_path, m
                                     first_prompt=session.prompt[: rows[0].prompt], prefix=last[:hit])
         assert_controls_fail(runs, hit)
         observe_store_turns(case, rows)
+        assert_store_stack_on_loopback(master)
     finally:
         del llm
 
