@@ -46,9 +46,13 @@ SERVER_ARGS = ["--block-size", "256"]  # as the in-process qwen3-next P/D cases
 # hand over 2 / 3 / 4 blocks (the GDN state + 1-3 full-attention blocks the decode lacks), in
 # less of the suite's time: the recompute of each prompt at TP2 on two shared cores dominates.
 TURN_TOKENS = {"first_tokens": 600, "growth_tokens": 300}
-# The side channel's bound (default 5 s): with 4 ranks, 2 engine cores, 2 API servers and the
-# proxy on 2 cores, one lease claim of 4 took longer (DEADLINE_EXCEEDED, the read discarded).
-HANDSHAKE_TIMEOUT_S = 30.0
+# The side channel's bound (default 5 s) and the lease (default 60 s), raised: with 4 ranks, 2
+# engine cores, 2 API servers and the proxy on 2 shared cores, a prefill rank's gRPC answers
+# came late (measured over 7 unpinned stack runs: the first handshake > 5 s once, a lease
+# claim > 5 s once and > 30 s twice, once at load average 40), and the read was discarded
+# (decode recomputed: the output still right, the provenance check failed).
+HANDSHAKE_TIMEOUT_S = 60.0
+LEASE_S = 150.0  # outlives a READ + claims bounded by HANDSHAKE_TIMEOUT_S
 PROBE = f"{__name__}.PDProbe"
 BAD_SIGNS = ("pd_lease_expired", "pd_read_outlived_lease", "[pd_read:", "[pd_refused]", "[pd_release:",
              "P/D handshake with")
@@ -151,10 +155,12 @@ def test_qwen3next_tp2_to_tp2_through_the_proxy(tmp_path):
     t0 = time.monotonic()
     http = requests.Session()
     worker_args = [*SERVER_ARGS, "--worker-extension-cls", PROBE]
+    prefill_config = pd_transfer_config("kv_producer") | {"kv_connector_extra_config": {"lease_s": LEASE_S}}
     decode_config = pd_transfer_config("kv_consumer") | {
         "kv_connector_extra_config": {"handshake_timeout_s": HANDSHAKE_TIMEOUT_S}}
     with PDStack(tiny_model(KIND), max_model_len=2048, log_dir=tmp_path, prefill_tp=TP, decode_tp=TP,
-                 prefill_args=worker_args, decode_args=worker_args, decode_config=decode_config) as stack:
+                 prefill_args=worker_args, decode_args=worker_args, prefill_config=prefill_config,
+                 decode_config=decode_config) as stack:
         boot_s = time.monotonic() - t0
         binds = [s.extra_env.get("VLLM_CPU_OMP_THREADS_BIND") for s in (stack.prefill, stack.decode)]
         assert binds == [rank_cpus(TP, TP)[0], rank_cpus(TP, TP)[1]], binds
