@@ -4,9 +4,9 @@ Each rank of an engine runs on its own core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``
 engine on the second core). The prefill instance tells decode every rank's handshake
 port (``remote_ports``); each decode rank reads what its heads need:
 
-* TP2 -> TP2 (gemma3: sliding + full attention): decode rank r reads prefill rank r whole
-  (qwen3-next's TP2 -> TP2, GDN state included, runs through the servers and the proxy:
-  tests/e2e/test_pd_tp_proxy.py; its in-process pair here moved there);
+* TP2 -> TP2 (gemma3: sliding + full attention; qwen3-next: GDN linear attention + full
+  attention): decode rank r reads prefill rank r whole, Mamba state included (qwen3-next's
+  pair also runs through the servers and the proxy: tests/e2e/test_pd_tp_proxy.py, opt-in);
 * TP2 -> TP1 (gemma3): decode's one rank reads heads [0, H/2) of each block from prefill
   rank 0 and [H/2, H) from rank 1 (two READs into one block);
 * TP1 -> TP2 (gemma3): each decode rank reads its half of the heads of prefill's one rank
@@ -38,6 +38,7 @@ import uuid
 import pytest
 
 from hybridkv.store.cpu_affinity import usable_cpus
+from tests.docs_tables import observe
 from tests.e2e.engine_harness import Session, compare, generate, make_llm, matches, metric, tiny_model
 from tests.e2e.test_pd_connector import _decode, _expected_blocks, _prefill, pd_config
 
@@ -154,7 +155,16 @@ def three_turns(prefill, decode, capfd, prefill_tp: int, decode_tp: int, seed: i
     for turn, _p, _h, _l, want, ok, _d, _w in rows:
         assert sum(want) > 0, f"turn {turn} read nothing"
         assert ok, f"{label} turn {turn} differs from recompute"
+    observe_pd_tp(label, [r[4] for r in rows])
     return rows
+
+
+def observe_pd_tp(label: str, blocks: list[list[int]]) -> None:
+    """docs/results.md's P/D-across-TP table: the blocks per group each decode rank read per
+    turn (asserted by ``provenance``) and that every turn equalled its recompute."""
+    observe("pd-tp", label, {"blocks per group, turns 1-3 (SW, FA / Mamba, FA)":
+                             " ".join("[" + ",".join(map(str, w)) + "]" for w in blocks),
+                             "= recompute": f"{len(blocks)}/{len(blocks)}"})
 
 
 def _shift_block_on_rank(worker, rank: int, group: int, victim: int, source: int) -> int:  # noqa: ANN001
@@ -296,9 +306,8 @@ def gdn_state_check(prefill2, local1, seed: int) -> list[tuple]:
     return rows
 
 
-def test_qwen3next_tp2_state_reslices_exactly_and_tp2_to_tp1_is_refused_naming_the_field(capfd):
-    # (qwen3-next TP2 -> TP2: tests/e2e/test_pd_tp_proxy.py, through the proxy.)
-    prefill2 = start("qwen3next", "kv_producer", 2)
+def test_qwen3next_tp2_tp2_state_reslices_exactly_and_tp2_to_tp1_is_refused_naming_the_field(capfd):
+    prefill2 = tp2_prefill_after_tp2_pair("qwen3next", capfd, seed=45)
     decode1 = start("qwen3next", "kv_both", 1)  # kv_both: it also prefills, for the state check
     try:
         # The GDN state is re-sliced exactly: the first GDN layer's state (input: the
@@ -327,5 +336,7 @@ def test_qwen3next_tp2_state_reslices_exactly_and_tp2_to_tp1_is_refused_naming_t
         assert "exact but not enabled" in log and "--tensor-parallel-size" in log
         assert not _TP_LINE.search(log), "nothing may be read across TP sizes for a Mamba model"
         assert matches(got, ref)
+        observe("pd-tp", "qwen3next-tp2-tp1", {"blocks per group, turns 1-3 (SW, FA / Mamba, FA)": "none read",
+                                               "= recompute": "recomputed, matches"})
     finally:
         shutdown(decode1, prefill2)
