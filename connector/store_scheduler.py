@@ -15,7 +15,6 @@ import itertools
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +48,6 @@ logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" log
 
 # Keys written by this engine recently: re-offering them costs a put round trip.
 _RECENT_SAVES = 1 << 17
-_MAX_PENDING_LOADS = 65_536  # loads whose keys wait for the workers' report (bounded)
 
 
 @dataclass
@@ -96,7 +94,6 @@ class StoreScheduler:
         self._load_acks: Counter[int] = Counter()
         self._recent: OrderedDict[BlockKey, None] = OrderedDict()
         self._save_keys: dict[int, list[BlockKey]] = {}  # save job -> its keys, while pinned
-        self._load_keys: dict[str, list[BlockKey]] = {}  # request -> its load's keys, until reported
         self._job_ids = itertools.count(1)
         self._pins: dict[int, list[Any]] = {}
         self._acks: Counter[int] = Counter()
@@ -246,11 +243,6 @@ class StoreScheduler:
             # Pinned until every worker's read into them has returned: a read that
             # timed out may still be writing while the request recomputes elsewhere.
             self._load_pins[job.load_id] = self._pin(job.blocks.block_ids)
-            # Kept until the workers report the load (also after the request finished:
-            # with policy "fail" vLLM ends it before telling the connector the load failed).
-            self._load_keys[req_id] = list(zip(job.blocks.group_ids, job.blocks.hashes))
-            while len(self._load_keys) > _MAX_PENDING_LOADS:  # bound: reports that never came
-                self._load_keys.pop(next(iter(self._load_keys)))
         groups = [(g.block_size, g.is_mamba) for g in self._mirror.geometry.groups]
         self._ledger.admitted(req_id, num_external_tokens, covered_tokens(groups, job.blocks.group_ids,
                                                                           num_external_tokens),
@@ -405,12 +397,6 @@ class StoreScheduler:
         self._load_failed.update(r for r in failed if r in self._requests)
         for r in output.finished_recving or ():
             self._ledger.load_done(r, r not in failed)  # a set over workers: once per request
-            keys = self._load_keys.pop(r, ())
-            if r in failed:
-                # The objects could not be loaded (missing, corrupt and removed, timed out):
-                # the request recomputes those blocks; they must be saved again, not skipped
-                # as "saved recently".
-                self._forget(keys)
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, StoreWorkerMetadata):
             return
@@ -430,16 +416,12 @@ class StoreScheduler:
         saves), so later requests never saved it and missed. Now the next request that
         computes the block offers it again (a put of an object that landed after all
         answers 0 and keeps it)."""
-        for job_id in failed:
-            self._forget(self._save_keys.get(job_id, ()))
-
-    def _forget(self, keys: Iterable[BlockKey]) -> None:
-        """These keys are not (or no longer) in the store: offer them again when computed."""
         forgotten = 0
-        for key in keys:
-            if key in self._recent:
-                del self._recent[key]
-                forgotten += 1
+        for job_id in failed:
+            for key in self._save_keys.get(job_id, ()):
+                if key in self._recent:
+                    del self._recent[key]
+                    forgotten += 1
         if forgotten:
             self._stats.add("recent_saves_forgotten", forgotten)
 

@@ -72,7 +72,7 @@ def store(tmp_path_factory):
         yield master.address, holder, buf, model_dir
 
 
-def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, policy: str = "fail") -> Scheduler:
+def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str) -> Scheduler:
     """What ``EngineCore`` builds in the scheduler process, minus the workers."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
@@ -82,7 +82,7 @@ def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, po
                                          max_model_len=geo.max_model_len, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HybridStoreConnector", kv_role="kv_both",
-            kv_connector_module_path="hybridkv.connector.store_connector", kv_load_failure_policy=policy,
+            kv_connector_module_path="hybridkv.connector.store_connector",
             kv_connector_extra_config={"master_address": master_address, "namespace": namespace,
                                        "lookup_cache_s": 0},
         ),
@@ -119,8 +119,7 @@ def _fill_store(sched: Scheduler, store, upto: int) -> None:
     assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(keys)
 
 
-def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, saves_failed=False,
-                  failed_recving=()) -> ModelRunnerOutput:
+def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, saves_failed=False) -> ModelRunnerOutput:
     """What the workers would report for this step (no forward: only connector acks)."""
     req_ids = list(out.num_scheduled_tokens)
     meta = StoreWorkerMetadata(finished_saves=Counter({s.job_id: 1 for s in saves}),
@@ -130,8 +129,7 @@ def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, sa
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[list(sampled.get(r, [])) if sampled else [] for r in req_ids],
-        kv_connector_output=KVConnectorOutput(finished_recving=set(finished_recving),
-                                              failed_recving=set(failed_recving), kv_connector_worker_meta=meta),
+        kv_connector_output=KVConnectorOutput(finished_recving=set(finished_recving), kv_connector_worker_meta=meta),
     )
 
 
@@ -251,45 +249,3 @@ def test_local_dense_prefix_cut_by_eviction_is_extended_from_the_store(store):
     positions = [list(range(16, 62)), list(range(8, 31)), [30]]
     assert got == _expected_job(sched, req, positions)
     _finish_load_and_resume(sched, req, out, job, 992)
-
-
-@pytest.mark.parametrize("load_fails, policy", [(False, "recompute"), (True, "recompute"), (True, "fail")])
-def test_blocks_whose_load_failed_are_saved_again(store, load_fails, policy):
-    """The store holds what this instance saved (keys 'saved recently'); a later load of
-    them fails (corrupt object refused and removed, node gone): the request recomputes
-    and must save those blocks again. A load that succeeded offers nothing again. With
-    policy "fail" vLLM ends the request before the connector hears of the failure: the
-    keys must still stop counting as saved."""
-    sched = _scheduler(WINDOW, store[0], store[3], f"reload-{load_fails}-{policy}", policy=policy)
-    offered = _run_to_completion(sched, _request(f"reload-{load_fails}-{policy}-a"))
-    _fill_store(sched, store, 512)  # what the first prefill's saves would have written up to 512
-    assert sched.kv_cache_manager.reset_prefix_cache()
-    req = _request(f"reload-{load_fails}-{policy}-b")
-    out, job, got = _admit(sched, req)
-    # The loaded keys the first prefill offered (and the workers acknowledged): 'saved recently'.
-    loaded = {(g, h) for g, h, _ in got} & offered
-    assert len(loaded) >= 32, "the load must read blocks the first prefill saved"
-    failed = {req.request_id} if load_fails else set()
-    sched.update_from_output(out, _worker_reply(out, finished_recving={req.request_id}, loads=[job],
-                                                failed_recving=failed))
-    if policy == "fail":
-        assert req.is_finished() and not loaded & set(sched.connector._scheduler._recent)
-        assert not sched.connector._scheduler._load_keys
-        return
-    again = set()
-    for _ in range(50):
-        out = sched.schedule()
-        for j in out.kv_connector_metadata.saves:
-            again |= {(g, bytes(h)) for g, h in zip(j.blocks.group_ids, j.blocks.hashes)}
-        n = out.num_scheduled_tokens.get(req.request_id, 0)
-        done = req.num_computed_tokens >= req.num_tokens
-        sched.update_from_output(out, _worker_reply(out, saves=out.kv_connector_metadata.saves,
-                                                    sampled={req.request_id: [5]} if done and n else None))
-        if req.is_finished():
-            break
-    assert req.is_finished()
-    if load_fails:
-        assert loaded <= again, f"{len(loaded - again)} recomputed blocks were not offered for saving again"
-    else:
-        assert not again & loaded
-    assert not sched.connector._scheduler._load_keys
