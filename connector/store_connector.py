@@ -29,7 +29,7 @@ from hybridkv.connector.store_config import (
     load_failure_policy_warning,
     refuse_non_tensor_parallelism,
 )
-from hybridkv.connector.store_auth import store_key_tenant
+from hybridkv.connector.store_auth import StoreSecret
 from hybridkv.connector.store_keys import store_key_schema
 from hybridkv.connector.store_metadata import StoreConnectorMetadata
 from hybridkv.connector.store_scheduler import StoreScheduler
@@ -109,7 +109,8 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
         self._copy_views: list["torch.Tensor"] = []  # see register_kv_caches
-        tenant = store_key_tenant(self._cfg)  # the secret's id: its own keys per secret
+        secret = StoreSecret.load(self._cfg)  # once: the keys' tenant id and the workers' MAC
+        tenant = secret.tenant  # the secret's id: its own keys per secret
         if role == KVConnectorRole.SCHEDULER:
             if warning := load_failure_policy_warning(ktc.kv_load_failure_policy):
                 logger.warning("hybridkv: %s", warning)
@@ -131,7 +132,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 tenant=tenant,
             )
             with unpinned():  # its job threads must not share the engine's pinned core
-                self._worker = StoreWorker(self._cfg, kv_cache_config, schema, client)
+                self._worker = StoreWorker(self._cfg, kv_cache_config, schema, client, secret=secret)
         logger.info("hybridkv HybridStoreConnector (%s) on master %s", role.name, address)
 
     # ----------------------------------------------------------------- scheduler

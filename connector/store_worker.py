@@ -63,7 +63,7 @@ from hybridkv.store.mooncake_backend import (
 )
 from hybridkv.store.call_pool import CallPool
 from hybridkv.store.cpu_affinity import unpinned
-from hybridkv.connector.store_auth import store_object_mac
+from hybridkv.connector.store_auth import StoreSecret
 from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, checksum_parts, must_remove, size_verdict, tag_kind
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
@@ -205,7 +205,10 @@ class StoreWorker:
         schema: KeySchema,
         client: MooncakeBackend,
         limits: WorkerLimits | None = None,
+        secret: StoreSecret | None = None,
     ) -> None:
+        """``secret``: the deployment secret the connector already loaded for the keys (loaded
+        from ``cfg`` when not given), so the MAC and the key prefix come from one read."""
         self._cfg = cfg
         self._limits = limits or WorkerLimits.from_config(cfg)
         self._kv_cache_config = kv_cache_config
@@ -221,7 +224,7 @@ class StoreWorker:
         self._failed_saves: Counter[int] = Counter()  # done, but not every object written
         self._released_loads: Counter[int] = Counter()
         self._stats = HybridStoreStats()
-        self._mac = store_object_mac(cfg)  # None: XXH3 trailers (no deployment secret, logged)
+        self._mac = (secret or StoreSecret.load(cfg)).object_mac()  # None: XXH3 trailers (no secret, logged)
         self._arenas: CallPool[TrailerArena] = CallPool(
             lambda: TrailerArena(cfg.max_batch_blocks, client.register, tag_kind(self._mac)))
         self._staging: dict[int, dict[str, StagerPool]] | None = None
