@@ -28,7 +28,8 @@ from hybridkv.connector.block_layout import layer_specs
 from hybridkv.connector.pd_auth import load_key
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
-from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
+from hybridkv.connector.pd_tp import MAMBA_TP_CROSS_SWITCH, MAMBA_TP_NOT_ENABLED
+from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings, mamba_reslice_problem
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.keys import kv_identity
 from hybridkv.connector.store_config import ConfigError, refuse_non_tensor_parallelism, refuse_unknown_keys
@@ -66,6 +67,12 @@ class PDConnectorConfig:
     # Any API client can send do_remote_decode: without a bound, requests whose decode leg
     # never comes hold the cache for lease_s each.
     max_lease_fraction: float = 0.5
+    # Decode: pair with prefill instances of another --tensor-parallel-size for models with
+    # Mamba / linear-attention (GDN) state, whose per-rank state is then re-sliced (pd_tp).
+    # Off by default: the re-slicing is exact, but vLLM's CPU GDN kernel runs only in bf16, so
+    # state computed at another TP size is not the bits this size computes, and the decode's
+    # output can drift from a local recompute (pd_tp.MAMBA_TP_NOT_ENABLED).
+    allow_mamba_cross_tp: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
@@ -81,8 +88,9 @@ class PDConnectorConfig:
             raise ConfigError("kv_connector_extra_config.handshake_host: expected a host name or address")
         if not isinstance(extra.get("auth_secret_file", "") or "", str):
             raise ConfigError("kv_connector_extra_config.auth_secret_file: expected a file path")
-        if not isinstance(extra.get("allow_unauthenticated", False), bool):
-            raise ConfigError("kv_connector_extra_config.allow_unauthenticated: expected true or false")
+        for flag in ("allow_unauthenticated", "allow_mamba_cross_tp"):
+            if not isinstance(extra.get(flag, False), bool):
+                raise ConfigError(f"kv_connector_extra_config.{flag}: expected true or false")
         frac = extra.get("max_lease_fraction", 0.5)
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
             raise ConfigError(f"kv_connector_extra_config.max_lease_fraction={frac!r}: expected a number in (0, 1] "
@@ -96,6 +104,26 @@ def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
         for gid, group in enumerate(kv_cache_config.kv_cache_groups)
         if any(isinstance(s, MambaSpec) for s in layer_specs(group))
     )
+
+
+def _mamba_problem(cfg: PDConnectorConfig, kv_cache_config: "KVCacheConfig", mamba: tuple[int, ...],
+                   engine_id: str) -> str | None:
+    """Why this instance does not pair with a prefill instance of another TP size for its
+    Mamba state (None: it may; ``LocalLayout.mamba_problem``). With ``allow_mamba_cross_tp``
+    a layout whose state pd_tp cannot re-slice is still refused, with the reason."""
+    if not cfg.allow_mamba_cross_tp:
+        return MAMBA_TP_NOT_ENABLED
+    problem = mamba_reslice_problem(kv_cache_config)
+    if problem:
+        problem = f"{MAMBA_TP_CROSS_SWITCH} is on, but this state is not re-sliced: {problem}"
+    if mamba:
+        logger.warning(
+            "hybridkv P/D %s: allow_mamba_cross_tp is ON: requests from prefill instances of another "
+            "--tensor-parallel-size get their Mamba/GDN state (groups %s) re-sliced by heads%s. The state a "
+            "prefill at another TP size computes is not the bits this size computes (vLLM's CPU GDN runs only "
+            "in bfloat16), so outputs can differ from a local recompute", engine_id, list(mamba),
+            f"; NOT for this model ({problem})" if problem else "")
+    return problem
 
 
 class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
@@ -121,6 +149,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: PDWorker | None = None
         self._copy_views: list[torch.Tensor] = []
         if role == KVConnectorRole.SCHEDULER:
+            mamba_problem = _mamba_problem(self._cfg, kv_cache_config, mamba, engine_id)
             align = 1
             for group in kv_cache_config.kv_cache_groups:
                 align = math.lcm(align, group.kv_cache_spec.block_size)
@@ -131,7 +160,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
                 num_blocks=kv_cache_config.num_blocks, key=key,
                 fail_on_refusal=ktc.kv_load_failure_policy == "fail",
                 tp_size=tp_size, total_kv_heads=total_kv_heads,
-                max_lease_fraction=float(self._cfg.max_lease_fraction),
+                max_lease_fraction=float(self._cfg.max_lease_fraction), mamba_problem=mamba_problem,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -44,6 +44,7 @@ from hybridkv.connector.pd_params import (
     issue_remote_prefill,
     parse_kv_transfer_params,
 )
+from hybridkv.connector.pd_tp import MAMBA_TP_NOT_ENABLED
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -83,7 +84,7 @@ class PDScheduler:
         align_tokens: int, *, can_prefill: bool = True, can_decode: bool = True,
         group_block_sizes: tuple[int, ...] = (), num_blocks: int = 0, key: DeploymentKey | None = None,
         fail_on_refusal: bool = False, tp_size: int = 1, total_kv_heads: int = 0,
-        max_lease_fraction: float = 1.0,
+        max_lease_fraction: float = 1.0, mamba_problem: str | None = MAMBA_TP_NOT_ENABLED,
     ) -> None:
         self._engine_id = engine_id
         self._recurrent = has_recurrent_state
@@ -97,6 +98,9 @@ class PDScheduler:
         # load) instead of recomputing silently.
         self._fail_on_refusal = fail_on_refusal
         self._tp_size, self._total_kv_heads = tp_size, total_kv_heads
+        # Why Mamba state is not re-sliced across TP sizes here (None: allow_mamba_cross_tp on
+        # and every Mamba group is GDN state): LocalLayout.mamba_problem.
+        self._mamba_problem = mamba_problem
         self._handshake: PDHandshakeMetadata | None = None
         self._rank_ports: tuple[int, ...] = ()  # every worker's handshake port, rank order
         self._released_counts: dict[str, int] = {}  # decode: ranks whose READ target is free
@@ -123,7 +127,7 @@ class PDScheduler:
         hash_bs = getattr(self._block_pool, "hash_block_size", None) or self._align
         return LocalLayout(self._can_prefill, self._can_decode, self._group_block_sizes, self._num_blocks, hash_bs,
                            tp_size=self._tp_size, mamba_group_ids=tuple(sorted(self._mamba)),
-                           total_kv_heads=self._total_kv_heads)
+                           total_kv_heads=self._total_kv_heads, mamba_problem=self._mamba_problem)
 
     def params(self, request: "Request") -> ParsedParams:
         """The request's validated ``kv_transfer_params`` (parsed on first use, then cached)."""

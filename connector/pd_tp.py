@@ -26,8 +26,9 @@ part); its SSM state ``(v_heads, head_v_dim, head_k_dim)`` along v heads, outerm
 span). :class:`StateSplit` describes one state on one rank; both sides send theirs in
 the handshake and :func:`mamba_slices` turns a pair into spans. Other Mamba kinds
 (Mamba1/2, KDA, replicated states) need equal TP sizes (refused with the field named).
-The scheduler still refuses Mamba models across sizes by default
-(:data:`MAMBA_TP_NOT_ENABLED` says why); passing ``mamba_problem=None`` enables it.
+The scheduler refuses Mamba models across sizes by default (:data:`MAMBA_TP_NOT_ENABLED`
+says why); the decode instance's ``allow_mamba_cross_tp`` enables it, and then only a layout
+``pd_worker.mamba_reslice_problem`` accepts (every Mamba group GDN state) pairs.
 """
 
 from __future__ import annotations
@@ -147,14 +148,18 @@ def head_slices(
 
 
 # Why Mamba models do not pair across TP sizes by default, although GDN state is re-sliced
-# exactly (tests/unit/test_pd_mamba_tp.py; in the real engine the re-sliced state of the
-# first GDN layer equals the other size's bit for bit): vLLM's CPU GDN kernel runs only in
-# bfloat16 (ops/cpu/gdn_attention.py), and a bf16 state computed at another TP size differs
-# from this size's own by 1-4% after the first row-parallel reduction, which moved qwen3-next's
-# greedy output beyond the P/D check against a recompute (tests/e2e/test_pd_tp.py).
+# exactly (tests/unit/test_pd_mamba_tp.py; in the real engine the state decode READs equals the
+# other size's state re-sliced byte for byte, tests/e2e/test_pd_tp.py): vLLM's CPU GDN kernel
+# runs only in bfloat16 (ops/cpu/gdn_attention.py), and a bf16 state computed at another TP
+# size differs from this size's own by 1-4% after the first row-parallel reduction, which can
+# move a greedy output away from a local recompute. The decode instance's
+# kv_connector_extra_config.allow_mamba_cross_tp=true turns it on (HybridPDConnector).
+MAMBA_TP_CROSS_SWITCH = "allow_mamba_cross_tp"
 MAMBA_TP_NOT_ENABLED = (
-    "re-slicing its GDN state between TP sizes is exact but not enabled: vLLM's CPU GDN runs only in bfloat16, "
-    "where state computed at another TP size differs from this size's own beyond the P/D output check"
+    "re-slicing its GDN state between TP sizes is exact but off by default: set "
+    f"kv_connector_extra_config.{MAMBA_TP_CROSS_SWITCH}=true on the decode instance to enable it (vLLM's CPU GDN "
+    "runs only in bfloat16, where state computed at another TP size is not the bits this size computes, so "
+    "the output can differ from a local recompute)"
 )
 
 
@@ -170,7 +175,7 @@ def heterogeneous_tp_problem(prefill_tp: int, decode_tp: int, mamba_group_ids: S
         return problem
     if mamba_group_ids and mamba_problem:
         return (f"prefill runs tensor_parallel_size={prefill_tp} and this decode instance {decode_tp}: hybridkv "
-                f"cannot re-slice this model's Mamba/linear-attention state (groups {list(mamba_group_ids)}: "
+                f"does not re-slice this model's Mamba/linear-attention state (groups {list(mamba_group_ids)}: "
                 f"{mamba_problem}); start both with the same --tensor-parallel-size for this model")
     problem = heads_split_problem(total_kv_heads, prefill_tp, decode_tp)
     return None if problem is None else f"{problem}; start both with the same --tensor-parallel-size"
@@ -362,6 +367,7 @@ __all__ = [
     "read_spans",
     "GDN_TYPE",
     "HEAD_OUTERMOST_LAYOUTS",
+    "MAMBA_TP_CROSS_SWITCH",
     "MAMBA_TP_NOT_ENABLED",
     "MAX_TP",
     "RankRead",

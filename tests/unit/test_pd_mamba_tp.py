@@ -338,3 +338,79 @@ def test_split_problems_and_kinds_not_resliced():
         spec_state_splits("GDN_ATTN", ((3, 256), (2, 64, 64)), (2, 2), False, tp_replicated=True)
     with pytest.raises(ValueError, match="not 2 \\* key_dim"):
         gdn_state_splits(((3, 100), (2, 64, 64)), (2, 2), False)
+
+
+# ------------------------------------------------------------ the allow_mamba_cross_tp switch
+
+
+def _decode_connector(kv_cache_config, **extra):
+    """A real decode-side HybridPDConnector scheduler over ``kv_cache_config``."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from hybridkv.connector.pd_connector import HybridPDConnector
+
+    cfg = VllmConfig()
+    cfg.kv_transfer_config = KVTransferConfig(
+        kv_connector="HybridPDConnector", kv_role="kv_consumer",
+        kv_connector_extra_config={"allow_unauthenticated": True, **extra})
+    return HybridPDConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def _two_rank_params(local):
+    """A prefill TP2's signed kv_transfer_params, parsed by a decode instance with ``local``."""
+    from hybridkv.connector.pd_auth import DeploymentKey
+    from hybridkv.connector.pd_params import PromptView, RemotePrefill, issue_remote_prefill, parse_kv_transfer_params
+
+    key, hashes = DeploymentKey(b"m" * 32), [bytes([i]) * 32 for i in range(2)]
+    p = RemotePrefill(engine_id="p", request_id="r", host="127.0.0.1", port=4000, block_ids=((3,),),
+                      num_tokens=256, lease_id="b" * 32, ports=(4000, 4001))
+    return parse_kv_transfer_params(issue_remote_prefill(p, key, hashes, 256), PromptView(300, hashes), local, key)
+
+
+def _mamba2_config():
+    """A KVCacheConfig whose one Mamba group holds Mamba2 state (not re-sliced)."""
+    cfg = VllmConfig()
+    cfg.cache_config.kv_cache_layout = "LBHNC"
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(1, 64, 1, 2, 32, 16, 4)
+    spec = MambaSpec(block_size=256, shapes=tuple(shapes), dtypes=(torch.bfloat16, torch.float32),
+                     mamba_type=MambaAttentionBackendEnum.MAMBA2, mamba_cache_mode="align")
+    return get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(list(LAYERS), spec)],
+                                           NUM_BLOCKS * spec.page_size_bytes * len(LAYERS))
+
+
+def test_allow_mamba_cross_tp_off_refuses_naming_the_switch_on_enables_gdn_only(caplog, monkeypatch):
+    from hybridkv.connector.pd_connector import PDConnectorConfig
+    from hybridkv.connector.pd_params import Refused, RemotePrefill
+    from hybridkv.connector.pd_tp import MAMBA_TP_NOT_ENABLED
+    from hybridkv.connector.store_config import ConfigError
+
+    monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
+    mamba_utils.get_conv_state_layout.cache_clear()
+    with pytest.raises(ConfigError, match="allow_mamba_cross_tp: expected true or false"):
+        PDConnectorConfig.from_extra_config({"allow_mamba_cross_tp": "yes"})
+    gdn = Rank(1, (torch.bfloat16, "float32")).config
+    # off (the default): refused per request, naming the field and the switch
+    off = _decode_connector(gdn)._scheduler.local_layout()
+    assert off.mamba_problem == MAMBA_TP_NOT_ENABLED and off.mamba_group_ids == (0,)
+    got = _two_rank_params(replace(off, total_kv_heads=2))
+    assert isinstance(got, Refused) and got.field == "remote_ports", got
+    assert "lists 2 prefill ranks" in str(got) and "groups [0]" in str(got)
+    assert "set kv_connector_extra_config.allow_mamba_cross_tp=true on the decode instance" in str(got)
+    # on, GDN state: accepted (the prefill side's split is checked at the handshake), said loudly
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        on = _decode_connector(gdn, allow_mamba_cross_tp=True)._scheduler.local_layout()
+    assert on.mamba_problem is None
+    assert isinstance(_two_rank_params(replace(on, total_kv_heads=2)), RemotePrefill)
+    warned = [r.getMessage() for r in caplog.records if "allow_mamba_cross_tp is ON" in r.getMessage()]
+    assert len(warned) == 1 and "groups [0]" in warned[0] and "NOT for this model" not in warned[0], warned
+    # on, a layout mamba_reslice_problem refuses (Mamba2 state): still refused, with the reason
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        m2 = _decode_connector(_mamba2_config(), allow_mamba_cross_tp=True)._scheduler.local_layout()
+    assert m2.mamba_problem == ("allow_mamba_cross_tp is on, but this state is not re-sliced: group 0: "
+                                "mamba_type 'mamba2': only 'gdn_attn' (gated delta net) state is re-sliced")
+    got = _two_rank_params(replace(m2, total_kv_heads=2))
+    assert isinstance(got, Refused) and got.field == "remote_ports" and m2.mamba_problem in str(got), got
+    assert any("NOT for this model (allow_mamba_cross_tp is on" in r.getMessage() for r in caplog.records)

@@ -199,10 +199,11 @@ def test_heterogeneous_problem_names_mamba_groups():
     assert heterogeneous_tp_problem(2, 1, (), 4) is None
     assert heterogeneous_tp_problem(2, 1, (0,), 4, None) is None  # GDN state, enabled: checked at the handshake
     msg = heterogeneous_tp_problem(2, 1, (0,), 4)  # the default: not enabled, and why
-    assert msg and "(groups [0]: re-slicing its GDN state between TP sizes is exact but not enabled" in msg
+    assert msg and "(groups [0]: re-slicing its GDN state between TP sizes is exact but off by default" in msg
+    assert "kv_connector_extra_config.allow_mamba_cross_tp=true on the decode instance" in msg  # the switch
     assert "runs only in bfloat16" in msg and "--tensor-parallel-size" in msg
     msg = heterogeneous_tp_problem(2, 1, (0,), 4, "mamba_type 'mamba2': only 'gdn_attn' state is re-sliced")
-    assert msg and "cannot re-slice this model's Mamba/linear-attention state (groups [0]: mamba_type 'mamba2'" in msg
+    assert msg and "does not re-slice this model's Mamba/linear-attention state (groups [0]: mamba_type 'mamba2'" in msg
     assert "--tensor-parallel-size" in msg
     assert heterogeneous_tp_problem(2, 2, (0,), 2, "not GDN") is None  # equal sizes copy whole
     assert "do not split evenly" in heterogeneous_tp_problem(4, 1, (), 2)
@@ -233,8 +234,8 @@ def test_remote_ports_are_signed_and_validated():
     assert isinstance(_parse(raw, tp=1), RemotePrefill)  # attention only: TP2 -> TP1 re-slices
     refused = _parse(raw, tp=1, mamba=(0,))
     assert isinstance(refused, Refused) and refused.field == "remote_ports"
-    assert "lists 2 prefill ranks" in str(refused) and "cannot re-slice this model's Mamba" in str(refused)
-    assert "exact but not enabled" in str(refused)  # LocalLayout's default
+    assert "lists 2 prefill ranks" in str(refused) and "does not re-slice this model's Mamba" in str(refused)
+    assert "exact but off by default" in str(refused) and "allow_mamba_cross_tp=true" in str(refused)  # default
     assert isinstance(_parse(raw, tp=1, mamba=(0,), mamba_problem=None), RemotePrefill)  # GDN: re-sliced
     for bad, what in (([4000, True], "not a TCP port"), ([4000, 70000], "not a TCP port"), ("4000", "not a list"),
                       ([4001, 4000], "rank 0's port"), ([], "not a list")):
