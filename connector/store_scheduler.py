@@ -401,11 +401,9 @@ class StoreScheduler:
         if not isinstance(meta, StoreWorkerMetadata):
             return
         self._forget_failed_saves(meta.failed_saves)
-        self._release(meta.finished_saves, self._acks, self._pins)
+        for job_id in self._release(meta.finished_saves, self._acks, self._pins):
+            self._save_keys.pop(job_id, None)  # a save job ends here: keys and pins together
         self._release(meta.released_loads, self._load_acks, self._load_pins)
-        for job_id in meta.finished_saves:
-            if job_id not in self._pins:
-                self._save_keys.pop(job_id, None)
 
     def _forget_failed_saves(self, failed: Counter) -> None:
         """A save job some worker skipped or could not finish: its keys leave ``_recent``.
@@ -425,15 +423,18 @@ class StoreScheduler:
         if forgotten:
             self._stats.add("recent_saves_forgotten", forgotten)
 
-    def _release(self, reported: Counter, acks: Counter, pins: dict[int, list[Any]]) -> None:
-        """Unpin the blocks of every job all workers have reported done."""
+    def _release(self, reported: Counter, acks: Counter, pins: dict[int, list[Any]]) -> list[int]:
+        """Unpin the blocks of every job all workers have reported done; returns those jobs."""
+        done = []
         for job_id, n in reported.items():
             acks[job_id] += n
             if acks[job_id] >= self._world_size:
                 del acks[job_id]
+                done.append(job_id)
                 pinned = pins.pop(job_id, None)
                 if pinned is not None and self._manager is not None:
                     self._manager.block_pool.free_blocks(pinned)
+        return done
 
     def has_pending_saves(self) -> bool:
         return bool(self._pins or self._load_pins)
