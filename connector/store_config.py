@@ -81,6 +81,10 @@ class StoreConnectorConfig:
     embedded_lease_ttl_ms: int = 30_000
     # Max blocks per store batch call (bounds one call's bytes and latency).
     max_batch_blocks: int = 256
+    # Share of the KV cache's blocks that saves in flight may pin (a pinned block waits for
+    # its put before vLLM may reuse it); beyond it a step's save job is skipped and counted.
+    # Bounds what a slow or unreachable store node can take from new requests.
+    max_pinned_save_fraction: float = 0.5
     # Seconds a lookup's answer is reused when the scheduler re-asks for a request it could
     # not admit yet (0: always ask the store).
     lookup_cache_s: float = 1.0
@@ -104,6 +108,13 @@ class StoreConnectorConfig:
             elif key == "lookup_cache_s":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                     raise ConfigError(f"kv_connector_extra_config.lookup_cache_s={value!r}: expected seconds >= 0")
+                kw[key] = float(value)
+            elif key == "max_pinned_save_fraction":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                    raise ConfigError(
+                        f"kv_connector_extra_config.max_pinned_save_fraction={value!r}: expected a share of "
+                        "the KV cache in (0, 1], e.g. 0.5"
+                    )
                 kw[key] = float(value)
             elif key in ("timeout_s", "lookup_timeout_s"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -280,9 +280,29 @@ class StoreScheduler:
             if request is not None:
                 self._plan_offered_state_saves(request, offers, states)
         for blocks, sync, snapshot in ((batch, False, False), (states, True, False), (tails, False, True)):
-            if blocks:
+            if blocks and self._within_pin_budget(blocks):
                 meta.saves.append(self._pinned_job(blocks, sync, snapshot))
         return meta
+
+    def _within_pin_budget(self, blocks: BlockBatch) -> bool:
+        """May this save job pin its blocks? No (its keys forgotten, counted as skipped)
+        when save jobs in flight already hold ``max_pinned_save_fraction`` of the KV cache.
+
+        Why: a pinned block cannot be freed or handed to another request until every
+        worker has written it. A slow or unreachable store node makes puts take up to
+        ``timeout_s`` each while every step pins more, so with a small KV cache all of it
+        ended up pinned by saves and new requests waited (an engine stall after a store
+        node was killed). One job is always allowed when nothing is pinned, so saving
+        never stops for good on a cache smaller than one request's blocks."""
+        pinned = sum(len(p) for p in self._pins.values())
+        budget = int(self._cfg.max_pinned_save_fraction * self._manager.block_pool.num_gpu_blocks)
+        if pinned == 0 or pinned + len(blocks) <= budget:
+            return True
+        for key in zip(blocks.group_ids, blocks.hashes):
+            self._recent.pop(key, None)  # not saved: the next request computing it offers it again
+        self._stats.add("skipped_saves", len(blocks))
+        self._stats.add("pin_budget_skipped_jobs")
+        return False
 
     def _pinned_job(self, blocks: BlockBatch, sync: bool, snapshot: bool = False) -> SaveJob:
         job = SaveJob(next(self._job_ids), blocks, sync=sync, snapshot=snapshot)

@@ -45,7 +45,10 @@ COUNTERS: dict[str, str] = {
     "failed_loads": "Request loads that failed or were refused (once per request; it recomputes)",
     "rank_failed_loads": "Worker-side loads that failed (once per TP rank of a failed request load)",
     "failed_saves": "Blocks whose write failed",
-    "skipped_saves": "Blocks not written: save queue full or the step's synchronous save budget spent",
+    "skipped_saves": "Blocks not written: save queue full, the step's synchronous save budget spent, "
+                     "or the blocks pinned by saves in flight at max_pinned_save_fraction of the KV cache",
+    "pin_budget_skipped_jobs": "Save jobs skipped because saves in flight already pinned max_pinned_save_fraction "
+                               "of the KV cache (a slow or unreachable store)",
     "snapshot_blocks": "Blocks copied before their checksum and write (partial tails still being written)",
     "removed_objects": "Stored objects this instance removed because they failed verification (corrupt, forged)",
     "recent_saves_dropped": "Times the 'saved recently' set was emptied because the master lost its objects",

@@ -72,8 +72,9 @@ def store(tmp_path_factory):
         yield master.address, holder, buf, model_dir
 
 
-def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str) -> Scheduler:
-    """What ``EngineCore`` builds in the scheduler process, minus the workers."""
+def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, **extra: object) -> Scheduler:
+    """What ``EngineCore`` builds in the scheduler process, minus the workers (``extra``:
+    more ``kv_connector_extra_config`` keys)."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                                  enforce_eager=True, max_model_len=geo.max_model_len),
@@ -84,7 +85,7 @@ def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str) ->
             kv_connector="HybridStoreConnector", kv_role="kv_both",
             kv_connector_module_path="hybridkv.connector.store_connector",
             kv_connector_extra_config={"master_address": master_address, "namespace": namespace,
-                                       "lookup_cache_s": 0},
+                                       "lookup_cache_s": 0, **extra},
         ),
     )
     kv_cache_config = geo.kv_cache_config()
@@ -104,8 +105,8 @@ def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str) ->
     )
 
 
-def _request(req_id: str) -> Request:
-    return Request(req_id, list(PROMPT), SamplingParams(max_tokens=1), None,
+def _request(req_id: str, prompt: list[int] = PROMPT) -> Request:
+    return Request(req_id, list(prompt), SamplingParams(max_tokens=1), None,
                    block_hasher=get_request_block_hasher(UNIT, sha256))
 
 
@@ -190,9 +191,11 @@ def test_store_hit_through_a_real_scheduler_step(store, geo_name):
     _finish_load_and_resume(sched, req, out, job, 512)
 
 
-def _run_to_completion(sched: Scheduler, req: Request, saves_failed: bool = False) -> set[tuple[int, bytes]]:
+def _run_to_completion(sched: Scheduler, req: Request, saves_failed: bool = False,
+                       jobs: list | None = None, ack: bool = True) -> set[tuple[int, bytes]]:
     """Prefill ``req`` step by step as the engine would (workers ack every save, as
-    failed with ``saves_failed``), then finish it; returns the keys its saves offered."""
+    failed with ``saves_failed``; none with ``ack=False``: a store that does not answer),
+    then finish it; returns the keys its saves offered (``jobs``: gets its save jobs)."""
     sched.add_request(req)
     offered = set()
     for _ in range(50):
@@ -200,9 +203,11 @@ def _run_to_completion(sched: Scheduler, req: Request, saves_failed: bool = Fals
         meta = out.kv_connector_metadata
         for job in meta.saves:
             offered |= {(g, bytes(h)) for g, h in zip(job.blocks.group_ids, job.blocks.hashes)}
+        if jobs is not None:
+            jobs += meta.saves
         n = out.num_scheduled_tokens.get(req.request_id, 0)
         done = req.num_computed_tokens >= req.num_tokens  # schedule() already advanced it
-        sched.update_from_output(out, _worker_reply(out, saves=meta.saves, saves_failed=saves_failed,
+        sched.update_from_output(out, _worker_reply(out, saves=meta.saves if ack else (), saves_failed=saves_failed,
                                                     sampled={req.request_id: [5]} if done and n else None))
         if req.is_finished():
             return offered
@@ -249,3 +254,45 @@ def test_local_dense_prefix_cut_by_eviction_is_extended_from_the_store(store):
     positions = [list(range(16, 62)), list(range(8, 31)), [30]]
     assert got == _expected_job(sched, req, positions)
     _finish_load_and_resume(sched, req, out, job, 992)
+
+
+def test_saves_a_silent_store_holds_pin_at_most_their_share_of_the_cache(store):
+    """A store that stops answering (a killed node: puts wait for ``timeout_s``): no worker
+    acknowledges a save, so every save job keeps its blocks pinned. Five requests of 1000
+    distinct tokens on a 300-block cache: the first request's save job pins its blocks,
+    then saves in flight are at ``max_pinned_save_fraction`` (150 blocks) and each later
+    request's block job is skipped (counted, its keys forgotten so that they are offered
+    again) while vLLM keeps scheduling. When the store answers again, the pins go and the
+    next request saves in full. Planted (no budget): the pool fills with pinned blocks
+    and the third request never gets blocks ("prefill did not finish") -- the engine
+    stall the CI soak found after a store node was killed."""
+    geo = Geometry(specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=UNIT, num_blocks=300, max_model_len=4096)
+    sched = _scheduler(geo, store[0], store[3], "pin-budget", max_pinned_save_fraction=0.5)
+    conn = sched.connector._scheduler
+    counted: Counter = Counter()
+    take = conn.take_stats
+
+    def take_and_count():
+        stats = take()
+        counted.update({k: v for k, v in (stats.data if stats else {}).items() if "skipped" in k})
+        return stats
+
+    conn.take_stats = take_and_count
+    sizes = []
+    for i in range(5):
+        jobs: list = []
+        prompt = random.Random(100 + i).choices(range(3, 30000), k=1000)
+        _run_to_completion(sched, _request(f"pin-{i}", prompt), jobs=jobs, ack=False)
+        sizes.append([len(j.blocks) for j in jobs])
+    first = sizes[0][0]  # FA16 62 blocks + the window group's 62 (both masked by vLLM's rule)
+    assert first + first + 1 > 150, "the test needs a second block job to exceed the budget"
+    assert sizes == [[first, 1]] + [[1]] * 4  # each later request: its Mamba state job only
+    assert sum(len(p) for p in conn._pins.values()) == first + 5 <= 150
+    assert counted == {"skipped_saves": 4 * first, "pin_budget_skipped_jobs": 4}
+    assert len(conn._recent) == first + 5, "the skipped jobs' keys must be offered again"
+    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=StoreWorkerMetadata(
+        finished_saves=Counter({job_id: 1 for job_id in conn._pins}))))
+    assert conn._pins == {} and conn._save_keys == {}
+    jobs = []
+    _run_to_completion(sched, _request("pin-after", random.Random(200).choices(range(3, 30000), k=1000)), jobs=jobs)
+    assert [len(j.blocks) for j in jobs] == [first, 1]

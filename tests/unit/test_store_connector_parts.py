@@ -16,6 +16,8 @@ from tests.unit.harness import fa, mamba
 def test_defaults_and_sizes():
     cfg = StoreConnectorConfig.from_extra_config({})
     assert cfg.master_address is None and cfg.global_segment_size == 512 << 20
+    assert cfg.max_pinned_save_fraction == 0.5
+    assert StoreConnectorConfig.from_extra_config({"max_pinned_save_fraction": 1}).max_pinned_save_fraction == 1.0
     assert parse_size("x", "512MiB") == 512 << 20
     assert parse_size("x", "2GB") == 2 << 30
     assert parse_size("x", 4096) == 4096
@@ -33,6 +35,9 @@ def test_defaults_and_sizes():
         ({"save_decode": "yes"}, "save_decode='yes'"),
         ({"pin_mooncake_listeners": 1}, "pin_mooncake_listeners=1: expected true or false"),
         ({"max_batch_blocks": -1}, "max_batch_blocks=-1"),
+        ({"max_pinned_save_fraction": 0}, "max_pinned_save_fraction=0: expected a share of the KV cache in (0, 1]"),
+        ({"max_pinned_save_fraction": 1.5}, "max_pinned_save_fraction=1.5"),
+        ({"max_pinned_save_fraction": True}, "max_pinned_save_fraction=True"),
         ({"namespace": 3}, "namespace=3"),
         ({"staging": "sometimes"}, "staging='sometimes'"),
         ({"staging_buffer_size": 0}, "staging_buffer_size=0"),
