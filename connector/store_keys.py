@@ -7,12 +7,14 @@ so a lookup names exactly the objects a save wrote.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from hybridkv.connector.block_layout import layout_rows
 from hybridkv.store.keys import KeySchema, kv_identity
+from hybridkv.store.mirror import GroupedKeys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,13 +76,27 @@ class AllRankKeys:
     def num_ranks(self) -> int:
         return len(self._schemas)
 
-    def names(self, keys: list[tuple[int, bytes]]) -> list[str]:
-        """Store keys of ``keys`` (group, block hash), rank-major within each block."""
-        return [s.key(g, h) for g, h in keys for s in self._schemas]
+    def names(self, keys: Sequence[tuple[int, bytes]]) -> list[str]:
+        """Store keys of ``keys`` (group, block hash), rank-major within each block.
 
-    def all_present(self, found: list[bool]) -> list[bool]:
+        A :class:`GroupedKeys` (what ``StoreMirror.lookup`` asks) is named a group
+        at a time (``KeySchema.names``), without a tuple per key."""
+        schemas = self._schemas
+        if not isinstance(keys, GroupedKeys):
+            return [s.key(g, h) for g, h in keys for s in schemas]
+        out: list[str] = []
+        for gid, hashes in keys.parts:
+            if len(schemas) == 1:
+                out += schemas[0].names(gid, hashes)
+            else:
+                out += [n for per_block in zip(*(s.names(gid, hashes) for s in schemas)) for n in per_block]
+        return out
+
+    def all_present(self, found: Sequence[bool]) -> list[bool]:
         """Fold :meth:`names`' answers back to one per block: present on every rank."""
         n = len(self._schemas)
         if len(found) % n:
             raise ValueError(f"{len(found)} answers for {n} ranks")
+        if n == 1:
+            return list(found)
         return [all(found[i : i + n]) for i in range(0, len(found), n)]
