@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         "doctor", help="check a --kv-transfer-config, the installed stack and a model before starting vLLM",
         description=doctor.__doc__.split("\n\n")[0],
     ))
+    from hybridkv.cli import grafana
+
+    grafana.add_arguments(sub.add_parser(
+        "grafana", help="print a Grafana dashboard (JSON) of hybridkv's metrics next to vLLM's"))
     args = parser.parse_args(argv)
+    if args.cmd == "grafana":
+        return grafana.run_from_args(args)
     if args.cmd == "doctor":
         return doctor.run_from_args(args)
     if args.cmd == "proxy":
