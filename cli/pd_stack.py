@@ -166,6 +166,32 @@ class PDStack:
             raise ServerStartError(f"hybridkv proxy {problem}; log: {self.proxy_log}\n"
                                    + self.proxy_log.read_text()[-3000:])
 
+    def kill_prefill(self) -> None:
+        """SIGKILL the prefill server's whole process group (API server, engine core, workers:
+        what an OOM kill or a lost host does) and reap it. The proxy keeps running."""
+        proc = self.prefill.proc
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+        self.prefill.stop()  # the group is gone: only forgets the process
+
+    def restart_prefill(self) -> pathlib.Path | None:
+        """Start the prefill server again on its port (the proxy's ``--prefill`` URL) and wait
+        until it is healthy. Its previous log is kept as ``prefill.N.log`` (returned)."""
+        old = None
+        log = self.prefill.log_path
+        if log is not None and log.exists():
+            n = 1
+            while (old := log.with_name(f"{log.stem}.{n}{log.suffix}")).exists():
+                n += 1
+            log.rename(old)
+        self.prefill.start()
+        return old
+
     def stop(self) -> None:
         proxy, self._proxy = self._proxy, None
         if proxy is not None:

@@ -31,11 +31,30 @@ pytestmark = pytest.mark.e2e
 # SIGSTOP 6 s, kill gap 3 s, the sampled recomputes and the shutdown).
 # 32 local blocks (the full run: 64 for 16 sessions), so the store, not the local cache, serves.
 CI = SoakConfig(sessions=5, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_blocks=32, samples=3)
-TIMED_PHASES = ("warm", "after-stop", "after-corrupt", "after-node-kill", "after-kill")
+
+
+# The P/D + store variant (bench/soak.py --pd): prefill and decode behind the hybridkv proxy,
+# each MultiConnector(HybridPDConnector + HybridStoreConnector) on one mooncake_master; one store
+# fault (master SIGSTOPped 6 s) and the prefill SIGKILLed while the decode holds hand-overs it
+# has not read, then restarted. About 2 min (two engine boots, the prefill's re-boot ~25 s,
+# 3 x 12 s, the sampled recomputes). Not the corruption fault: under P/D + store it makes
+# sampled turns differ from recompute (2 of 6 and 1 of 6 in two runs, 2026-12-01; 0 with the
+# SIGSTOP) -- a connector finding reported to the lead; add "corrupt" here once it is fixed.
+CI_PD = SoakConfig(sessions=4, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_blocks=64, samples=2,
+                   pd=True, faults=["stop", "prefill-kill"])
+
+
+def timed_phases(doc: dict) -> tuple[str, ...]:
+    """The phases that must have run requests: warm and each fault's after-phase."""
+    names = [r["phase"] for r in doc["phases"]]
+    return tuple(n for n in names if n == "warm" or n.startswith("after-"))
 
 
 def soak_problems(doc: dict) -> list[str]:
-    """Every target the run missed, as one line each (empty: all met)."""
+    """Every target the run missed, as one line each (empty: all met). A store-only run with
+    every fault checks what it always did; a run with fewer faults checks each fault it ran;
+    a --pd run also the prefill kill: a hand-over in flight at the kill, P/D READs landing
+    again within ``pd_recovery_bound_s`` of the restarted prefill, its burst compared."""
     problems = []
     rows = {r["phase"]: r for r in doc["phases"]}
     for name, r in rows.items():
@@ -45,24 +64,41 @@ def soak_problems(doc: dict) -> list[str]:
         if r["differ"] != 0:
             bad = [c["why"] for c in doc["recompute_checks"] if c["phase"] == name and not c["matches"]]
             problems.append(f"{name}: {r['differ']} of {r['sampled']} sampled turns differ from recompute: {bad}")
-    for name in TIMED_PHASES:
+    timed = timed_phases(doc)
+    for name in timed:
         if rows[name]["requests"] == 0:
             problems.append(f"{name}: no requests ran")
     sampled = sum(r["sampled"] for r in rows.values())
-    if sampled < len(TIMED_PHASES):
+    if sampled < len(timed):
         problems.append(f"only {sampled} turns compared with a recompute")
-    if doc["corruption"].get("planted", 0) == 0:
-        problems.append(f"nothing corrupted: {doc['corruption']}")
-    refused = sum(rows[p]["corrupt_refused"] or 0 for p in ("corrupt", "after-corrupt", "node-kill",
-                                                             "after-node-kill", "kill", "after-kill"))
-    if refused == 0:
-        problems.append(f"none of {doc['corruption'].get('planted')} corrupted objects was refused")
-    back, bound = doc["store_loads_back_after_s"], doc["recovery_bound_s"]
-    if back is None or back > bound:
-        problems.append(f"store loads back after {back} s of the new master (bound {bound:.1f} s)")
-    hit = doc["hit_rate_after_recovery"]
-    if not hit:
-        problems.append(f"hit rate after recovery {hit}")
+    if "corrupt" in rows:
+        if doc["corruption"].get("planted", 0) == 0:
+            problems.append(f"nothing corrupted: {doc['corruption']}")
+        refused = sum(rows[p]["corrupt_refused"] or 0 for p in ("corrupt", "after-corrupt", "node-kill",
+                                                                 "after-node-kill", "kill", "after-kill",
+                                                                 "prefill-kill", "after-prefill-kill") if p in rows)
+        if refused == 0:
+            problems.append(f"none of {doc['corruption'].get('planted')} corrupted objects was refused")
+    if "kill" in rows:
+        back, bound = doc["store_loads_back_after_s"], doc["recovery_bound_s"]
+        if back is None or back > bound:
+            problems.append(f"store loads back after {back} s of the new master (bound {bound:.1f} s)")
+        hit = doc["hit_rate_after_recovery"]
+        if not hit:
+            problems.append(f"hit rate after recovery {hit}")
+    if doc["config"].get("pd"):
+        if not rows["warm"].get("p2p_tokens"):
+            problems.append(f"warm: the decode read no tokens from its peer ({rows['warm'].get('p2p_tokens')})")
+    if "prefill-kill" in rows:
+        burst = doc.get("burst") or {}
+        if not burst.get("in_flight_at_kill"):
+            problems.append(f"no hand-over was in flight when the prefill was killed: {burst.get('requests')}")
+        burst_checks = [c for c in doc["recompute_checks"] if c.get("burst")]
+        if len(burst_checks) != burst.get("handed_over"):
+            problems.append(f"{len(burst_checks)} of {burst.get('handed_over')} burst turns compared with a recompute")
+        back, bound = doc.get("pd_reads_back_after_s"), doc["pd_recovery_bound_s"]
+        if back is None or back > bound:
+            problems.append(f"P/D READs resumed after {back} s of the restarted prefill (bound {bound:.1f} s)")
     if doc["left_processes"] or doc["left_dirs"]:
         problems.append(f"left after shutdown: processes {doc['left_processes']}, dirs {doc['left_dirs']}")
     return problems
@@ -71,4 +107,13 @@ def soak_problems(doc: dict) -> list[str]:
 def test_soak_ci_variant(tmp_path):
     doc = run_soak(CI, tmp_path, keep_log=True)
     print(f"\nsoak CI variant ({doc['wall_s']:.0f} s); server log {tmp_path / 'soak.vllm.log'}")
+    assert soak_problems(doc) == []
+
+
+def test_soak_pd_ci_variant(tmp_path):
+    doc = run_soak(CI_PD, tmp_path, keep_log=True)
+    b = doc["burst"]
+    print(f"\nP/D soak CI variant ({doc['wall_s']:.0f} s); logs {tmp_path}/soak_pd.*.log; "
+          f"burst {b.get('in_flight_at_kill')} of {b.get('handed_over')} in flight at the kill; "
+          f"READs back {doc['pd_reads_back_after_s']} s (bound {doc['pd_recovery_bound_s']:.1f} s)")
     assert soak_problems(doc) == []
