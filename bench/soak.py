@@ -61,7 +61,8 @@ until they grow again (against :func:`pd_recovery_bound_s`); RSS / threads of bo
 master is not restarted after the SIGKILL), ``leak-master`` (the restarted master is not stopped
 at shutdown), ``sealed-corruption`` (the misplaced objects are re-sealed under the victim's key,
 so the trailer check passes: a verification hole), ``policy-fail`` (kv_load_failure_policy
-"fail" instead of "recompute"), ``no-prefill-restart`` (--pd: the killed prefill stays dead).
+"fail" instead of "recompute"), ``no-prefill-restart`` (--pd: the killed prefill stays dead),
+``leak-prefill`` (--pd: the prefill server is not stopped at shutdown).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ PHASES = ("warm", "stop", "after-stop", "corrupt", "after-corrupt", "node-kill",
           "kill", "after-kill")
 STORE_FAULTS = ("stop", "corrupt", "node-kill", "kill")  # in this order; each followed by "after-<fault>"
 PD_FAULTS = (*STORE_FAULTS, "prefill-kill")
-PLANTS = ("no-restart", "leak-master", "sealed-corruption", "policy-fail", "no-prefill-restart")
+PLANTS = ("no-restart", "leak-master", "sealed-corruption", "policy-fail", "no-prefill-restart", "leak-prefill")
 # Phases whose loads may meet wrong bytes (misplaced objects, a dead node's objects): sampled
 # DATA_FAULT_SAMPLES x more, since only the turns that loaded a faulted object can show it.
 DATA_FAULT_PHASES = ("corrupt", "after-corrupt", "node-kill", "after-node-kill")
@@ -655,6 +656,9 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
     finally:
         stop_all.set()
         if stack is not None:
+            if "leak-prefill" in cfg.plant and stack.prefill.proc is not None:
+                say(f"  PLANTED: the prefill (pid {stack.prefill.proc.pid}) is not stopped at shutdown")
+                stack.prefill.proc = None
             stack.stop()
         if srv is not None:
             srv.stop()
