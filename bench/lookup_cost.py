@@ -16,6 +16,12 @@ process, interleaved (the order of the timed units rotates every repeat):
   sparse groups around the candidate only, then vLLM's coordinator over the answers
   (a third round trip only if it read an unasked key: counted, 0 here);
 * ``hybridkv floor``: one ``exists`` of exactly the keys hybridkv probed (both trips' keys);
+* ``key length``: the same ``exists`` of the same keys named as the previous key scheme
+  did (``hkv2``: all 32 hash bytes in hex, 118 characters, vs ``hkv3``'s 16 bytes, 86);
+* ``decision step``: ``StoreMirror._decide`` alone over the full hit's answers (vLLM's
+  coordinator over hybridkv's pool, plus the hit's blocks), and vLLM's coordinator alone
+  over a pool whose ``get_cached_block`` answers "present" at no cost: what vLLM's own
+  per-block loop costs, which no change on hybridkv's side can remove;
 * ``hybridkv, one round trip over every key (before)``: the previous lookup,
   ``StoreMirror.longest_hit`` with a batched exists of ``probe_keys`` (every key
   the coordinator MAY read: each group at every hash unit), key building included;

@@ -23,10 +23,11 @@
   the object's valid KV ends (it already includes ``cache_salt`` and LoRA),
   cut to its first 16 bytes (128 bits: all of an xxHash-128 hash, half of a
   SHA-256 one). Why: a lookup asks the master about ~12k keys at 128k tokens,
-  and ``batch_is_exist`` costs more per key the longer the key: 118 -> 86
-  characters measured 0.88 [0.83-0.97 interquartile] of the time (12,314 present
-  keys, bench/results/lookup_cost.md); shorter than that measured no further gain.
-  ``hkv2`` keys carried all 32 bytes.
+  and ``batch_is_exist`` costs somewhat more per key the longer the key: one call
+  of 12,314 present keys at 86 vs 118 characters measured 0.88-0.92 of the time
+  (median of 40 paired repeats, 4 runs, load average < 1; interquartile
+  0.83-0.97), shorter keys no further gain; at load average 5+ the difference is
+  inside the noise (0.97-1.06). ``hkv2`` keys carried all 32 bytes.
 
 An object is the block's bytes followed by a 16-byte trailer (``object_trailer``:
 magic, format version, tag kind, XXH3-64 seeded with the key), so a wrong object
