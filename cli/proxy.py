@@ -7,6 +7,12 @@ instance needs to pull them. The proxy then sends the original request to a deco
 instance with those ``kv_transfer_params`` and streams (or returns) its answer.
 Both the completions and chat endpoints are served; instances are used round-robin.
 Binds 127.0.0.1 by default: this is an internal hop, not an edge service.
+
+When no prefill instance can serve a request (every one unreachable, answering 5xx, or
+answering without transfer parameters), the decode instance gets the user's request alone
+and computes the prompt itself: a dead prefill costs TTFT, not the request (the answer is
+the same; logged, marked with the ``x-hybridkv-pd-fallback`` response header and counted
+on the proxy's ``/metrics``). ``--no-fallback`` answers 502 instead.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves the handlers' `request: Request`
@@ -61,46 +67,106 @@ def decode_request(body: dict[str, Any], prefill_response: dict[str, Any]) -> di
     return req
 
 
-def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s: float = 600.0):
-    """A FastAPI app routing every request prefill -> decode."""
+def decode_only_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The fallback leg: the user's request for decode to compute alone. A client's own
+    ``kv_transfer_params`` are dropped: only a prefill instance's answer may name a peer."""
+    req = copy.deepcopy(body)
+    req.pop("kv_transfer_params", None)
+    return req
+
+
+class _PrefillFailed(Exception):
+    """No prefill instance served the request; ``response``: what to answer without fallback."""
+
+    def __init__(self, response: Any) -> None:
+        super().__init__()
+        self.response = response
+
+
+def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s: float = 600.0,
+              fallback: bool = True):
+    """A FastAPI app routing every request prefill -> decode (decode alone when no prefill
+    instance can serve it and ``fallback`` is on)."""
     import httpx
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     app = FastAPI(title="hybridkv P/D proxy")
-    prefills = itertools.cycle([u.rstrip("/") for u in prefill_urls])
+    prefill_list = [u.rstrip("/") for u in prefill_urls]
+    prefill_start = itertools.cycle(range(len(prefill_list)))
     decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+    counts = {"requests": 0, "decode_only_fallbacks": 0, "prefill_errors": 0}
+
+    async def prefill_leg(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The decode leg's request from the first prefill instance that serves it (each
+        tried once, round-robin start); raises _PrefillFailed with the last error."""
+        first = next(prefill_start)
+        failure = None
+        for k in range(len(prefill_list)):
+            prefill = prefill_list[(first + k) % len(prefill_list)]
+            try:
+                r = await client.post(prefill + path, json=prefill_request(body))
+            except httpx.HTTPError as e:
+                failure = _unreachable("prefill", prefill, e)
+            else:
+                if r.status_code == 200:
+                    try:
+                        return decode_request(body, r.json())
+                    except ValueError as e:  # answered, but handed nothing over
+                        failure = JSONResponse(status_code=502, content={"error": {"message": f"prefill {prefill}: {e}"}})
+                elif r.status_code < 500:  # the request itself is wrong: decode would refuse it too
+                    raise _PrefillFailed(JSONResponse(status_code=r.status_code, content=_error(r, f"prefill {prefill}")))
+                else:
+                    failure = JSONResponse(status_code=r.status_code, content=_error(r, f"prefill {prefill}"))
+            counts["prefill_errors"] += 1
+            logger.warning("hybridkv proxy: prefill %s could not serve a request: %s", prefill,
+                           bytes(failure.body)[:300].decode(errors="replace"))
+        raise _PrefillFailed(failure)
 
     async def route(path: str, request: Request):
         try:
             body = await request.json()
         except json.JSONDecodeError as e:
             return JSONResponse(status_code=400, content={"error": {"message": f"request body is not JSON: {e}"}})
-        prefill, decode = next(prefills), next(decodes)
+        if not isinstance(body, dict):
+            return JSONResponse(status_code=400, content={"error": {"message": "request body must be a JSON object"}})
+        counts["requests"] += 1
+        decode = next(decodes)
+        headers = {}
         try:
-            r = await client.post(prefill + path, json=prefill_request(body))
-        except httpx.HTTPError as e:
-            return _unreachable("prefill", prefill, e)
-        if r.status_code != 200:
-            return JSONResponse(status_code=r.status_code, content=_error(r, f"prefill {prefill}"))
-        try:
-            dreq = decode_request(body, r.json())
-        except ValueError as e:
-            return JSONResponse(status_code=502, content={"error": {"message": str(e)}})
+            dreq = await prefill_leg(path, body)
+        except _PrefillFailed as failed:
+            if not fallback or failed.response.status_code < 500:
+                return failed.response
+            counts["decode_only_fallbacks"] += 1
+            dreq, headers = decode_only_request(body), {"x-hybridkv-pd-fallback": "prefill-unavailable"}
+            logger.warning("hybridkv proxy: no prefill instance served the request; decode %s computes the "
+                           "prompt itself (--no-fallback answers 502 instead)", decode)
         if not body.get("stream"):
             try:
                 d = await client.post(decode + path, json=dreq)
             except httpx.HTTPError as e:
                 return _unreachable("decode", decode, e)
-            return JSONResponse(status_code=d.status_code, content=d.json() if d.content else {})
+            return JSONResponse(status_code=d.status_code, content=d.json() if d.content else {}, headers=headers)
 
         async def relay() -> AsyncIterator[bytes]:
             async with client.stream("POST", decode + path, json=dreq) as d:
                 async for chunk in d.aiter_bytes():
                     yield chunk
 
-        return StreamingResponse(relay(), media_type="text/event-stream")
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+
+    @app.get("/metrics")
+    async def metrics():
+        help_text = {"requests": "Requests the proxy routed",
+                     "decode_only_fallbacks": "Requests decode computed alone: no prefill instance served them",
+                     "prefill_errors": "Prefill instance attempts that failed (unreachable, 5xx, no transfer parameters)"}
+        lines = []
+        for name, value in counts.items():
+            lines += [f"# HELP hybridkv_proxy_{name}_total {help_text[name]}",
+                      f"# TYPE hybridkv_proxy_{name}_total counter", f"hybridkv_proxy_{name}_total {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -152,12 +218,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--no-fallback", dest="fallback", action="store_false",
+                   help="answer 502 when no prefill instance serves a request (default: decode computes it alone)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run(build_app(args.prefill, args.decode, args.timeout_s), host=args.host, port=args.port,
+    uvicorn.run(build_app(args.prefill, args.decode, args.timeout_s, args.fallback), host=args.host, port=args.port,
                 log_level="warning")
     return 0
 

@@ -1,8 +1,15 @@
-"""The P/D proxy's request rewriting (the HTTP hop itself is exercised by the demo/e2e)."""
+"""The P/D proxy: its request rewriting, and its HTTP hops against real HTTP servers.
+
+The instances here are small real HTTP servers (uvicorn in a thread) that record what they
+receive and answer as a vLLM prefill / decode instance would; the vLLM engines themselves
+run behind the proxy in the demo, the P/D e2e and the P/D soak (bench/soak.py --pd, which
+SIGKILLs the prefill instance mid-READ).
+"""
 
 from __future__ import annotations
 
 import pytest
+from fastapi import Request  # module level: FastAPI resolves the test servers' string annotations here
 
 from hybridkv.cli.proxy import decode_request, prefill_request
 
@@ -38,8 +45,123 @@ def test_the_http_front_door_parses_requests_and_names_a_dead_instance():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    client = TestClient(build_app([dead], [dead], timeout_s=5))
+    client = TestClient(build_app([dead], [dead], timeout_s=5, fallback=False))
     r = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
     assert r.status_code == 502
     assert f"prefill instance {dead} unreachable" in r.json()["error"]["message"]
     assert client.post("/v1/completions", content=b"{not json").status_code == 400
+
+
+class _Instance:
+    """A real HTTP server on 127.0.0.1 answering POSTs like a vLLM instance; records bodies."""
+
+    def __init__(self, status: int = 200, params: dict | None = None) -> None:
+        import threading
+
+        import uvicorn
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
+
+        self.bodies: list[dict] = []
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            answer = {"choices": [{"text": "ok"}]}
+            if params is not None and body.get("kv_transfer_params", {}).get("do_remote_decode"):
+                answer["kv_transfer_params"] = params
+            return JSONResponse(status_code=status, content=answer)
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(500):
+            if self.server.started:
+                break
+            import time
+
+            time.sleep(0.01)
+        sock = self.server.servers[0].sockets[0]
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _dead_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_host": "127.0.0.1"}
+USER = {"model": "m", "prompt": "hi", "max_tokens": 7, "kv_transfer_params": {"remote_host": "10.9.9.9"}}
+
+
+@pytest.mark.parametrize("prefill_fault", ["unreachable", "answers 500", "answers without kv_transfer_params"])
+def test_no_prefill_instance_serves_the_request_so_decode_computes_it_alone(prefill_fault):
+    """A dead or broken prefill instance costs TTFT, not the request: decode gets the user's
+    request alone (max_tokens kept, a client's own kv_transfer_params dropped), the answer
+    is marked and counted. Planted (fallback off): 502 -- what clients of the P/D soak saw
+    while the prefill was SIGKILLed."""
+    from fastapi.testclient import TestClient
+
+    from hybridkv.cli.proxy import build_app
+
+    decode = _Instance()
+    prefill = None if prefill_fault == "unreachable" else _Instance(
+        status=500 if prefill_fault == "answers 500" else 200, params=None)
+    try:
+        client = TestClient(build_app([prefill.url if prefill else _dead_url()], [decode.url], timeout_s=5))
+        r = client.post("/v1/completions", json=USER)
+        assert r.status_code == 200 and r.json() == {"choices": [{"text": "ok"}]}
+        assert r.headers["x-hybridkv-pd-fallback"] == "prefill-unavailable"
+        assert decode.bodies == [{"model": "m", "prompt": "hi", "max_tokens": 7}]
+        assert "hybridkv_proxy_decode_only_fallbacks_total 1" in client.get("/metrics").text
+        assert "hybridkv_proxy_prefill_errors_total 1" in client.get("/metrics").text
+    finally:
+        decode.close()
+        if prefill:
+            prefill.close()
+
+
+def test_a_dead_prefill_instance_is_skipped_for_the_next_one():
+    """Two prefill instances, the first dead: the second serves (P/D hand-over, no fallback)."""
+    from fastapi.testclient import TestClient
+
+    from hybridkv.cli.proxy import build_app
+
+    decode, prefill = _Instance(), _Instance(params=PARAMS)
+    try:
+        with TestClient(build_app([_dead_url(), prefill.url], [decode.url], timeout_s=5)) as client:  # one event loop
+            for _ in range(2):  # whichever the round-robin starts with
+                r = client.post("/v1/completions", json=USER)
+                assert r.status_code == 200 and "x-hybridkv-pd-fallback" not in r.headers
+            assert [b["kv_transfer_params"] for b in decode.bodies] == [PARAMS, PARAMS]
+            assert [b["max_tokens"] for b in prefill.bodies] == [1, 1]
+            assert "hybridkv_proxy_decode_only_fallbacks_total 0" in client.get("/metrics").text
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_request_the_prefill_refuses_as_malformed_is_not_retried_on_decode():
+    """A 4xx from prefill is the client's error: answered as is, decode never sees it."""
+    from fastapi.testclient import TestClient
+
+    from hybridkv.cli.proxy import build_app
+
+    decode, prefill = _Instance(), _Instance(status=400)
+    try:
+        client = TestClient(build_app([prefill.url], [decode.url], timeout_s=5))
+        r = client.post("/v1/completions", json=USER)
+        assert r.status_code == 400 and decode.bodies == []
+        assert client.post("/v1/completions", json=[1, 2]).status_code == 400
+    finally:
+        decode.close()
+        prefill.close()
