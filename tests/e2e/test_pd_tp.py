@@ -43,6 +43,7 @@ import uuid
 
 import pytest
 
+from hybridkv.cli.agentic_demo import common_prefix
 from hybridkv.store.cpu_affinity import usable_cpus
 from tests.docs_tables import observe
 from tests.e2e.engine_harness import Session, compare, generate, make_llm, matches, metric, tiny_model
@@ -502,15 +503,6 @@ def cross_tp_read(prefill, decode, capfd, prefill_tp: int, decode_tp: int, promp
     return per_rank, got, log, params
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def mamba_cross_tp(prefill, decode, capfd, prefill_tp: int, decode_tp: int, seed: int, label: str,
                    turns: int = 2) -> list[tuple]:
     """``turns`` agentic turns across TP sizes with allow_mamba_cross_tp on: each decode rank's READ
@@ -537,7 +529,7 @@ def mamba_cross_tp(prefill, decode, capfd, prefill_tp: int, decode_tp: int, seed
             assert [g[0] for g in groups] == want, (r, groups, want)
             assert all(g[2] == 0 for g in groups), f"{label} turn {turn} rank {r}: bytes differ {groups}"
         ref = generate(decode, session.prompt, cache_salt=f"pd-tp-{label}-{uuid.uuid4()}")
-        same = _common_prefix(got.token_ids, ref.token_ids)
+        same = common_prefix(got.token_ids, ref.token_ids)
         cmp = compare(got, ref)
         rows.append((turn, len(session.prompt), handover, local_hit, want, per_rank, f"{same}/{len(ref.token_ids)}",
                      cmp.matches, cmp.why))
