@@ -16,8 +16,8 @@ process, interleaved (the order of the timed units rotates every repeat):
   sparse groups around the candidate only, then vLLM's coordinator over the answers
   (a third round trip only if it read an unasked key: counted, 0 here);
 * ``hybridkv floor``: one ``exists`` of exactly the keys hybridkv probed (both trips' keys);
-* ``key length``: the same ``exists`` of the same keys named as the previous key scheme
-  did (``hkv2``: all 32 hash bytes in hex, 118 characters, vs ``hkv3``'s 16 bytes, 86);
+* ``key length``: the same ``exists`` of the same keys with half the hash (16 bytes in
+  hex, 86 characters instead of 118): what a shorter key format would save;
 * ``decision step``: ``StoreMirror._decide`` alone over the full hit's answers (vLLM's
   coordinator over hybridkv's pool, plus the hit's blocks), and vLLM's coordinator alone
   over a pool whose ``get_cached_block`` answers "present" at no cost: what vLLM's own
@@ -252,8 +252,8 @@ def run(repeats: int) -> tuple[list[dict], dict]:
             probed, asked = dry_lookup(req)
             assert probed.hit == mirror.longest_hit(req.block_hashes, req.num_tokens - 1, stored)
             h_keys = [schema.key(g, h) for g, h in asked]
-            # The same keys named as the previous key scheme did (hkv2: all 32 hash bytes in hex).
-            v2_keys = ["hkv2" + schema.group_prefix(g)[len("hkv3"):] + h.hex() for g, h in asked]
+            # The same keys with half the hash (16 bytes in hex): does a shorter key make exists cheaper?
+            v2_keys = [schema.group_prefix(g) + h[:16].hex() for g, h in asked]
             put_all(v2_keys)
             # The partial hit: the first quarter of the prompt, then other tokens.
             other = [int(x) for x in np.random.default_rng(n_tokens + 1).integers(3, 30000, n_tokens)]
@@ -394,7 +394,7 @@ def run(repeats: int) -> tuple[list[dict], dict]:
             rows.append({
                 "tokens": n_tokens,
                 "keys_hybridkv": len(h_keys), "keys_intree": len(it_keys), "keys_before": len(hb_keys),
-                "key_chars": {"hkv3": len(h_keys[0]), "hkv2": len(v2_keys[0]), "in-tree": len(it_keys[0])},
+                "key_chars": {"hybridkv": len(h_keys[0]), "short": len(v2_keys[0]), "in-tree": len(it_keys[0])},
                 "keys_per_group_hybridkv": dict(enumerate(probed.probed)),
                 "keys_per_group_before": dict(sorted(Counter(g for g, _ in probe).items())),
                 "keys_per_group_intree": dict(sorted(it_per_group.items())),
@@ -541,10 +541,10 @@ def verdict(rows) -> list[str]:
         f"- repeated lookup / first: <= {rep:.3f} in every repeat at every size; target <= {TARGET_REPEAT}: "
         f"**{'MET' if rep <= TARGET_REPEAT else 'NOT met'}** (the in-tree re-asks the store every time: "
         f"its repeat / first is ~1).",
-        f"- key length: one `batch_is_exist` of the {big['keys_hybridkv']} keys hybridkv asks, named as now "
-        f"(`hkv3`, 128 bits of the hash, {big['key_chars']['hkv3']} characters) / the same keys named as before "
-        f"(`hkv2`, all 256 bits, {big['key_chars']['hkv2']} characters): "
-        f"{_rat(_paired(t['h_floor'], t['v2_floor']))} (in-tree keys: {big['key_chars']['in-tree']} characters).",
+        f"- key length: one `batch_is_exist` of the {big['keys_hybridkv']} keys hybridkv asks with half the hash "
+        f"(16 bytes, {big['key_chars']['short']} characters) / as named ({big['key_chars']['hybridkv']} "
+        f"characters): {_rat(_paired(t['v2_floor'], t['h_floor']))} (in-tree keys: "
+        f"{big['key_chars']['in-tree']} characters); not adopted (store/keys.py says why).",
         f"- what is left at {big['tokens']} tokens (medians): keys {_med(t['h_keys']) * 1e3:.0f} ms, exists RPCs "
         f"{_med(t['h_exists']) * 1e3:.0f} ms (one bare call of the same keys: {_med(t['h_floor']) * 1e3:.0f} ms), "
         f"planning + vLLM's coordinator {_med(t['h_hit']) * 1e3:.0f} ms, of which the decision step (vLLM's "

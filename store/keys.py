@@ -1,8 +1,8 @@
 """How a stored KV object is named.
 
-``hkv3/<model>/<layout>/g<group>/<rank>/<block hash: first 16 bytes, hex>``
+``hkv2/<model>/<layout>/g<group>/<rank>/<block hash hex>``
 
-* ``hkv3`` -- the key-scheme version. Bump it whenever the bytes stored under a
+* ``hkv2`` -- the key-scheme version. Bump it whenever the bytes stored under a
   key change meaning (layout, dtype packing); old objects then simply miss.
 * ``<model>`` -- KV identity: a fingerprint of everything outside the group
   geometry that changes the stored bytes or what they mean (:func:`kv_identity`:
@@ -21,13 +21,13 @@
   (each rank stores its own shard).
 * the block hash -- vLLM's chained block hash of the hash unit ending where
   the object's valid KV ends (it already includes ``cache_salt`` and LoRA),
-  cut to its first 16 bytes (128 bits: all of an xxHash-128 hash, half of a
-  SHA-256 one). Why: a lookup asks the master about ~12k keys at 128k tokens,
-  and ``batch_is_exist`` costs somewhat more per key the longer the key: one call
-  of 12,314 present keys at 86 vs 118 characters measured 0.88-0.92 of the time
-  (median of 40 paired repeats, 4 runs, load average < 1; interquartile
-  0.83-0.97), shorter keys no further gain; at load average 5+ the difference is
-  inside the noise (0.97-1.06). ``hkv2`` keys carried all 32 bytes.
+  all of it. Shorter keys were measured (issue 16): one ``batch_is_exist`` of
+  12,314 present keys with 16 hash bytes (86 characters) instead of 32 (118)
+  took 0.88-0.92 of the time at load average < 1 (median of 40 paired repeats,
+  4 runs) and was inside the noise at load average 5+ (0.97-1.06); keys shorter
+  than 86 gained nothing more. Not adopted: ~10 % of one RPC at best, and a cut
+  hash collides wherever hashes are not digests (test fixtures padding a counter
+  to 32 bytes share their first 16).
 
 An object is the block's bytes followed by a 16-byte trailer (``object_trailer``:
 magic, format version, tag kind, XXH3-64 seeded with the key), so a wrong object
@@ -46,9 +46,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-KEY_SCHEME_VERSION = "hkv3"
-# Bytes of vLLM's block hash a key carries (>= 128 bits keeps collisions out of reach).
-KEY_HASH_BYTES = 16
+KEY_SCHEME_VERSION = "hkv2"
 
 
 def _fingerprint(text: str) -> str:
@@ -171,13 +169,13 @@ class KeySchema:
         return prefix
 
     def key(self, group_id: int, block_hash: bytes) -> str:
-        return self.group_prefix(group_id) + block_hash[:KEY_HASH_BYTES].hex()
+        return self.group_prefix(group_id) + block_hash.hex()
 
     def names(self, group_id: int, block_hashes: Sequence[bytes]) -> list[str]:
         """``key(group_id, h)`` for every ``h``: one group's keys in bulk (lookups name
         thousands at once)."""
         prefix = self.group_prefix(group_id)
-        return [prefix + h[:KEY_HASH_BYTES].hex() for h in block_hashes]
+        return [prefix + h.hex() for h in block_hashes]
 
     def for_rank(self, tp_rank: int, pp_rank: int = 0) -> "KeySchema":
         """The same schema seen from another rank (the scheduler probes rank 0)."""

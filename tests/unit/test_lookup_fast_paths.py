@@ -6,8 +6,8 @@ blocks (:class:`HitBlocks`), so a 128k-token lookup makes no tuple per key. Each
 bulk form must equal the per-key form it replaces: the names the workers save
 under (``KeySchema.key``), every rank's name of each block in rank-major order,
 the answers a re-decision reuses, and the ``(position, key)`` pairs a load plan
-reads. The key-scheme itself: 128 bits of the block hash, and every identity part
-kept (model/layout/tenant in the prefix, group, rank).
+reads. The key itself keeps the whole block hash and every identity part
+(model/layout/tenant in the prefix, group, rank).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from hybridkv.connector.store_keys import AllRankKeys
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
-from hybridkv.store.keys import KEY_HASH_BYTES, KEY_SCHEME_VERSION, KeySchema
+from hybridkv.store.keys import KEY_SCHEME_VERSION, KeySchema
 from hybridkv.store.mirror import GroupedKeys, HitBlocks, KeyAnswers, StoreMirror
 from tests.unit.harness import Geometry, fa, make_request, mamba, sw
 
@@ -32,18 +32,13 @@ def _hashes(n: int, size: int = 32) -> list[bytes]:
     return [hashlib.sha256(f"h{i}".encode()).digest()[:size] for i in range(n)]
 
 
-def test_key_carries_128_bits_of_the_hash_and_every_identity_part():
+def test_key_carries_the_whole_hash_and_every_identity_part():
     schema = KeySchema.create("m", "bfloat16", ROWS, tp_size=2)
     h = bytes(range(32))
     key = schema.key(3, h)
-    assert KEY_SCHEME_VERSION == "hkv3" and KEY_HASH_BYTES == 16
-    assert key == f"hkv3/{schema.model_id}/{schema.layout_id}/g3/tp2.0-pp1.0/{bytes(range(16)).hex()}"
-    # Any of the 128 bits kept changes the key; a 16-byte (xxHash-128) hash is kept whole.
-    for byte in range(16):
-        other = bytearray(h)
-        other[byte] ^= 1
-        assert schema.key(3, bytes(other)) != key, byte
-    assert schema.key(3, h[:16]) == key
+    assert key == f"{KEY_SCHEME_VERSION}/{schema.model_id}/{schema.layout_id}/g3/tp2.0-pp1.0/{h.hex()}"
+    # Hashes that share their first 16 bytes (a counter padded to 32) stay apart.
+    assert schema.key(3, h[:16] + bytes(16)) != schema.key(3, h[:16] + bytes([1]) + bytes(15))
     assert schema.key(2, h) != key and schema.for_rank(1).key(3, h) != key
     assert KeySchema.create("m", "bfloat16", ROWS + [{"tenant": "t"}], tp_size=2).key(3, h) != key
 
@@ -51,7 +46,7 @@ def test_key_carries_128_bits_of_the_hash_and_every_identity_part():
 @pytest.mark.parametrize("size", [16, 32])
 def test_bulk_names_equal_per_key_names(size):
     schema = KeySchema.create("m", "bfloat16", ROWS)
-    hashes = _hashes(300, size)
+    hashes = _hashes(300, size) + [b"same-prefix-1234" + bytes([i]) * 16 for i in range(3)]
     assert schema.names(1, hashes) == [schema.key(1, h) for h in hashes]
 
 
