@@ -51,8 +51,9 @@ instances) and one more, after them:
     after-prefill-kill  (phase-s)
 
 Requests the proxy answers 502 "prefill instance ... unreachable" while the prefill is down
-are counted apart (``prefill down``: the proxy has no decode-only fallback, and no load-failure
-policy covers a dead prefill); every other failure counts. Also per phase: the tokens the
+are counted apart (``prefill down``: a proxy without its decode-only fallback, before 827c07f or
+with --no-fallback; no load-failure policy covers a dead prefill); every other failure counts.
+The proxy's decode-only fallbacks (``hybridkv_proxy_decode_only_fallbacks_total``) per phase. Also per phase: the tokens the
 decode got from its peer (P/D READs that landed); seconds from the restarted prefill's health
 until they grow again (against :func:`pd_recovery_bound_s`); RSS / threads of both servers.
 ``--fault NAME`` (repeatable) runs a subset of the faults (the CI variants).
@@ -476,6 +477,8 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
             c = _counters(_metrics_text(probes[name]), pd=cfg.pd)
             for k, v in c.items():
                 total[k] = total.get(k, 0.0) + v + (offsets.get(k, 0.0) if name == "prefill" else 0.0)
+        if stack is not None:  # requests the proxy sent to decode alone (no prefill served them)
+            total["decode_only"] = metric_sum(_metrics_text(proxy_probe), "hybridkv_proxy_decode_only_fallbacks_total")
         return total
 
     try:
@@ -489,6 +492,7 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
         srv_model = Client(main_srv.url).model_card()[0]
         probes = {name: Client(s.url, timeout_s=10) for name, s in servers.items()}
         probe = probes["decode" if cfg.pd else "server"]
+        proxy_probe = Client(front, timeout_s=10)
 
         def session_loop(slot: int) -> None:
             client = Client(front, timeout_s=120)
@@ -865,7 +869,7 @@ def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events:
                "loaded_blocks": delta.get("loaded_blocks"),
                "sampled": len(sampled), "differ": sum(not c["matches"] for c in sampled)}
         if cfg.pd:
-            row.update(prefill_down=down, p2p_tokens=delta.get("p2p_tokens"))
+            row.update(prefill_down=down, p2p_tokens=delta.get("p2p_tokens"), decode_only=delta.get("decode_only"))
         rows.append(row)
     after = [r for r in records if r["phase"] == "after-kill" and r.get("ok") and recovered is not None
              and r["t"] >= back + recovered]
@@ -913,15 +917,16 @@ def table(doc: dict) -> str:
     pd = c.get("pd", False)
     lines = ["| phase | requests | failures | TTFT p50 ms | TTFT p99 ms | hit rate | max latency s "
              "| over bound | store failed loads | corrupt refused | sampled / differ from recompute |"
-             + (" prefill down (502) | peer tokens (P/D READs) |" if pd else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if pd else "")]
+             + (" prefill down (502) | proxy decode-only | peer tokens (P/D READs) |" if pd else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if pd else "")]
     for r in doc["phases"]:
         lines.append(f"| {r['phase']} | {r['requests']} | {r['failures']} | {_f(r['ttft_p50_ms'])} "
                      f"| {_f(r['ttft_p99_ms'])} | {_f(r['hit_rate'], '.3f')} | {_f(r['max_latency_s'], '.2f')} "
                      f"| {r['over_bound']} "
                      f"| {_f(r['failed_loads'], '.0f')} | {_f(r['corrupt_refused'], '.0f')} "
                      f"| {r['sampled']} / {r['differ']} |"
-                     + (f" {r['prefill_down']} | {_f(r['p2p_tokens'], '.0f')} |" if pd else ""))
+                     + (f" {r['prefill_down']} | {_f(r.get('decode_only'), '.0f')} | {_f(r['p2p_tokens'], '.0f')} |"
+                        if pd else ""))
     rss, thr = doc["rss_growth"], doc["thread_growth"]
     pct = lambda x: _f(None if x is None else 100 * x)  # noqa: E731
     lines += ["", f"{c['sessions']} sessions, phases {c['phase_s']:g} s (SIGSTOP {c['stop_s']:g} s), "
