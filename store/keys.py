@@ -22,12 +22,13 @@
 * the block hash -- vLLM's chained block hash of the hash unit ending where
   the object's valid KV ends (it already includes ``cache_salt`` and LoRA),
   all of it. Shorter keys were measured (issue 16): one ``batch_is_exist`` of
-  12,314 present keys with 16 hash bytes (86 characters) instead of 32 (118)
-  took 0.88-0.92 of the time at load average < 1 (median of 40 paired repeats,
-  4 runs) and was inside the noise at load average 5+ (0.97-1.06); keys shorter
-  than 86 gained nothing more. Not adopted: ~10 % of one RPC at best, and a cut
-  hash collides wherever hashes are not digests (test fixtures padding a counter
-  to 32 bytes share their first 16).
+  12,314 present keys with 16 hash bytes (86 characters) instead of 32 (118),
+  60 paired repeats over a master holding 125k objects: 0.86 (interquartile
+  0.80-0.95) with the short keys stored last, 0.97 (0.86-1.14) stored first --
+  about 0.91 for the length (objects stored later answer ~6 % faster). Keys
+  shorter than 86 gained nothing more. Not adopted: ~9 % of one RPC, and a cut
+  hash collides wherever hashes are not digests (tests/unit/test_store_overlap.py
+  pads a counter to 32 bytes: its 18 blocks would share one key).
 
 An object is the block's bytes followed by a 16-byte trailer (``object_trailer``:
 magic, format version, tag kind, XXH3-64 seeded with the key), so a wrong object
