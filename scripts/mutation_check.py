@@ -45,8 +45,8 @@ class Mutation:
 MUTATIONS = [
     Mutation("M1", "mirror: sparse groups also taken as held by the local dense prefix",
              "store/mirror.py",
-             "return has(key) or (key[1] in local and key[0] in dense)",
-             "return has(key) or key[1] in local",
+             "if local is not None and gid in self._dense_ids:",
+             "if local is not None:",
              ("tests/unit/test_mirror_matches_manager.py",)),
     Mutation("M2", "mirror: probing past the local dense prefix skips one block",
              "store/mirror.py",
