@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import vllm  # noqa: E402  (after the platform variable)
@@ -39,3 +41,28 @@ if _expected and vllm.__version__ != _expected:
         f"HYBRIDKV_EXPECT_VLLM={_expected} but vllm {vllm.__version__} was imported from "
         f"{vllm.__file__}: check PYTHONPATH"
     )
+
+
+@pytest.fixture
+def vllm_caplog(caplog):
+    """caplog that sees the connector's records whatever earlier tests did to logging.
+
+    The connectors log under the "vllm" logger tree, which vLLM's logging config
+    stops from propagating to the root logger (where caplog listens); whether it
+    does depends on which vLLM module configured logging first in this process.
+    So the handler is attached to the "vllm" logger itself, with propagation off while
+    it is (else, where it does propagate, caplog gets every record twice).
+    """
+    import logging
+
+    tree = logging.getLogger("vllm")
+    tree.addHandler(caplog.handler)
+    old_level, old_propagate = tree.level, tree.propagate
+    tree.setLevel(min(old_level or logging.INFO, logging.INFO))
+    tree.propagate = False
+    try:
+        yield caplog
+    finally:
+        tree.removeHandler(caplog.handler)
+        tree.setLevel(old_level)
+        tree.propagate = old_propagate

@@ -379,7 +379,8 @@ def _mamba2_config():
                                            NUM_BLOCKS * spec.page_size_bytes * len(LAYERS))
 
 
-def test_allow_mamba_cross_tp_off_refuses_naming_the_switch_on_enables_gdn_only(caplog, monkeypatch):
+def test_allow_mamba_cross_tp_off_refuses_naming_the_switch_on_enables_gdn_only(vllm_caplog, monkeypatch):
+    caplog = vllm_caplog
     from hybridkv.connector.pd_connector import PDConnectorConfig
     from hybridkv.connector.pd_params import Refused, RemotePrefill
     from hybridkv.connector.pd_tp import MAMBA_TP_NOT_ENABLED

@@ -60,28 +60,6 @@ def _connector(role: str, secret_file: str | None, policy: str = "recompute", ge
     return conn, manager
 
 
-@pytest.fixture
-def vllm_caplog(caplog):
-    """caplog that sees the connector's records whatever earlier tests did to logging.
-
-    The connectors log under the "vllm" logger tree, which vLLM's logging config
-    stops from propagating to the root logger (where caplog listens); whether it
-    does depends on which vLLM module configured logging first in this process.
-    So the handler is attached to the "vllm" logger itself.
-    """
-    import logging
-
-    tree = logging.getLogger("vllm")
-    tree.addHandler(caplog.handler)
-    old_level = tree.level
-    tree.setLevel(min(old_level or logging.INFO, logging.INFO))
-    try:
-        yield caplog
-    finally:
-        tree.removeHandler(caplog.handler)
-        tree.setLevel(old_level)
-
-
 @pytest.fixture(scope="module")
 def secret_file() -> str:
     return SECRET
