@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" log
 
 # Keys written by this engine recently: re-offering them costs a put round trip.
 _RECENT_SAVES = 1 << 17
+_MAX_PENDING_LOADS = 65_536  # loads whose keys wait for the workers' report (bounded)
 
 
 @dataclass
@@ -89,11 +91,13 @@ class StoreScheduler:
         self._saved_upto: dict[str, list[int]] = {}  # req -> per group: blocks considered for saving
         self._tails_done: set[str] = set()
         self._load_failed: set[str] = set()
+        self._defer_once: set[str] = set()  # failed loads: the next admission attempt is skipped once
         self._recent_lookups: dict[str, tuple] = {}
         self._load_pins: dict[int, list[Any]] = {}
         self._load_acks: Counter[int] = Counter()
         self._recent: OrderedDict[BlockKey, None] = OrderedDict()
         self._save_keys: dict[int, list[BlockKey]] = {}  # save job -> its keys, while pinned
+        self._load_keys: dict[str, list[BlockKey]] = {}  # request -> its load's keys, until reported
         self._job_ids = itertools.count(1)
         self._pins: dict[int, list[Any]] = {}
         self._acks: Counter[int] = Counter()
@@ -121,10 +125,27 @@ class StoreScheduler:
         """Can the store load beyond this (diverged) local hit? A yes is kept, so the
         scheduler's own call right after costs no second round trip; after a no, vLLM asks
         again from the convergent hit (a second lookup, counted in the lookup metrics)."""
-        return self.get_num_new_matched_tokens(request, num_computed_tokens)[0] > 0
+        return self._matched_tokens(request, num_computed_tokens)[0] > 0
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        """External tokens beyond the block-aligned local hit; side-effect free on the store."""
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """External tokens beyond the block-aligned local hit; side-effect free on the store.
+
+        ``None`` (vLLM: "not known yet", the request is skipped this step) exactly once
+        after the request's async load failed. Why: vLLM 0.32 frees a failed load's
+        blocks only when schedule() reaches the request in ``kv_holding_waiting``, and
+        stops at the first request there that cannot allocate. When several loads fail
+        in one step (a store node died), the first one, now holding nothing, needs its
+        whole prompt (full_sequence_must_fit) while the others behind it still hold the
+        blocks it needs: nothing runs, nothing frees, the engine stalls until clients
+        give up. Skipped once, it leaves ``kv_holding_waiting`` (it holds no blocks), so
+        schedule() reaches and frees the other failed loads in the same step."""
+        if request.request_id in self._defer_once:
+            self._defer_once.discard(request.request_id)
+            self._stats.add("failed_load_deferrals")
+            return None, False
+        return self._matched_tokens(request, num_computed_tokens)
+
+    def _matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         self._plans.pop(request.request_id, None)
         cached = self._recent_lookups.get(request.request_id)
         if cached is not None:
@@ -243,6 +264,11 @@ class StoreScheduler:
             # Pinned until every worker's read into them has returned: a read that
             # timed out may still be writing while the request recomputes elsewhere.
             self._load_pins[job.load_id] = self._pin(job.blocks.block_ids)
+            # Kept until the workers report the load (also after the request finished:
+            # with policy "fail" vLLM ends it before telling the connector the load failed).
+            self._load_keys[req_id] = list(zip(job.blocks.group_ids, job.blocks.hashes))
+            while len(self._load_keys) > _MAX_PENDING_LOADS:  # bound: reports that never came
+                self._load_keys.pop(next(iter(self._load_keys)))
         groups = [(g.block_size, g.is_mamba) for g in self._mirror.geometry.groups]
         self._ledger.admitted(req_id, num_external_tokens, covered_tokens(groups, job.blocks.group_ids,
                                                                           num_external_tokens),
@@ -415,8 +441,15 @@ class StoreScheduler:
         """Release pins of save jobs every worker has finished; remember failed loads."""
         failed = output.failed_recving or set()
         self._load_failed.update(r for r in failed if r in self._requests)
+        self._defer_once.update(r for r in failed if r in self._requests)
         for r in output.finished_recving or ():
             self._ledger.load_done(r, r not in failed)  # a set over workers: once per request
+            keys = self._load_keys.pop(r, ())
+            if r in failed:
+                # The objects could not be loaded (missing, corrupt and removed, timed out):
+                # the request recomputes those blocks; they must be saved again, not skipped
+                # as "saved recently".
+                self._forget(keys)
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, StoreWorkerMetadata):
             return
@@ -434,12 +467,16 @@ class StoreScheduler:
         saves), so later requests never saved it and missed. Now the next request that
         computes the block offers it again (a put of an object that landed after all
         answers 0 and keeps it)."""
-        forgotten = 0
         for job_id in failed:
-            for key in self._save_keys.get(job_id, ()):
-                if key in self._recent:
-                    del self._recent[key]
-                    forgotten += 1
+            self._forget(self._save_keys.get(job_id, ()))
+
+    def _forget(self, keys: Iterable[BlockKey]) -> None:
+        """These keys are not (or no longer) in the store: offer them again when computed."""
+        forgotten = 0
+        for key in keys:
+            if key in self._recent:
+                del self._recent[key]
+                forgotten += 1
         if forgotten:
             self._stats.add("recent_saves_forgotten", forgotten)
 
@@ -466,6 +503,7 @@ class StoreScheduler:
         self._saved_upto.pop(req_id, None)
         self._tails_done.discard(req_id)
         self._load_failed.discard(req_id)
+        self._defer_once.discard(req_id)
         self._recent_lookups.pop(req_id, None)
         self._ledger.forget(req_id)
         return False, None

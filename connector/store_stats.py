@@ -53,6 +53,8 @@ COUNTERS: dict[str, str] = {
     "removed_objects": "Stored objects this instance removed because they failed verification (corrupt, forged)",
     "recent_saves_dropped": "Times the 'saved recently' set was emptied because the master lost its objects",
     "recent_saves_forgotten": "Keys offered for saving again: their save was skipped or failed, or their load failed",
+    "failed_load_deferrals": "Admissions skipped once after a failed load, so vLLM frees other failed loads' "
+                             "blocks first (else a stall when several loads fail in one step)",
 }
 
 # Latencies (seconds) kept per call, exported as histograms: a sum hides the slow calls.

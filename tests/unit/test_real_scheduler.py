@@ -72,7 +72,8 @@ def store(tmp_path_factory):
         yield master.address, holder, buf, model_dir
 
 
-def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, **extra: object) -> Scheduler:
+def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, policy: str = "fail",
+               **extra: object) -> Scheduler:
     """What ``EngineCore`` builds in the scheduler process, minus the workers (``extra``:
     more ``kv_connector_extra_config`` keys)."""
     vllm_config = VllmConfig(
@@ -83,7 +84,7 @@ def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, **
                                          max_model_len=geo.max_model_len, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HybridStoreConnector", kv_role="kv_both",
-            kv_connector_module_path="hybridkv.connector.store_connector",
+            kv_connector_module_path="hybridkv.connector.store_connector", kv_load_failure_policy=policy,
             kv_connector_extra_config={"master_address": master_address, "namespace": namespace,
                                        "lookup_cache_s": 0, **extra},
         ),
@@ -120,7 +121,8 @@ def _fill_store(sched: Scheduler, store, upto: int) -> None:
     assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(keys)
 
 
-def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, saves_failed=False) -> ModelRunnerOutput:
+def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, saves_failed=False,
+                  failed_recving=()) -> ModelRunnerOutput:
     """What the workers would report for this step (no forward: only connector acks)."""
     req_ids = list(out.num_scheduled_tokens)
     meta = StoreWorkerMetadata(finished_saves=Counter({s.job_id: 1 for s in saves}),
@@ -130,7 +132,8 @@ def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, sa
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[list(sampled.get(r, [])) if sampled else [] for r in req_ids],
-        kv_connector_output=KVConnectorOutput(finished_recving=set(finished_recving), kv_connector_worker_meta=meta),
+        kv_connector_output=KVConnectorOutput(finished_recving=set(finished_recving),
+                                              failed_recving=set(failed_recving), kv_connector_worker_meta=meta),
     )
 
 
@@ -296,3 +299,90 @@ def test_saves_a_silent_store_holds_pin_at_most_their_share_of_the_cache(store):
     jobs = []
     _run_to_completion(sched, _request("pin-after", random.Random(200).choices(range(3, 30000), k=1000)), jobs=jobs)
     assert [len(j.blocks) for j in jobs] == [first, 1]
+
+
+@pytest.mark.parametrize("load_fails, policy", [(False, "recompute"), (True, "recompute"), (True, "fail")])
+def test_blocks_whose_load_failed_are_saved_again(store, load_fails, policy):
+    """The store holds what this instance saved (keys 'saved recently'); a later load of
+    them fails (corrupt object refused and removed, node gone): the request recomputes
+    and must save those blocks again. A load that succeeded offers nothing again. With
+    policy "fail" vLLM ends the request before the connector hears of the failure: the
+    keys must still stop counting as saved."""
+    sched = _scheduler(WINDOW, store[0], store[3], f"reload-{load_fails}-{policy}", policy=policy)
+    offered = _run_to_completion(sched, _request(f"reload-{load_fails}-{policy}-a"))
+    _fill_store(sched, store, 512)  # what the first prefill's saves would have written up to 512
+    assert sched.kv_cache_manager.reset_prefix_cache()
+    req = _request(f"reload-{load_fails}-{policy}-b")
+    out, job, got = _admit(sched, req)
+    # The loaded keys the first prefill offered (and the workers acknowledged): 'saved recently'.
+    loaded = {(g, h) for g, h, _ in got} & offered
+    assert len(loaded) >= 32, "the load must read blocks the first prefill saved"
+    failed = {req.request_id} if load_fails else set()
+    sched.update_from_output(out, _worker_reply(out, finished_recving={req.request_id}, loads=[job],
+                                                failed_recving=failed))
+    if policy == "fail":
+        assert req.is_finished() and not loaded & set(sched.connector._scheduler._recent)
+        assert not sched.connector._scheduler._load_keys
+        return
+    again = set()
+    for _ in range(50):
+        out = sched.schedule()
+        for j in out.kv_connector_metadata.saves:
+            again |= {(g, bytes(h)) for g, h in zip(j.blocks.group_ids, j.blocks.hashes)}
+        n = out.num_scheduled_tokens.get(req.request_id, 0)
+        done = req.num_computed_tokens >= req.num_tokens
+        sched.update_from_output(out, _worker_reply(out, saves=out.kv_connector_metadata.saves,
+                                                    sampled={req.request_id: [5]} if done and n else None))
+        if req.is_finished():
+            break
+    assert req.is_finished()
+    if load_fails:
+        assert loaded <= again, f"{len(loaded - again)} recomputed blocks were not offered for saving again"
+    else:
+        assert not again & loaded
+    assert not sched.connector._scheduler._load_keys
+
+
+def _fill_for(sched: Scheduler, store, req: Request, upto: int) -> None:
+    """The store holds every group's object of ``req``'s prefix at every hash unit up to ``upto``."""
+    _, holder, buf, _ = store
+    schema = sched.connector._scheduler._schema
+    keys = [schema.key(g, bytes(req.block_hashes[t // UNIT - 1]))
+            for g in range(len(sched.kv_cache_config.kv_cache_groups)) for t in range(UNIT, upto + 1, UNIT)]
+    assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(keys)
+
+
+@pytest.mark.parametrize("num_blocks", [48, 56, 64, 72])
+def test_loads_failing_together_do_not_stall_the_engine(store, num_blocks):
+    """A store node dies: every async load in flight fails in the SAME step, in a KV cache
+    they fill. vLLM 0.32 frees a failed load's blocks only when schedule() reaches the
+    request in kv_holding_waiting, and stops at the first request that cannot allocate
+    (its whole prompt must fit). Nothing runs: unless the first failed request steps
+    aside, the others never give their blocks back (the soak's 120 s stall)."""
+    geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=num_blocks, max_model_len=4096)
+    sched = _scheduler(geo, store[0], store[3], f"stall-{num_blocks}", policy="recompute")
+    reqs = [_request(f"stall-{num_blocks}-{i}", random.Random(1000 + i).choices(range(3, 30000), k=300))
+            for i in range(6)]
+    for r in reqs:
+        _fill_for(sched, store, r, 288)
+        sched.add_request(r)
+    out = sched.schedule()
+    loading = [r for r in reqs if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+    assert len(loading) >= 2, "the test needs several loads in flight at once"
+    jobs = out.kv_connector_metadata.loads
+    ids = {r.request_id for r in loading}
+    sched.update_from_output(out, _worker_reply(out, finished_recving=ids, loads=jobs, failed_recving=ids))
+    out = sched.schedule()
+    # This very step: every failed load gave its blocks back (each stepped aside once).
+    assert [r.status for r in loading] == [RequestStatus.WAITING] * len(loading)
+    assert not any(any(g) for r in loading for g in sched.kv_cache_manager.get_block_ids(r.request_id))
+    assert sched.connector.get_kv_connector_stats().data["failed_load_deferrals"] == len(loading)
+    for _ in range(40):
+        if out.num_scheduled_tokens:
+            break
+        loads = out.kv_connector_metadata.loads  # later admissions' loads: these succeed
+        sched.update_from_output(out, _worker_reply(out, finished_recving={j.req_id for j in loads}, loads=loads))
+        out = sched.schedule()
+    assert out.num_scheduled_tokens, (
+        f"engine stalled: free {sched.kv_cache_manager.block_pool.get_num_free_blocks()}, "
+        f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in reqs]}")
