@@ -118,10 +118,21 @@ def test_soak_ci_variant(tmp_path):
     assert soak_problems(doc) == []
 
 
+# The open P/D bug (README, "Soak on P/D + store"; reproducer bench/pd_concurrent_check.py):
+# while it is open, differing turns make this test an xfail that names them, after every other
+# target has been asserted; set to False when it is fixed.
+KNOWN_PD_WRONG_ANSWERS = True
+
+
 def test_soak_pd_ci_variant(tmp_path):
     doc = run_soak(CI_PD, tmp_path, keep_log=True)
     b = doc["burst"]
     print(f"\nP/D soak CI variant ({doc['wall_s']:.0f} s); logs {tmp_path}/soak_pd.*.log; "
           f"burst {b.get('in_flight_at_kill')} of {b.get('handed_over')} in flight at the kill; "
           f"READs back {doc['pd_reads_back_after_s']} s (bound {doc['pd_recovery_bound_s']:.1f} s)")
-    assert soak_problems(doc) == []
+    problems = soak_problems(doc)
+    differ = [p for p in problems if "differ from recompute" in p]
+    assert [p for p in problems if p not in differ] == []
+    if differ and KNOWN_PD_WRONG_ANSWERS:
+        pytest.xfail(f"known open P/D bug (bench/pd_concurrent_check.py): {differ}")
+    assert differ == []
