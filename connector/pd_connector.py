@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.connector.block_copies import block_copy_views, redo_block_copies
@@ -106,6 +106,14 @@ def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
     )
 
 
+def _group_windows(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
+    """Each group's sliding window in tokens (0: none); see PDScheduler's ``group_windows``."""
+    return tuple(
+        max((int(s.sliding_window) for s in layer_specs(group) if isinstance(s, SlidingWindowSpec)), default=0)
+        for group in kv_cache_config.kv_cache_groups
+    )
+
+
 def _mamba_problem(cfg: PDConnectorConfig, kv_cache_config: "KVCacheConfig", mamba: tuple[int, ...],
                    engine_id: str) -> str | None:
     """Why this instance does not pair with a prefill instance of another TP size for its
@@ -161,6 +169,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
                 fail_on_refusal=ktc.kv_load_failure_policy == "fail",
                 tp_size=tp_size, total_kv_heads=total_kv_heads,
                 max_lease_fraction=float(self._cfg.max_lease_fraction), mamba_problem=mamba_problem,
+                group_windows=_group_windows(kv_cache_config),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

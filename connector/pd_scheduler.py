@@ -3,7 +3,11 @@
 Prefill (request carries ``do_remote_decode``): with Mamba/linear-attention
 groups the prompt's last token is dropped before scheduling, so the recurrent
 state the decode side receives is h(N-1) and decode recomputes token N itself
-(a state cannot "un-see" a token). At finish the blocks are kept under a lease
+(a state cannot "un-see" a token). With a sliding-window group the prompt is cut
+the same way, to the hand-over boundary: at finish vLLM frees the blocks outside the
+window of the LAST computed token, and decode, resuming at the boundary, needs the
+window before it (uncut, a prompt of N % block in {0, block-1} lost that block and
+decode read around the gap: silently wrong output). At finish the blocks are kept under a lease
 and ``kv_transfer_params`` tell the decode side where to read them.
 
 Decode (request carries ``do_remote_prefill``): offers the prompt up to the last
@@ -13,7 +17,8 @@ state), then pairs, per group, the
 prefill side's blocks with the blocks vLLM allocated for them. Attention groups
 pair by block position (the prefill side sends positional lists, nulls
 included), so dense groups read only the uncached suffix (end-trim) and sliding
-windows only their tail; a Mamba group pairs the prefill side's last state block
+windows only their tail (a hand-over missing a block decode needs is recomputed, never
+read around); a Mamba group pairs the prefill side's last state block
 with the decode side's. Decode always recomputes the last prompt token itself:
 vLLM 0.32's CPU attention crashed the worker (SIGILL) on the step that follows an
 external hit covering the whole prompt.
@@ -85,9 +90,19 @@ class PDScheduler:
         group_block_sizes: tuple[int, ...] = (), num_blocks: int = 0, key: DeploymentKey | None = None,
         fail_on_refusal: bool = False, tp_size: int = 1, total_kv_heads: int = 0,
         max_lease_fraction: float = 1.0, mamba_problem: str | None = MAMBA_TP_NOT_ENABLED,
+        group_windows: tuple[int, ...] = (),
     ) -> None:
         self._engine_id = engine_id
         self._recurrent = has_recurrent_state
+        # Sliding window (tokens) per KV cache group, 0 where the group has none. At a prefill's
+        # finish vLLM frees the blocks outside the window of its LAST prompt token
+        # (Scheduler._connector_finished -> remove_skipped_blocks), but decode resumes at the
+        # hand-over boundary, up to a block earlier, and needs the window before THAT token.
+        self._windows = tuple(group_windows)
+        # Prefill computes exactly the hand-over (prompt cut there) when the model has recurrent
+        # state (h(N-1) cannot be undone) or a sliding window (the window ending at the boundary
+        # must still be held at finish).
+        self._truncate = has_recurrent_state or any(self._windows)
         self._align = align_tokens
         self._lease_s = lease_s
         self._mamba = set(mamba_group_ids)
@@ -173,8 +188,10 @@ class PDScheduler:
             return
         keep = self.handover_tokens(request.num_prompt_tokens)
         drop = request.num_prompt_tokens - keep
-        if self._recurrent and keep > 0 and drop > 0 and request.prompt_token_ids is not None:
-            # The recurrent state handed over must be h(keep): compute exactly that much.
+        if self._truncate and keep > 0 and drop > 0 and request.prompt_token_ids is not None:
+            # The recurrent state handed over must be h(keep), and a sliding window group must
+            # still hold the window before token keep when vLLM trims it at finish (it trims to
+            # the window of the last computed token): compute exactly that much.
             del request.prompt_token_ids[-drop:]
             del request._all_token_ids[-drop:]
             request.num_prompt_tokens = keep
@@ -244,7 +261,37 @@ class PDScheduler:
             return 0, False
         target = min(parsed.num_tokens, self.handover_tokens(request.num_prompt_tokens))
         count = target - num_computed_tokens
+        if count > 0:
+            missing = self.missing_blocks(parsed.block_ids, num_computed_tokens, target)
+            if missing:
+                # Reading around the gap would leave those blocks' KV unwritten (silently wrong
+                # output); recompute instead (the lease is released by the empty job).
+                logger.warning("hybridkv P/D: request %s: the prefill side's blocks miss (group, block) %s that "
+                               "decode needs to resume at token %d; recomputing from token %d", request.request_id,
+                               missing, target, num_computed_tokens)
+                return 0, False
         return (count, True) if count > 0 else (0, False)
+
+    def missing_blocks(self, remote_groups: tuple[tuple[int, ...], ...], num_computed_tokens: int,
+                       target: int) -> list[tuple[int, int]]:
+        """(group, block index) pairs decode needs from the prefill side to resume at ``target``
+        with ``num_computed_tokens`` cached here, but the positional lists hold none for
+        (null or past the end). Attention groups only: a full-attention group needs every
+        block from the local hit to ``target``; a sliding window only those holding the window
+        before token ``target``. An empty list: the hand-over is complete."""
+        missing = []
+        for gid, remote in enumerate(remote_groups):
+            if gid in self._mamba or gid >= len(self._group_block_sizes):
+                continue
+            bs = self._group_block_sizes[gid]
+            window = self._windows[gid] if gid < len(self._windows) else 0
+            first = num_computed_tokens // bs
+            if window:
+                first = max(first, max(0, target - window + 1) // bs)
+            for idx in range(first, (target - 1) // bs + 1):
+                if idx >= len(remote) or not remote[idx]:
+                    missing.append((gid, idx))
+        return missing
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         parsed = self.params(request)
