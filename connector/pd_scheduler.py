@@ -4,7 +4,7 @@ Prefill (request carries ``do_remote_decode``): with Mamba/linear-attention
 groups the prompt's last token is dropped before scheduling, so the recurrent
 state the decode side receives is h(N-1) and decode recomputes token N itself
 (a state cannot "un-see" a token). With a sliding-window group the prompt is cut
-the same way, to the hand-over boundary: at finish vLLM frees the blocks outside the
+too, to the hand-over boundary + 1 (``prefill_tokens``): at finish vLLM frees the blocks outside the
 window of the LAST computed token, and decode, resuming at the boundary, needs the
 window before it (uncut, a prompt of N % block in {0, block-1} lost that block and
 decode read around the gap: silently wrong output). At finish the blocks are kept under a lease
@@ -99,9 +99,9 @@ class PDScheduler:
         # (Scheduler._connector_finished -> remove_skipped_blocks), but decode resumes at the
         # hand-over boundary, up to a block earlier, and needs the window before THAT token.
         self._windows = tuple(group_windows)
-        # Prefill computes exactly the hand-over (prompt cut there) when the model has recurrent
-        # state (h(N-1) cannot be undone) or a sliding window (the window ending at the boundary
-        # must still be held at finish).
+        # Prefill cuts the prompt (prefill_tokens) when the model has recurrent state (h(N-1)
+        # cannot be undone) or a sliding window (the window before the boundary must still be
+        # held at finish).
         self._truncate = has_recurrent_state or any(self._windows)
         self._align = align_tokens
         self._lease_s = lease_s
@@ -186,7 +186,7 @@ class PDScheduler:
     def on_new_request(self, request: "Request") -> None:
         if not isinstance(self.params(request), RemoteDecode) or request.request_id in self._truncated:
             return
-        keep = self.handover_tokens(request.num_prompt_tokens)
+        keep = self.prefill_tokens(request.num_prompt_tokens)
         drop = request.num_prompt_tokens - keep
         if self._truncate and keep > 0 and drop > 0 and request.prompt_token_ids is not None:
             # The recurrent state handed over must be h(keep), and a sliding window group must
@@ -197,6 +197,25 @@ class PDScheduler:
             request.num_prompt_tokens = keep
             request.max_tokens = 1
             self._truncated.add(request.request_id)
+
+    def prefill_tokens(self, num_prompt_tokens: int) -> int:
+        """How much of the prompt a prefill computes (``on_new_request`` cuts the rest).
+
+        Recurrent state: exactly the hand-over T. Sliding windows only: T + 1 where vLLM's trim
+        at finish (to the window of token T + 1) still keeps the window before T, so a store
+        child under MultiConnector, which saves up to the last block boundary before the final
+        prompt token, still saves through T; else T."""
+        keep = self.handover_tokens(num_prompt_tokens)
+        if self._recurrent or keep <= 0:
+            return keep
+        if keep + 1 >= num_prompt_tokens:
+            return num_prompt_tokens
+        for gid, window in enumerate(self._windows):
+            if window and gid < len(self._group_block_sizes):
+                bs = self._group_block_sizes[gid]
+                if max(0, keep + 2 - window) // bs != max(0, keep + 1 - window) // bs:
+                    return keep
+        return keep + 1
 
     def handover_tokens(self, num_prompt_tokens: int) -> int:
         """Tokens whose KV moves prefill -> decode: the last scheduler-block boundary

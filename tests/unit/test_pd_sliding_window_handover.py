@@ -10,8 +10,8 @@ so the positional list said "no block 5"; decode's pairing skipped it and block 
 whatever it held (disjoint top-5 at the first output token; later turns inherited the bad
 KV from decode's prefix cache). It happens iff N % 128 is 0 or 127.
 
-Fix checked here: (1) the prefill cuts the prompt to T when a group has a sliding window
-(as for recurrent state), so vLLM's trim at finish keeps exactly the window decode needs;
+Fix checked here: (1) the prefill cuts the prompt to T + 1 when a group has a sliding
+window (T with recurrent state), so vLLM's trim at finish keeps the window decode needs;
 (2) decode refuses (recomputes) a hand-over whose positional lists miss a block it needs.
 """
 
@@ -118,10 +118,12 @@ def test_prefill_hands_over_the_window_before_the_boundary(model_dir, n):
     boundary = (n - 1) // BS * BS
     params = _prefill(model_dir, _prompt(n))
     sw_ids, fa_ids = params["remote_block_ids"]
-    assert params["remote_num_tokens"] == boundary
+    # The prompt is cut to T + 1 (T where it is shorter): signed tokens = what it hashed.
+    assert params["remote_num_tokens"] == min(boundary + 1, n // BS * BS)
     needed = (boundary - WINDOW + 1) // BS
-    assert [i for i, b in enumerate(sw_ids) if b] == list(range(needed, boundary // BS)), sw_ids
-    assert all(fa_ids[: boundary // BS]) and len(fa_ids) == boundary // BS
+    # Blocks from the one holding the window before T through the one holding token T.
+    assert [i for i, b in enumerate(sw_ids) if b] == list(range(needed, boundary // BS + 1)), sw_ids
+    assert all(fa_ids) and len(fa_ids) == boundary // BS + 1
 
 
 def _decode_offer(model_dir, prompt: list[int], params: dict) -> tuple[int, list]:
@@ -140,7 +142,7 @@ def test_decode_reads_the_window_block_it_resumes_from(model_dir):
     offered, reads = _decode_offer(model_dir, prompt, params)
     assert offered == 768 and len(reads) == 1
     # SW: block 5 only (tokens 640..767 hold the window before 768); FA: blocks 0..5.
-    assert reads[0].remote_block_ids == [[params["remote_block_ids"][0][5]], list(params["remote_block_ids"][1])]
+    assert reads[0].remote_block_ids == [[params["remote_block_ids"][0][5]], list(params["remote_block_ids"][1][:6])]
     assert [len(g) for g in reads[0].local_block_ids] == [1, 6]
 
 
