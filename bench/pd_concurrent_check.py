@@ -11,6 +11,14 @@ Measured 2026-12-01 on the 2-core box: 16 sessions -> 6 of 60 sampled turns diff
 with disjoint top-5 at the first token); 1 session (``--sessions 1``) -> 0 of 36. The
 store-only soak (one engine, same concurrency, same rule) -> 0 of 96. Exit status 1 when any
 sampled turn differs.
+
+Cause (helper-28): not concurrency but prompt length. vLLM frees a prefill's sliding-window
+blocks outside the window of its LAST prompt token before handing the block table over;
+decode resumes at the last block boundary before that token and needs the window before
+the boundary. For N % 128 in {0, 127} that block was null in the hand-over and decode read
+around it (seed 1001, trajectory 1, turn 2: 895 tokens; turns 4-5 inherited the bad KV from
+decode's prefix cache). ``--sessions 1 --first-slot 1 --blocks 2048``: 3 of 12 differ before
+the fix (connector/pd_scheduler.py prefill_tokens / missing_blocks), 0 of 12 after.
 """
 
 from __future__ import annotations
@@ -37,12 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--samples", type=int, default=60)
+    p.add_argument("--blocks", type=int, default=256)
+    p.add_argument("--first-slot", type=int, default=0)
     args = p.parse_args(argv)
     model = str(write_tiny_model("gemma3", pathlib.Path.home() / ".cache" / "hybridkv" / "tiny-models"
                                  / "gemma3-seed0", seed=0))
     work = pathlib.Path(tempfile.mkdtemp(prefix="hybridkv-pdcheck-"))
     extra = ["--seed", "0", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
-             "--num-gpu-blocks-override", "256"]
+             "--num-gpu-blocks-override", str(args.blocks)]
     served: list[tuple] = []
     lock = threading.Lock()
     with PDStack(model, max_model_len=2048, extra_args=extra, log_dir=work) as stack:
@@ -61,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                     with lock:
                         served.append((slot, gen, turn, prompt, c))
 
-        threads = [threading.Thread(target=session, args=(i,)) for i in range(args.sessions)]
+        threads = [threading.Thread(target=session, args=(args.first_slot + i,)) for i in range(args.sessions)]
         for t in threads:
             t.start()
         for t in threads:
