@@ -63,7 +63,7 @@ export HYBRIDKV_E2E_OBSERVED
 set +e
 # --hypothesis-show-statistics: the property tests print their event() distributions
 # (geometries with two dense block sizes + a sparse group, hits that differ from vLLM's, ...).
-# -rsx: every skipped and every xfailed test is listed with its reason (one opt-in e2e: tests/e2e/test_pd_tp_proxy.py; known open bugs).
+# -rsx: every skipped and every xfailed test is listed with its reason (opt-in e2e: tests/e2e/test_pd_tp_proxy.py, the P/D soak variant in tests/e2e/test_soak.py).
 HYBRIDKV_EXPECT_VLLM=0.32.0 .venv/bin/python -m pytest tests -q -rsx -p no:cacheprovider --hypothesis-show-statistics "$@"
 rc32=$?
 if [ "$#" -eq 0 ]; then
