@@ -74,12 +74,3 @@ class StoreSecret:
         carry, or None (XXH3 trailers only) without a secret."""
         return None if self.key is None else ObjectMac(self.key.secret)
 
-
-def store_object_mac(cfg: StoreConnectorConfig) -> ObjectMac | None:
-    """``StoreSecret.load(cfg).object_mac()``: for callers that need only the MAC."""
-    return StoreSecret.load(cfg).object_mac()
-
-
-def store_key_tenant(cfg: StoreConnectorConfig) -> str:
-    """``StoreSecret.load(cfg).tenant``: for callers that need only the key's tenant id."""
-    return StoreSecret.load(cfg).tenant

@@ -30,7 +30,7 @@ def store_key_schema(
 ) -> KeySchema:
     """Schema for one rank; objects are shared only between identical layouts.
 
-    ``tenant`` (store_auth.store_key_tenant: an id of the deployment secret, '' without
+    ``tenant`` (store_auth.StoreSecret.tenant: an id of the deployment secret, '' without
     one) keeps deployments with different secrets on different keys."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config

@@ -90,8 +90,10 @@ class StoreScheduler:
         self._loads: list[LoadJob] = []
         self._saved_upto: dict[str, list[int]] = {}  # req -> per group: blocks considered for saving
         self._tails_done: set[str] = set()
-        self._load_failed: set[str] = set()
-        self._defer_once: set[str] = set()  # failed loads: the next admission attempt is skipped once
+        # Requests whose async load failed (they recompute; never offered a hit again) ->
+        # whether their next admission attempt is still to be skipped once (see
+        # get_num_new_matched_tokens).
+        self._load_failed: dict[str, bool] = {}
         self._recent_lookups: dict[str, tuple] = {}
         self._load_pins: dict[int, list[Any]] = {}
         self._load_acks: Counter[int] = Counter()
@@ -100,6 +102,7 @@ class StoreScheduler:
         self._load_keys: dict[str, list[BlockKey]] = {}  # request -> its load's keys, until reported
         self._job_ids = itertools.count(1)
         self._pins: dict[int, list[Any]] = {}
+        self._pinned_save_blocks = 0  # sum of len(self._pins[j]): what the pin budget counts
         self._acks: Counter[int] = Counter()
         self._stats = HybridStoreStats()
         self._ledger = RequestLedger(lambda: self._stats)  # one counted decision per admission
@@ -139,8 +142,8 @@ class StoreScheduler:
         blocks it needs: nothing runs, nothing frees, the engine stalls until clients
         give up. Skipped once, it leaves ``kv_holding_waiting`` (it holds no blocks), so
         schedule() reaches and frees the other failed loads in the same step."""
-        if request.request_id in self._defer_once:
-            self._defer_once.discard(request.request_id)
+        if self._load_failed.get(request.request_id):
+            self._load_failed[request.request_id] = False
             self._stats.add("failed_load_deferrals")
             return None, False
         return self._matched_tokens(request, num_computed_tokens)
@@ -320,12 +323,11 @@ class StoreScheduler:
         ended up pinned by saves and new requests waited (an engine stall after a store
         node was killed). One job is always allowed when nothing is pinned, so saving
         never stops for good on a cache smaller than one request's blocks."""
-        pinned = sum(len(p) for p in self._pins.values())
+        pinned = self._pinned_save_blocks
         budget = int(self._cfg.max_pinned_save_fraction * self._manager.block_pool.num_gpu_blocks)
         if pinned == 0 or pinned + len(blocks) <= budget:
             return True
-        for key in zip(blocks.group_ids, blocks.hashes):
-            self._recent.pop(key, None)  # not saved: the next request computing it offers it again
+        self._forget(zip(blocks.group_ids, blocks.hashes))  # not saved: the next request computing it offers it again
         self._stats.add("skipped_saves", len(blocks))
         self._stats.add("pin_budget_skipped_jobs")
         return False
@@ -333,6 +335,7 @@ class StoreScheduler:
     def _pinned_job(self, blocks: BlockBatch, sync: bool, snapshot: bool = False) -> SaveJob:
         job = SaveJob(next(self._job_ids), blocks, sync=sync, snapshot=snapshot)
         self._pins[job.job_id] = self._pin(blocks.block_ids)
+        self._pinned_save_blocks += len(blocks.block_ids)
         # Its keys, until every worker acknowledged it: a worker that could not write them
         # makes them unknown again (_forget_failed_saves).
         self._save_keys[job.job_id] = list(zip(blocks.group_ids, blocks.hashes))
@@ -440,8 +443,7 @@ class StoreScheduler:
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """Release pins of save jobs every worker has finished; remember failed loads."""
         failed = output.failed_recving or set()
-        self._load_failed.update(r for r in failed if r in self._requests)
-        self._defer_once.update(r for r in failed if r in self._requests)
+        self._load_failed.update((r, True) for r in failed if r in self._requests)
         for r in output.finished_recving or ():
             self._ledger.load_done(r, r not in failed)  # a set over workers: once per request
             keys = self._load_keys.pop(r, ())
@@ -454,8 +456,9 @@ class StoreScheduler:
         if not isinstance(meta, StoreWorkerMetadata):
             return
         self._forget_failed_saves(meta.failed_saves)
-        for job_id in self._release(meta.finished_saves, self._acks, self._pins):
+        for job_id, unpinned in self._release(meta.finished_saves, self._acks, self._pins):
             self._save_keys.pop(job_id, None)  # a save job ends here: keys and pins together
+            self._pinned_save_blocks -= unpinned
         self._release(meta.released_loads, self._load_acks, self._load_pins)
 
     def _forget_failed_saves(self, failed: Counter) -> None:
@@ -480,15 +483,16 @@ class StoreScheduler:
         if forgotten:
             self._stats.add("recent_saves_forgotten", forgotten)
 
-    def _release(self, reported: Counter, acks: Counter, pins: dict[int, list[Any]]) -> list[int]:
-        """Unpin the blocks of every job all workers have reported done; returns those jobs."""
+    def _release(self, reported: Counter, acks: Counter, pins: dict[int, list[Any]]) -> list[tuple[int, int]]:
+        """Unpin the blocks of every job all workers have reported done; returns those
+        jobs with how many blocks each unpinned."""
         done = []
         for job_id, n in reported.items():
             acks[job_id] += n
             if acks[job_id] >= self._world_size:
                 del acks[job_id]
-                done.append(job_id)
                 pinned = pins.pop(job_id, None)
+                done.append((job_id, len(pinned or ())))
                 if pinned is not None and self._manager is not None:
                     self._manager.block_pool.free_blocks(pinned)
         return done
@@ -502,8 +506,7 @@ class StoreScheduler:
         self._plans.pop(req_id, None)
         self._saved_upto.pop(req_id, None)
         self._tails_done.discard(req_id)
-        self._load_failed.discard(req_id)
-        self._defer_once.discard(req_id)
+        self._load_failed.pop(req_id, None)
         self._recent_lookups.pop(req_id, None)
         self._ledger.forget(req_id)
         return False, None

@@ -290,12 +290,12 @@ def test_saves_a_silent_store_holds_pin_at_most_their_share_of_the_cache(store):
     first = sizes[0][0]  # FA16 62 blocks + the window group's 62 (both masked by vLLM's rule)
     assert first + first + 1 > 150, "the test needs a second block job to exceed the budget"
     assert sizes == [[first, 1]] + [[1]] * 4  # each later request: its Mamba state job only
-    assert sum(len(p) for p in conn._pins.values()) == first + 5 <= 150
+    assert sum(len(p) for p in conn._pins.values()) == conn._pinned_save_blocks == first + 5 <= 150
     assert counted == {"skipped_saves": 4 * first, "pin_budget_skipped_jobs": 4}
     assert len(conn._recent) == first + 5, "the skipped jobs' keys must be offered again"
     conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=StoreWorkerMetadata(
         finished_saves=Counter({job_id: 1 for job_id in conn._pins}))))
-    assert conn._pins == {} and conn._save_keys == {}
+    assert conn._pins == {} and conn._save_keys == {} and conn._pinned_save_blocks == 0
     jobs = []
     _run_to_completion(sched, _request("pin-after", random.Random(200).choices(range(3, 30000), k=1000)), jobs=jobs)
     assert [len(j.blocks) for j in jobs] == [first, 1]

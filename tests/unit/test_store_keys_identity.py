@@ -139,7 +139,7 @@ def test_deployment_secret(model_dir, tmp_path, monkeypatch):
     thrashed each other's objects as forgeries before); the same secret shares keys; no
     secret keeps the prefix it had; the id does not contain the secret."""
     from hybridkv.connector.pd_auth import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
-    from hybridkv.connector.store_auth import store_key_tenant
+    from hybridkv.connector.store_auth import StoreSecret
     from hybridkv.connector.store_config import StoreConnectorConfig
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
@@ -147,16 +147,16 @@ def test_deployment_secret(model_dir, tmp_path, monkeypatch):
     v = tiny_vllm_config(model_dir)
 
     def prefix(cfg: StoreConnectorConfig) -> str:
-        return store_key_schema(v, _kvc(), namespace="team", tenant=store_key_tenant(cfg)).prefix
+        return store_key_schema(v, _kvc(), namespace="team", tenant=StoreSecret.load(cfg).tenant).prefix
 
     a, b = write_secret_file(tmp_path / "a"), write_secret_file(tmp_path / "b")
     with_a, with_b = StoreConnectorConfig(auth_secret_file=str(a)), StoreConnectorConfig(auth_secret_file=str(b))
     none = StoreConnectorConfig()
-    assert store_key_tenant(none) == ""
+    assert StoreSecret.load(none).tenant == ""
     assert prefix(none) == store_key_schema(v, _kvc(), namespace="team").prefix
     assert prefix(with_a) == prefix(StoreConnectorConfig(auth_secret_file=str(a)))
     assert len({prefix(none), prefix(with_a), prefix(with_b)}) == 3
-    tenant = store_key_tenant(with_a)
+    tenant = StoreSecret.load(with_a).tenant
     assert len(tenant) == 16 and tenant not in a.read_bytes().hex() and tenant.encode() not in a.read_bytes()
     monkeypatch.setenv(SECRET_FILE_ENV, str(a))  # the env var names the same secret: same keys
     assert prefix(none) == prefix(with_a)

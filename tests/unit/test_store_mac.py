@@ -159,21 +159,21 @@ def test_config_key_is_validated(tmp_path):
     short = tmp_path / "short"
     short.write_text("abc")
     short.chmod(0o600)
-    from hybridkv.connector.store_auth import store_object_mac
+    from hybridkv.connector.store_auth import StoreSecret
 
     with pytest.raises(ConfigError, match="at least 16"):
-        store_object_mac(StoreConnectorConfig(auth_secret_file=str(short)))
+        StoreSecret.load(StoreConnectorConfig(auth_secret_file=str(short)))
 
 
 def test_keys_and_mac_come_from_one_read_of_the_secret(tmp_path, monkeypatch):
     """The connector loads the secret once (``StoreSecret.load``) and hands it to the worker:
     the tenant id of its keys and the MAC of its objects cannot come from two different
-    reads of the file (before: store_key_tenant and store_object_mac each read it).
+    reads of the file (before: the key's tenant and the object MAC each read it).
     Planted: a StoreWorker that ignores ``secret=`` and reloads -> the rewritten file's MAC
     is used and the tags differ (and a second read is counted)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from hybridkv.connector.store_auth import StoreSecret, store_key_tenant, store_object_mac
+    from hybridkv.connector.store_auth import StoreSecret
     from hybridkv.connector.store_worker import StoreWorker
 
     path = pd_auth.write_secret_file(tmp_path / "secret")
@@ -183,7 +183,7 @@ def test_keys_and_mac_come_from_one_read_of_the_secret(tmp_path, monkeypatch):
     monkeypatch.setattr(pd_auth, "load_key", lambda *a, **k: reads.append(a) or real_load(*a, **k))
     secret = StoreSecret.load(cfg)
     assert len(reads) == 1
-    assert secret.tenant == store_key_tenant(cfg) and len(secret.tenant) == 16
+    assert secret.tenant == StoreSecret.load(cfg).tenant and len(secret.tenant) == 16
     pd_auth.write_secret_file(path)  # the file changes after the connector read it
     reads.clear()
     kvc = KVCacheConfig(num_blocks=2, kv_cache_tensors=[], kv_cache_groups=[
@@ -192,5 +192,5 @@ def test_keys_and_mac_come_from_one_read_of_the_secret(tmp_path, monkeypatch):
     assert reads == []
     body = b"x" * 64
     assert worker._mac.of_bytes("k", body) == secret.object_mac().of_bytes("k", body)
-    assert worker._mac.of_bytes("k", body) != store_object_mac(cfg).of_bytes("k", body)  # the new file's secret
+    assert worker._mac.of_bytes("k", body) != StoreSecret.load(cfg).object_mac().of_bytes("k", body)  # the new file's secret
     assert StoreSecret.load(StoreConnectorConfig()).tenant == "" and StoreSecret(None).object_mac() is None
