@@ -123,6 +123,9 @@ def _install_connector_base_shim() -> None:
         def aggregate(self, other):  # noqa: ANN001
             raise NotImplementedError
 
+    class KVConnectorHandshakeMetadata:  # vLLM's is an empty ABC too (pd_metadata subclasses it)
+        pass
+
     @dataclass
     class KVConnectorTransferResults:
         finished_sending: set = field(default_factory=set)
@@ -131,6 +134,7 @@ def _install_connector_base_shim() -> None:
 
     base.KVConnectorMetadata = KVConnectorMetadata
     base.KVConnectorWorkerMetadata = KVConnectorWorkerMetadata
+    base.KVConnectorHandshakeMetadata = KVConnectorHandshakeMetadata
     base.KVConnectorTransferResults = KVConnectorTransferResults
     metrics = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
 
@@ -194,9 +198,14 @@ def build_config(sc: dict):
     page = max(s.page_size_bytes for s in specs)
     for g in sc["groups"]:
         if g["kind"] == "mamba":
-            specs.append(MambaSpec(block_size=g["block"], shapes=tuple(g["shapes"]),
-                                   dtypes=(torch.bfloat16,) * len(g["shapes"]), page_size_padded=page,
-                                   mamba_cache_mode="align"))
+            extra = {}
+            if g.get("mamba_type"):  # e.g. "GDN_ATTN" (bench/gpu_pd_tp.py: GDN state is re-sliced across TP)
+                from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+                extra["mamba_type"] = MambaAttentionBackendEnum[g["mamba_type"]]
+            specs.append(MambaSpec(block_size=g["block"], shapes=tuple(tuple(x) for x in g["shapes"]),
+                                   dtypes=tuple(g.get("dtypes", (torch.bfloat16,) * len(g["shapes"]))),
+                                   page_size_padded=page, mamba_cache_mode="align", **extra))
     assert all(s.page_size_bytes == page for s in specs), [s.page_size_bytes for s in specs]
     nb, layers = sc["num_blocks"], max(g["layers"] for g in sc["groups"])
     size = page * nb * layers
@@ -233,8 +242,9 @@ def allocate(kvc, device, layout, kernel_block_sizes, buf=None):
     return buf, caches
 
 
-def check_vllm() -> int:
-    """CPU, vLLM 0.33 importable with its config stack: layouts here == vLLM's own."""
+def check_vllm(scenarios: dict | None = None) -> int:
+    """CPU, vLLM 0.33 importable with its config stack: layouts here == vLLM's own
+    (``scenarios``: name -> scenario, default ``SCENARIOS``)."""
     import torch
     from vllm.config import DeviceConfig, VllmConfig
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -242,7 +252,7 @@ def check_vllm() -> int:
     from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
 
     bad = 0
-    for name, sc in SCENARIOS.items():
+    for name, sc in (scenarios or SCENARIOS).items():
         sc = dict(sc, num_blocks=16)
         kvc, kernels, layout = build_config(sc)
         cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))

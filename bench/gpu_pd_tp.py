@@ -1,0 +1,740 @@
+"""P/D across TP sizes on one GPU: hybridkv's decode READ plan over CUDA KV caches laid out as vLLM 0.33 lays them out.
+
+    python bench/gpu_pd_tp.py --out DIR            # device (NIXL wheel carried; see docs/gpu_results.md)
+    python bench/gpu_pd_tp.py --render DIR.json    # here: -> bench/results/gpu_pd_tp.{md,json,png}
+    python bench/gpu_pd_tp.py --check-vllm         # here (CPU, vLLM 0.33 on PYTHONPATH): layouts == vLLM's
+
+Geometry: qwen3-next-80B-A3B's per-layer shapes, fewer layers. Full attention: 2 KV heads of 256
+(bf16), 1 per rank at TP2. GDN (gated delta net): 16 key / 32 value heads of 128, conv kernel 4,
+conv + SSM state bf16, conv state in vLLM's default ``SD`` layout ``(state_len, conv_dim / tp)``,
+SSM ``(v_heads / tp, 128, 128)`` (shapes == vLLM's ``gated_delta_net_state_shape``, checked on CPU by
+``--check-vllm`` and tests/unit/test_gpu_pd_tp_plan.py). 4 attention layers + 12 GDN layers (3:1 like
+qwen3-next): vLLM's hybrid overlay, one attention group and 3 GDN groups of 4 layers sharing 4 KV
+tensors; block size 544 tokens (vLLM's hybrid page rule, platforms/interface.py: the smallest
+multiple of 16 tokens whose attention page holds the GDN state; the same at TP1 and TP2), the GDN
+page padded to the attention page; attention views split into 32-token kernel blocks (17 per
+manager block, what a backend with kernel sizes 16/32/64 gets). One CUDA int8 allocation per rank,
+views by vLLM's own ``create_kv_cache_views`` (through ``bench/gpu_data_path.py``'s ``allocate``:
+``.vllm-mini`` + the connector-base shim, the same machinery).
+
+Processes: every rank is its own process with its own CUDA allocation on the one GPU and its own
+NIXL agent (UCX cuda_ipc, ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``). Prefill ranks: hybridkv's
+``PDWorker`` (``register_kv_caches`` on the CUDA views: VRAM registration, handshake server with
+the layout descriptor and GDN state splits from ``pd_worker.group_state_splits``), random bytes
+from a seed, leases issued through ``start_load_kv``. Decode ranks: ``PDWorker`` with
+``start_load_kv(ReadJob)``, i.e. ``PDWorker._read``: the TP pairing (``pd_tp.rank_reads``), one
+handshake per prefill rank, spans from ``pd_tp.read_spans`` (``head_slices`` for attention,
+``mamba_slices`` for GDN conv + SSM), one ``read_blocks`` per prefill rank, wait, lease claims
+and releases over gRPC. Cases TP2 -> TP1 and TP1 -> TP2.
+
+Check (per case and decode rank): the decode allocation is poisoned, one hand-over is READ, and
+the WHOLE allocation must equal the poison except exactly the expected bytes, computed here
+independently of hybridkv's spans: the prefill ranks' tensors (regenerated from their seeds) are
+concatenated by heads with torch (attention: KV heads; GDN conv: each of the q | k | v channel parts;
+SSM: v heads) into the TP-independent whole, and this decode rank's share of it is sliced out and
+written into the destination blocks through vLLM's views. Planted faults through the same
+``PDWorker`` path (each must FAIL the check): ``swap`` = the prefill ranks' shares swapped
+(``_plan`` patched: TP2->TP1 reads rank 1's heads/state where rank 0's belong and vice versa;
+TP1->TP2 each decode rank takes the other's share); ``ssm`` = the SSM span one v head off
+(``_slices`` patched: remote offset + one head, one head shorter, so it stays inside both pages).
+A raw NIXL READ of the same rows is checked too.
+
+Throughput per case and size (n attention blocks + 1 block of each GDN group per hand-over):
+``hybridkv`` = what ``PDWorker._read`` posts (plan, ``_slices``, ``read_blocks`` per prefill rank,
+all posted then waited) without the gRPC lease claim/release; ``raw`` = a second NIXL agent in the
+same process on the same memory posting the SAME descriptor rows (``read_descriptors`` with the same
+slices, built before the clock); ``job`` = the whole ``PDWorker`` job (start_load_kv -> finished,
+lease claims and releases over gRPC included); D2D = torch copy of the same byte count. Paths
+alternate; decode ranks line up on a barrier before each timed READ. GB/s = bytes of all decode
+ranks / (earliest start -> latest end, CLOCK_MONOTONIC); ratio = median raw time / median hybridkv time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import bench.gpu_data_path as gdp  # noqa: E402 - the machinery: .vllm-mini, shim, vLLM's allocate
+
+# qwen3-next-80B-A3B (config.json): attention and GDN geometry, all ranks together
+TOTAL_KV_HEADS, HEAD_DIM = 2, 256
+GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_K, GDN_HEAD_V, GDN_KERNEL = 16, 32, 128, 128, 4
+ATTN_LAYERS, GDN_GROUPS = 4, 3  # 4 attention + 12 GDN layers, groups of 4 layers
+BLOCK, KERNEL = 544, 32
+NUM_BLOCKS = 80
+CHECK_BLOCKS = 16
+SIZES = (4, 16, 64)
+CASES = (("TP2->TP1", 2, 1), ("TP1->TP2", 1, 2))
+PLANTS = ("swap", "ssm")
+LEASES = 400
+SHIM_MAMBA = "vllm.model_executor.layers.mamba.mamba_utils"
+UCX_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,tcp", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+           "UCX_CUDA_IPC_ENABLE_MNNVL": "n", "UCX_MEMTYPE_CACHE": "n", "UCX_NET_DEVICES": "lo",
+           "UCX_MODULES": "^ib"}
+
+
+# ----------------------------------------------------------------------------- geometry
+def gdn_shapes(tp: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One rank's GDN state shapes as vLLM 0.33's ``gated_delta_net_state_shape`` gives them with
+    the default ``SD`` conv layout (checked equal on CPU): conv ``(kernel - 1, conv_dim / tp)``,
+    SSM ``(v_heads / tp, head_v, head_k)``."""
+    conv_dim = 2 * GDN_K_HEADS * GDN_HEAD_K + GDN_V_HEADS * GDN_HEAD_V
+    assert conv_dim % tp == 0 and GDN_V_HEADS % tp == 0
+    return (GDN_KERNEL - 1, conv_dim // tp), (GDN_V_HEADS // tp, GDN_HEAD_V, GDN_HEAD_K)
+
+
+def scenario(tp: int, num_blocks: int = NUM_BLOCKS, layers: int = ATTN_LAYERS) -> dict:
+    """A gpu_data_path-style scenario for one rank at TP ``tp`` (LBHNC, layer-outer overlay)."""
+    import torch
+
+    groups = [dict(kind="fa", layers=layers, block=BLOCK, kernel=KERNEL, heads=TOTAL_KV_HEADS // tp, head=HEAD_DIM)]
+    groups += [dict(kind="mamba", layers=layers, block=BLOCK, shapes=gdn_shapes(tp), mamba_type="GDN_ATTN",
+                    dtypes=(torch.bfloat16, torch.bfloat16)) for _ in range(GDN_GROUPS)]
+    return dict(layout="LBHNC", num_blocks=num_blocks, batches=SIZES, groups=groups)
+
+
+def part_bytes(tp: int) -> tuple[list[int], int, int]:
+    """Per rank: conv channel-part widths in bytes (q, k, v), conv bytes, SSM bytes per v head."""
+    (rows, ch), (vh, hv, hk) = gdn_shapes(tp)
+    key = GDN_K_HEADS * GDN_HEAD_K // tp
+    widths = [key * 2, key * 2, (ch - 2 * key) * 2]
+    return widths, rows * ch * 2, hv * hk * 2
+
+
+# ----------------------------------------------------------------------------- imports
+def install_mamba_utils_shim() -> None:
+    """SHIM for ``vllm.model_executor.layers.mamba.mamba_utils`` where it cannot be imported
+    (the device has no vLLM config stack): only ``is_conv_state_dim_first``, which
+    ``pd_worker.group_state_splits`` asks, answering as vLLM 0.33's does
+    (``VLLM_SSM_CONV_STATE_LAYOUT`` == "DS"; unset: "SD", dim last)."""
+    try:
+        import vllm.model_executor.layers.mamba.mamba_utils  # noqa: F401
+        return
+    except Exception:  # noqa: BLE001 - its imports need vllm.config (pydantic, ...)
+        pass
+    parts = SHIM_MAMBA.split(".")
+    for i in range(2, len(parts)):
+        name = ".".join(parts[:i])
+        if name not in sys.modules:
+            m = types.ModuleType(name)
+            m.__path__ = []
+            sys.modules[name] = m
+    mod = types.ModuleType(SHIM_MAMBA)
+    mod.is_conv_state_dim_first = lambda: os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD") == "DS"
+    sys.modules[SHIM_MAMBA] = mod
+    gdp.SHIM.append(SHIM_MAMBA)
+
+
+def setup() -> None:
+    gdp.setup_imports()
+    install_mamba_utils_shim()
+
+
+# ----------------------------------------------------------------------------- expected bytes
+def share_of(parts: list, rank: int, tp: int, dim: int):
+    """Rank ``rank``'s ``1/tp`` piece of the concatenation of ``parts`` along ``dim`` (torch)."""
+    import torch
+
+    whole = torch.cat(parts, dim=dim)
+    n = whole.shape[dim] // tp
+    return whole.narrow(dim, rank * n, n)
+
+
+def expected_groups(kvc, prefill_views: list[dict], decode_rank: int, decode_tp: int, prefill_tp: int,
+                    src: list[list[int]]) -> list[list]:
+    """Per group, per layer: the bytes decode rank ``decode_rank`` must hold for source blocks
+    ``src`` (uint8 / int16 tensors, [n, ...]), from the prefill ranks' vLLM views, by torch
+    slicing alone: attention = cat of the ranks' KV heads, this rank's heads; GDN = per conv
+    channel part (q | k | v) and for the SSM v heads, cat of the ranks' pieces, this rank's piece,
+    conv then SSM from byte 0 of the page (vLLM's ``MambaBase.bind_kv_cache`` order), the rest
+    of the page left as it is (padding)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec, group_kernel_blocks
+
+    out = []
+    pw, pconv, phead = part_bytes(prefill_tp)
+    for g, ids in zip(kvc.kv_cache_groups, src):
+        layers = []
+        if not ids:
+            out.append(layers)
+            continue
+        idx = torch.tensor(ids, dtype=torch.long, device=next(iter(prefill_views[0].values())).device)
+        for n in g.layer_names:
+            blocks = [group_kernel_blocks(v[n], kvc.num_blocks).index_select(0, idx) for v in prefill_views]
+            if isinstance(g.kv_cache_spec, MambaSpec):
+                pages = [b.reshape(len(ids), -1).view(torch.uint8) for b in blocks]
+                rows = GDN_KERNEL - 1
+                convs = [p[:, :pconv].reshape(len(ids), rows, -1) for p in pages]
+                conv_parts, off = [], 0
+                for w in pw:  # each q | k | v part is split over the ranks on its own
+                    conv_parts.append(share_of([c[:, :, off:off + w] for c in convs], decode_rank, decode_tp, 2))
+                    off += w
+                ssm = share_of([p[:, pconv:pconv + GDN_V_HEADS // prefill_tp * phead].reshape(len(ids), -1, phead)
+                                for p in pages], decode_rank, decode_tp, 1)
+                layers.append(torch.cat([torch.cat(conv_parts, 2).reshape(len(ids), -1), ssm.reshape(len(ids), -1)], 1))
+            else:  # [n, kernel rows, H, N, C]: heads are dim 2
+                layers.append(share_of([b.view(torch.int16) for b in blocks], decode_rank, decode_tp, 2))
+        out.append(layers)
+    return out
+
+
+def expected_image(cache, ref: list[list], dst: list[list[int]]):
+    """The decode allocation as it must be: poison, with ``ref`` written at ``dst`` through vLLM's
+    own views of a second buffer (GDN: from byte 0 of each page; padding stays poison)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec, group_kernel_blocks
+
+    exp = torch.full_like(cache.buf, gdp.POISON - 256)
+    _, views = gdp.allocate(cache.kvc, cache.buf.device, cache.vllm_layout, cache.kernels, buf=exp)
+    for g, refs, ids in zip(cache.kvc.kv_cache_groups, ref, dst):
+        if not ids:
+            continue
+        idx = torch.tensor(ids, dtype=torch.long, device=cache.buf.device)
+        for n, r in zip(g.layer_names, refs):
+            v = group_kernel_blocks(views[n], cache.kvc.num_blocks)
+            if isinstance(g.kv_cache_spec, MambaSpec):
+                flat = v.reshape(v.shape[0], -1).view(torch.uint8)
+                assert flat.data_ptr() == v.data_ptr() and flat.stride(0) == v.stride(0)  # a view, not a copy
+                flat[:, :r.shape[1]].index_copy_(0, idx, r)
+            else:
+                v.view(torch.int16).index_copy_(0, idx, r)
+    return exp
+
+
+def pick(kvc, n: int, rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
+    """One hand-over: n attention blocks + 1 block per GDN group (a request's state), ids
+    distinct across groups (one block pool: the groups overlay the same pages); src on the
+    prefill side, dst on the decode side."""
+    k = len(kvc.kv_cache_groups)
+    counts = [n] + [1] * (k - 1)
+
+    def one():
+        ids = rng.sample(range(1, kvc.num_blocks), sum(counts))
+        out, i = [], 0
+        for c in counts:
+            out.append(ids[i:i + c])
+            i += c
+        return out
+
+    return one(), one()
+
+
+# ----------------------------------------------------------------------------- planted faults
+def swapped_plan(worker, plan_fn):
+    """``swap``: the prefill ranks' shares swapped in the plan the worker reads by."""
+    from dataclasses import replace
+
+    def plan(job):
+        parts = plan_fn(job)
+        ptp, dtp = len(job.remote_ports), worker._s.tp_size
+        if ptp > 1:  # several prefill ranks: each part read from the other rank
+            return [replace(p, prefill_rank=ptp - 1 - p.prefill_rank) for p in parts]
+        from hybridkv.connector.pd_tp import rank_reads  # one prefill rank: the other decode rank's share
+
+        return rank_reads(dtp - 1 - worker._s.tp_rank, dtp, ptp, worker._s.total_kv_heads)
+    return plan
+
+
+def ssm_off_by_one(worker, slices_fn):
+    """``ssm``: the SSM span (the one landing in the local SSM state) one v head off:
+    remote offset + one head's bytes, one head shorter (stays inside both pages)."""
+    def slices(part, peer_layout, job):
+        out = slices_fn(part, peer_layout, job)
+        if out is None:
+            return out
+        hits = 0
+        for gid, per in enumerate(out):
+            g = worker._local.groups[gid]
+            if per is None or g is None or "Mamba" not in g.spec:
+                continue
+            ssm_local = g.splits()[1]
+            hb = ssm_local.unit
+            new = []
+            for spans in per:
+                row = []
+                for lo, ro, n in spans:
+                    if ssm_local.offset <= lo < ssm_local.offset + ssm_local.nbytes:  # lands in the SSM state
+                        lo, ro, n = lo, ro + hb, n - hb
+                        hits += 1
+                    row.append((lo, ro, n))
+                new.append(row)
+            out[gid] = new
+        assert hits, "no SSM span found to plant"
+        return out
+    return slices
+
+
+# ----------------------------------------------------------------------------- rank processes
+def _now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def ucx_env(device: str) -> dict:
+    """cuda_ipc zero-copy on the GPU (docs/gpu_results.md); on CPU (smoke runs) loopback defaults."""
+    return UCX_ENV if device == "cuda" else {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}
+
+
+def prefill_main(rank: int, tp: int, args, conn) -> None:
+    """A prefill rank: CUDA KV cache with seeded random bytes, PDWorker serving the handshake, leases."""
+    os.environ.update(ucx_env(args.device))
+    setup()
+    import torch
+
+    from hybridkv.connector.pd_metadata import Lease, PDConnectorMetadata
+    from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings, mamba_reslice_problem
+
+    t0 = time.perf_counter()
+    cache = gdp.make_cache(scenario(tp, args.num_blocks), torch.device(args.device, 0))
+    gdp.fill_random(cache, 1000 * tp + rank)
+    gdp._sync()
+    w = PDWorker(PDWorkerSettings("prefill", rank, tp, "127.0.0.1", 0, 10.0, 60.0, serve_handshake=True,
+                                  total_kv_heads=TOTAL_KV_HEADS), cache.kvc)
+    w.register_kv_caches(cache.views)
+    w.start_load_kv(PDConnectorMetadata(leases=[Lease(f"r{k}", f"L{k}", 1800.0) for k in range(LEASES)]))
+    conn.send({"port": w.handshake_metadata().port, "setup_s": time.perf_counter() - t0,
+               "mamba_reslice_problem": mamba_reslice_problem(cache.kvc),
+               "splits": [[s.to_wire() for s in g.splits()] if g is not None else None for g in w._local.groups]})
+    conn.recv()
+    w.shutdown()
+    conn.send("bye")
+
+
+def decode_main(rank: int, tp: int, ptp: int, ports: list[int], barrier, args, conn) -> None:
+    try:
+        conn.send(run_decode(rank, tp, ptp, ports, barrier, args))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        try:
+            barrier.abort()
+        except Exception:  # noqa: BLE001
+            pass
+        conn.send({"error": f"decode rank {rank}: {e!r}\n{traceback.format_exc()}"})
+
+
+def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) -> dict:
+    os.environ.update(ucx_env(args.device))
+    setup()
+    import torch
+
+    import hybridkv.connector.pd_transport as pdt
+    from hybridkv.connector.pd_handshake import fetch_agent_info
+    from hybridkv.connector.pd_metadata import PDConnectorMetadata, ReadJob
+    from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
+
+    dev = torch.device(args.device, 0)
+    t_setup = time.perf_counter()
+    cache = gdp.make_cache(scenario(tp, args.num_blocks), dev)
+    refs = []  # the prefill ranks' caches, regenerated from their seeds (the check's independent source)
+    for p in range(ptp):
+        c = gdp.make_cache(scenario(ptp, args.num_blocks), dev)
+        gdp.fill_random(c, 1000 * ptp + p)
+        refs.append(c)
+    gdp._sync()
+    w = PDWorker(PDWorkerSettings("decode", rank, tp, "127.0.0.1", 0, 10.0, 60.0, serve_handshake=False,
+                                  total_kv_heads=TOTAL_KV_HEADS), cache.kvc)
+    w.register_kv_caches(cache.views)
+    tr = w._transport
+    next_lease = iter(range(LEASES))
+
+    def job(r, lo, lease=True):
+        k = next(next_lease) if lease else LEASES + 1
+        return ReadJob(req_id=f"d{rank}-r{k}", remote_req_id=f"r{k}", remote_engine_id="prefill",
+                       remote_host="127.0.0.1", remote_port=ports[0], remote_block_ids=r, local_block_ids=lo,
+                       lease_id=f"L{k}", remote_ports=list(ports))
+
+    def run_job(j) -> tuple[bool, float, float]:
+        t0 = _now()
+        w.start_load_kv(PDConnectorMetadata(reads=[j]))
+        while True:
+            res = w.get_transfer_results()
+            if j.req_id in res.finished_recving:
+                return j.req_id not in res.failed_recving, t0, _now()
+            time.sleep(0.0002)
+
+    # raw NIXL: a second agent on the same memory; the prefill ranks' metadata from the real handshake
+    mem = tr.mem_kind
+    rawa = pdt._make_agent(f"raw-d{rank}", ["UCX"], 100)
+    reg = rawa.register_memory([(int(b), int(n), 0, "") for b, n in cache.layout.allocations], mem)
+    raw_peers, layouts = {}, {}
+    for p in range(ptp):
+        info = fetch_agent_info(f"127.0.0.1:{ports[p]}", w._local, engine_id="bench-raw", tp_rank=rank,
+                                timeout_s=10, prefill_engine_id="prefill", prefill_rank=p)
+        raw_peers[p] = rawa.add_remote_agent(info.agent_metadata)
+        layouts[p] = info.layout
+    ldevs = [None if s is None else s.dev for s in tr.group_spaces]
+
+    def rows(j):
+        out = []
+        for part in w._plan(j):
+            pl = layouts[part.prefill_rank]
+            out.append((part.prefill_rank, *pdt.read_descriptors(
+                tr.layout.groups, pl.group_layouts(), j.remote_block_ids, j.local_block_ids, ldevs,
+                [None if s is None else s.dev for s in pl.memory_spaces()], w._slices(part, pl, j))))
+        return out
+
+    def raw_read(j) -> tuple[float, float, int, int]:
+        built = rows(j)  # before the clock
+        t0 = _now()
+        xs = []
+        for p, loc, rem in built:
+            h = rawa.initialize_xfer("READ", rawa.get_xfer_descs(loc, mem), rawa.get_xfer_descs(rem, mem),
+                                     raw_peers[p], b"")
+            xs.append((h, rawa.transfer(h)))
+        for h, st in xs:
+            while st == "PROC":
+                st = rawa.check_xfer_state(h)
+            assert st == "DONE", st
+        t1 = _now()
+        for h, _ in xs:
+            rawa.release_xfer_handle(h)
+        return t0, t1, sum(len(loc) for _, loc, _ in built), sum(int(loc[:, 1].sum()) for _, loc, _ in built)
+
+    def ours(j) -> tuple[float, float, int, int]:
+        """PDWorker._read's posts and waits (plan, _peer, _slices, read_blocks), no lease claim."""
+        t0 = _now()
+        hs = []
+        for part in w._plan(j):
+            peer, pl = w._peer(j, part.prefill_rank)
+            hs.append(tr.read_blocks(peer, j.remote_block_ids, j.local_block_ids, slices=w._slices(part, pl, j)))
+        for h in hs:
+            tr.wait(h, 60.0)
+        t1 = _now()
+        for h in hs:
+            tr.release(h)
+        return t0, t1, sum(h.num_descs for h in hs), sum(h.nbytes for h in hs)
+
+    rng = random.Random(17)  # the same ids on every decode rank (one scheduler)
+    plan = [(p.prefill_rank, p.local_head0, p.remote_head0, p.num_heads, p.whole)
+            for p in w._plan(job([[]], [[]], lease=False))]
+    spans_ex = {}
+    j0 = job(*pick(cache.kvc, 1, random.Random(0)), lease=False)
+    for part in w._plan(j0):
+        sl = w._slices(part, w._peer(j0, part.prefill_rank)[1], j0)
+        spans_ex[part.prefill_rank] = [None if s is None else s[0][:20] for s in sl]
+
+    # ---------------------------------------------------------------- checks
+    checks = {}
+
+    def check(label, fn):
+        src, dst = pick(cache.kvc, CHECK_BLOCKS, rng)
+        ref = expected_groups(cache.kvc, [c.views for c in refs], rank, tp, ptp, src)
+        exp = expected_image(cache, ref, dst)
+        gdp.poison(cache)
+        gdp._sync()
+        ok = fn(job(src, dst))
+        gdp._sync()
+        diff = int((cache.buf != exp).sum().item())
+        checks[label] = {"read_ok": ok, "exact": diff == 0, "wrong_bytes": diff,
+                         "expected_written_bytes": sum(r.numel() * r.element_size() for g in ref for r in g)}
+        del exp, ref
+
+    check("hybridkv", lambda j: run_job(j)[0])
+    check("raw", lambda j: (raw_read(j), True)[1])
+    plan_fn, slices_fn = w._plan, w._slices
+    for plant in args.plants:
+        if plant == "swap":
+            w._plan = swapped_plan(w, plan_fn)
+        else:
+            w._slices = ssm_off_by_one(w, slices_fn)
+        try:
+            check(f"planted {plant}", lambda j: run_job(j)[0])
+        finally:
+            w._plan, w._slices = plan_fn, slices_fn
+    check("hybridkv again", lambda j: run_job(j)[0])
+
+    # ---------------------------------------------------------------- timing
+    timing = []
+    for n in args.sizes:
+        t = {"ours": [], "raw": [], "job": []}
+        info = None
+        for i in range(args.warmup + args.repeats):
+            order = [("ours", ours), ("raw", raw_read), ("job", None)]
+            order = order[i % 3:] + order[:i % 3]
+            for key, fn in order:
+                src, dst = pick(cache.kvc, n, rng)
+                j = job(src, dst, lease=key == "job")
+                if tp > 1:
+                    barrier.wait(60)
+                if fn is None:
+                    ok, t0, t1 = run_job(j)
+                    assert ok, "job READ failed"
+                else:
+                    t0, t1, nd, nb = fn(j)
+                    info = (nd, nb)
+                if i >= args.warmup:
+                    t[key].append((t0, t1))
+        d2d = gdp.copy_baselines(info[1], dev, 3)["d2d"]
+        timing.append({"n": n, "descs": info[0], "bytes": info[1], "times": t, "d2d_s": d2d})
+    w.shutdown()
+    for rp in raw_peers.values():
+        rawa.remove_remote_agent(rp)
+    rawa.deregister_memory(reg)
+    return {"rank": rank, "plan": plan, "spans_example": spans_ex, "checks": checks, "timing": timing,
+            "setup_s": time.perf_counter() - t_setup}
+
+
+# ----------------------------------------------------------------------------- orchestration
+def run_case(name: str, ptp: int, dtp: int, args) -> dict:
+    ctx = mp.get_context("spawn")
+    pre, pconns = [], []
+    for r in range(ptp):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=prefill_main, args=(r, ptp, args, b), daemon=True)
+        p.start()
+        pre.append(p)
+        pconns.append(a)
+    infos = []
+    for c in pconns:
+        if not c.poll(180):
+            raise SystemExit(f"{name}: a prefill rank did not start")
+        infos.append(c.recv())
+    ports = [i["port"] for i in infos]
+    barrier = ctx.Barrier(dtp)
+    dec, dconns = [], []
+    for r in range(dtp):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=decode_main, args=(r, dtp, ptp, ports, barrier, args, b), daemon=True)
+        p.start()
+        dec.append(p)
+        dconns.append(a)
+    ranks = []
+    for c in dconns:
+        if not c.poll(args.case_timeout):
+            ranks.append({"error": "decode rank timed out"})
+        else:
+            ranks.append(c.recv())
+    for c in pconns:
+        try:
+            c.send("stop")
+            c.poll(20) and c.recv()
+        except (OSError, EOFError):
+            pass
+    for p in pre + dec:
+        p.join(15)
+        if p.is_alive():
+            p.kill()
+    return {"name": name, "prefill_tp": ptp, "decode_tp": dtp, "prefill": infos, "ranks": ranks}
+
+
+def summarize(case: dict) -> list[dict]:
+    """Per size: instance GB/s per path (all decode ranks' bytes / earliest start -> latest end)."""
+    ranks = [r for r in case["ranks"] if "error" not in r]
+    out = []
+    for si, t0 in (enumerate(ranks[0]["timing"]) if ranks else []):
+        nbytes = sum(r["timing"][si]["bytes"] for r in ranks)
+        row = {"case": case["name"], "n": t0["n"], "bytes": nbytes,
+               "descs": [r["timing"][si]["descs"] for r in ranks]}
+        for key in ("ours", "raw", "job"):
+            k = len(ranks[0]["timing"][si]["times"][key])
+            row[key + "_s"] = [max(r["timing"][si]["times"][key][i][1] for r in ranks)
+                               - min(r["timing"][si]["times"][key][i][0] for r in ranks) for i in range(k)]
+        row["d2d_s"] = ranks[0]["timing"][si]["d2d_s"]
+        out.append(row)
+    return out
+
+
+def _gbs(row, key) -> float:
+    return row["bytes"] / statistics.median(row[key + "_s"]) / 1e9
+
+
+def markdown(doc: dict) -> str:
+    m = doc["meta"]
+    L = ["# P/D across TP sizes on one H200: hybridkv's decode READ plan (TP pairing, head spans, GDN re-slicing) "
+         "over vLLM-0.33-laid-out CUDA KV caches", "",
+         f"- command: `{m['command']}`; device: {m['device']}; torch {m['torch']}; {m['date']}; wall {m['wall_s']} s",
+         f"- wheels: {m['wheels']}; vLLM: {m['vllm']}; shims: {m['shim']}; hybridkv commit {m['commit']}",
+         f"- UCX: {m['ucx']}",
+         "- how: see the docstring of bench/gpu_pd_tp.py. Geometry: qwen3-next's per-layer shapes (attention 2 KV "
+         "heads x 256, GDN 16 k / 32 v heads x 128, conv kernel 4, bf16, conv in vLLM's default SD layout), "
+         f"{ATTN_LAYERS} attention + {ATTN_LAYERS * GDN_GROUPS} GDN layers in one attention and {GDN_GROUPS} GDN "
+         f"groups overlaying {ATTN_LAYERS} KV tensors, {BLOCK}-token blocks in {KERNEL}-token kernel blocks, "
+         f"{NUM_BLOCKS} blocks per rank, every rank its own process, CUDA allocation and NIXL agent on the one GPU.",
+         ""]
+    L += ["## Byte-exact checks (decode allocation poisoned, one hand-over of "
+          f"{CHECK_BLOCKS} attention blocks + 1 block per GDN group READ, WHOLE allocation compared with the "
+          "independently sliced expectation)", "",
+          "| case | decode rank | plan: <- prefill rank (local head0, remote head0, heads) | path | READ reported ok | "
+          "whole allocation == expected | wrong bytes | expected bytes written |", "|---|---|---|---|---|---|---|---|"]
+    for c in doc["cases"]:
+        for r in c["ranks"]:
+            if "error" in r:
+                L.append(f"| {c['name']} | ERROR | {r['error'].splitlines()[0]} | | | | | |")
+                continue
+            plan = "; ".join(f"p{p} ({lh}, {rh}, {nh})" for p, lh, rh, nh, _ in r["plan"])
+            for label, ch in r["checks"].items():
+                want = not label.startswith("planted")
+                verdict = ("**yes**" if ch["exact"] else "no") if want else (
+                    "no: **detected**" if not ch["exact"] else "yes: **NOT detected**")
+                L.append(f"| {c['name']} | {r['rank']} | {plan} | {label} | {ch['read_ok']} | {verdict} | "
+                         f"{ch['wrong_bytes']} | {ch['expected_written_bytes']} |")
+    L += ["", "`planted swap`: the prefill ranks' shares swapped (PDWorker._plan patched); `planted ssm`: the SSM "
+          "span one v head off (PDWorker._slices patched: remote offset + 1 head, 1 head shorter). Both through "
+          "the same PDWorker job path; the READ itself succeeds, only the byte check can see them.", ""]
+    L += ["## Throughput: hybridkv READ vs raw NIXL READ of the same descriptor rows (same run)", "",
+          "| case | attention blocks + GDN blocks per hand-over | MiB (all decode ranks) | descriptors per decode rank | "
+          "hybridkv GB/s | raw NIXL GB/s | **raw time / hybridkv time** | PDWorker job GB/s (incl. gRPC lease "
+          "claim + release) | job / raw | D2D GB/s (same bytes) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        ratio = statistics.median(r["raw_s"]) / statistics.median(r["ours_s"])
+        jr = statistics.median(r["raw_s"]) / statistics.median(r["job_s"])
+        L.append(f"| {r['case']} | {r['n']} + {GDN_GROUPS} | {r['bytes'] / 2**20:.1f} | {' / '.join(map(str, r['descs']))} "
+                 f"| {_gbs(r, 'ours'):.1f} | {_gbs(r, 'raw'):.1f} | **{ratio:.2f}** | {_gbs(r, 'job'):.1f} | {jr:.2f} | "
+                 f"{_gbs(r, 'd2d'):.0f} |")
+    L += ["", f"{doc['meta']['repeats']} timed repeats after {doc['meta']['warmup']} warm-up per size, paths rotated; "
+          "medians. GB/s = payload bytes of all decode ranks / (earliest start -> latest end).", ""]
+    for c in doc["cases"]:
+        L.append(f"- {c['name']}: prefill mamba_reslice_problem = {[p['mamba_reslice_problem'] for p in c['prefill']]}; "
+                 f"GDN state splits (offset, rows, unit, parts) rank 0: {c['prefill'][0]['splits'][1]}")
+    if doc.get("notes"):
+        L += ["", "## Notes", ""] + [f"- {n}" for n in doc["notes"]]
+    return "\n".join(L) + "\n"
+
+
+def plot(doc: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = doc["rows"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [f"{r['case']}\n{r['n']}+{GDN_GROUPS} blk, {r['bytes'] / 2**20:.0f} MiB" for r in rows]
+    for j, (k, lab) in enumerate((("ours", "hybridkv READ (PDWorker plan + spans)"), ("raw", "raw NIXL READ, same rows"),
+                                  ("job", "PDWorker job incl. gRPC lease claim/release"))):
+        ax.bar([i + (j - 1) * 0.27 for i in range(len(rows))], [_gbs(r, k) for r in rows], 0.27, label=lab)
+    for i, r in enumerate(rows):
+        ax.annotate(f"x{statistics.median(r['raw_s']) / statistics.median(r['ours_s']):.2f}",
+                    (i, max(_gbs(r, 'ours'), _gbs(r, 'raw'))), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("GB/s (all decode ranks)")
+    ax.set_title("P/D across TP sizes on one H200 (cuda_ipc): hybridkv vs raw NIXL of the same rows\n"
+                 "label = raw time / hybridkv time", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def render(src: Path) -> int:
+    doc = json.loads(src.read_text())
+    notes = ROOT / "bench" / "results" / "gpu_pd_tp.notes.json"
+    if notes.exists():
+        doc["notes"] = json.loads(notes.read_text())
+    res = ROOT / "bench" / "results"
+    (res / "gpu_pd_tp.json").write_text(json.dumps(doc, indent=1))
+    (res / "gpu_pd_tp.md").write_text(markdown(doc))
+    print(markdown(doc))
+    print("plot:", plot(doc, res / "gpu_pd_tp.png"))
+    return 0
+
+
+def check_vllm() -> int:
+    """CPU, vLLM 0.33 with its config stack: the scenarios' configs and views == vLLM's, and the
+    GDN shapes == vLLM's gated_delta_net_state_shape."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    bad = 0
+    for tp in (1, 2):
+        got = gdn_shapes(tp)
+        want = MambaStateShapeCalculator.gated_delta_net_state_shape(tp, GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_K,
+                                                                     GDN_HEAD_V, GDN_KERNEL)
+        same = tuple(map(tuple, want)) == got
+        print(f"TP{tp} GDN shapes {got} == vLLM's {tuple(map(tuple, want))}: {same}")
+        bad += not same
+    bad += gdp.check_vllm({f"qwen3-next-like TP{tp}": scenario(tp) for tp in (1, 2)})
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--sizes", type=int, nargs="*", default=list(SIZES))
+    ap.add_argument("--cases", nargs="*", default=[c[0] for c in CASES])
+    ap.add_argument("--plants", nargs="*", default=list(PLANTS))
+    ap.add_argument("--case-timeout", type=float, default=240)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run here (DRAM, UCX loopback), no results")
+    ap.add_argument("--num-blocks", type=int, default=NUM_BLOCKS)
+    ap.add_argument("--render", type=Path)
+    ap.add_argument("--check-vllm", action="store_true")
+    args = ap.parse_args()
+    if args.render:
+        setup()
+        return render(args.render)
+    if args.check_vllm:
+        gdp.setup_imports()
+        return check_vllm()
+    setup()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (--device cpu: a smoke run)")
+    t0 = time.time()
+    cases, rows = [], []
+    for name, ptp, dtp in CASES:
+        if name not in args.cases:
+            continue
+        c = run_case(name, ptp, dtp, args)
+        cases.append(c)
+        rows += summarize(c)
+        for r in c["ranks"]:
+            print(f"{name} decode rank {r.get('rank', '?')}: " + (r["error"] if "error" in r else
+                  json.dumps(r["checks"])), flush=True)
+        for r in summarize(c):
+            print(f"{name} n={r['n']}: {r['bytes'] / 2**20:.1f} MiB descs {r['descs']} hybridkv {_gbs(r, 'ours'):.1f} "
+                  f"raw {_gbs(r, 'raw'):.1f} job {_gbs(r, 'job'):.1f} d2d {_gbs(r, 'd2d'):.0f} GB/s "
+                  f"(at {time.time() - t0:.0f} s)", flush=True)
+    import importlib.metadata as md
+
+    def ver(d):
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            return "-"
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or os.environ.get("HYBRIDKV_COMMIT", "(no git on the device)")
+    doc = {"meta": {
+        "command": "python bench/gpu_pd_tp.py " + " ".join(sys.argv[1:]),
+        "device": f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'CPU'} (kernel {platform.release()})",
+        "torch": f"{torch.__version__} CUDA {torch.version.cuda}",
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "wheels": ", ".join(f"{d} {ver(d)}" for d in ("nixl-cu13", "nixl", "grpcio") if ver(d) != "-"),
+        "vllm": "0.33 kv_cache_interface from " + sys.modules["vllm"].__file__.replace(str(ROOT) + "/", ""),
+        "shim": ", ".join(gdp.SHIM), "commit": commit, "ucx": UCX_ENV, "repeats": args.repeats,
+        "warmup": args.warmup, "wall_s": round(time.time() - t0),
+        "addressing_files_sha1": {f: __import__("hashlib").sha1((ROOT / f).read_bytes()).hexdigest()[:10]
+                                  for f in ("connector/pd_tp.py", "connector/pd_transport.py",
+                                            "connector/pd_worker.py", "connector/block_layout.py")}},
+        "cases": cases, "rows": rows}
+    out = args.out or Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_pd_tp.json").write_text(json.dumps(doc, indent=1))
+    bad = [f"{c['name']} r{r.get('rank')}" for c in cases for r in c["ranks"] if "error" in r or not all(
+        ch["exact"] != k.startswith("planted") for k, ch in r["checks"].items())]
+    print("checks:", "all as expected" if not bad else f"FAILED {bad}", f"({time.time() - t0:.0f} s)", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    sys.exit(main())
