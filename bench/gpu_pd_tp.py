@@ -96,11 +96,13 @@ def gdn_shapes(tp: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
     return (GDN_KERNEL - 1, conv_dim // tp), (GDN_V_HEADS // tp, GDN_HEAD_V, GDN_HEAD_K)
 
 
-def scenario(tp: int, num_blocks: int = NUM_BLOCKS, layers: int = ATTN_LAYERS) -> dict:
-    """A gpu_data_path-style scenario for one rank at TP ``tp`` (LBHNC, layer-outer overlay)."""
+def scenario(tp: int, num_blocks: int = NUM_BLOCKS, layers: int = ATTN_LAYERS, kernel: int = KERNEL) -> dict:
+    """A gpu_data_path-style scenario for one rank at TP ``tp`` (LBHNC, layer-outer overlay);
+    ``kernel``: attention kernel block tokens (``BLOCK``: no splitting, what FlashAttention's
+    any-multiple-of-16 sizes give)."""
     import torch
 
-    groups = [dict(kind="fa", layers=layers, block=BLOCK, kernel=KERNEL, heads=TOTAL_KV_HEADS // tp, head=HEAD_DIM)]
+    groups = [dict(kind="fa", layers=layers, block=BLOCK, kernel=kernel, heads=TOTAL_KV_HEADS // tp, head=HEAD_DIM)]
     groups += [dict(kind="mamba", layers=layers, block=BLOCK, shapes=gdn_shapes(tp), mamba_type="GDN_ATTN",
                     dtypes=(torch.bfloat16, torch.bfloat16)) for _ in range(GDN_GROUPS)]
     return dict(layout="LBHNC", num_blocks=num_blocks, batches=SIZES, groups=groups)
@@ -297,7 +299,7 @@ def prefill_main(rank: int, tp: int, args, conn) -> None:
     from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings, mamba_reslice_problem
 
     t0 = time.perf_counter()
-    cache = gdp.make_cache(scenario(tp, args.num_blocks), torch.device(args.device, 0))
+    cache = gdp.make_cache(scenario(tp, args.num_blocks, kernel=args.kernel), torch.device(args.device, 0))
     gdp.fill_random(cache, 1000 * tp + rank)
     gdp._sync()
     w = PDWorker(PDWorkerSettings("prefill", rank, tp, "127.0.0.1", 0, 10.0, 60.0, serve_handshake=True,
@@ -337,10 +339,10 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
 
     dev = torch.device(args.device, 0)
     t_setup = time.perf_counter()
-    cache = gdp.make_cache(scenario(tp, args.num_blocks), dev)
+    cache = gdp.make_cache(scenario(tp, args.num_blocks, kernel=args.kernel), dev)
     refs = []  # the prefill ranks' caches, regenerated from their seeds (the check's independent source)
     for p in range(ptp):
-        c = gdp.make_cache(scenario(ptp, args.num_blocks), dev)
+        c = gdp.make_cache(scenario(ptp, args.num_blocks, kernel=args.kernel), dev)
         gdp.fill_random(c, 1000 * ptp + p)
         refs.append(c)
     gdp._sync()
@@ -478,7 +480,14 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
                 if i >= args.warmup:
                     t[key].append((t0, t1))
         d2d = gdp.copy_baselines(info[1], dev, 3)["d2d"]
-        timing.append({"n": n, "descs": info[0], "bytes": info[1], "times": t, "d2d_s": d2d})
+        build = []  # plan + spans + read_descriptors: inside hybridkv's time, outside raw's
+        for _ in range(3):
+            j = job(*pick(cache.kvc, n, rng), lease=False)
+            b0 = time.perf_counter()
+            rows(j)
+            build.append(time.perf_counter() - b0)
+        timing.append({"n": n, "descs": info[0], "bytes": info[1], "times": t, "d2d_s": d2d,
+                       "build_s": statistics.median(build)})
     w.shutdown()
     for rp in raw_peers.values():
         rawa.remove_remote_agent(rp)
@@ -530,19 +539,20 @@ def run_case(name: str, ptp: int, dtp: int, args) -> dict:
     return {"name": name, "prefill_tp": ptp, "decode_tp": dtp, "prefill": infos, "ranks": ranks}
 
 
-def summarize(case: dict) -> list[dict]:
+def summarize(case: dict, kernel: int = KERNEL) -> list[dict]:
     """Per size: instance GB/s per path (all decode ranks' bytes / earliest start -> latest end)."""
     ranks = [r for r in case["ranks"] if "error" not in r]
     out = []
     for si, t0 in (enumerate(ranks[0]["timing"]) if ranks else []):
         nbytes = sum(r["timing"][si]["bytes"] for r in ranks)
-        row = {"case": case["name"], "n": t0["n"], "bytes": nbytes,
+        row = {"case": case["name"], "kernel": kernel, "n": t0["n"], "bytes": nbytes,
                "descs": [r["timing"][si]["descs"] for r in ranks]}
         for key in ("ours", "raw", "job"):
             k = len(ranks[0]["timing"][si]["times"][key])
             row[key + "_s"] = [max(r["timing"][si]["times"][key][i][1] for r in ranks)
                                - min(r["timing"][si]["times"][key][i][0] for r in ranks) for i in range(k)]
         row["d2d_s"] = ranks[0]["timing"][si]["d2d_s"]
+        row["build_s"] = max(r["timing"][si]["build_s"] for r in ranks)
         out.append(row)
     return out
 
@@ -561,43 +571,45 @@ def markdown(doc: dict) -> str:
          "- how: see the docstring of bench/gpu_pd_tp.py. Geometry: qwen3-next's per-layer shapes (attention 2 KV "
          "heads x 256, GDN 16 k / 32 v heads x 128, conv kernel 4, bf16, conv in vLLM's default SD layout), "
          f"{ATTN_LAYERS} attention + {ATTN_LAYERS * GDN_GROUPS} GDN layers in one attention and {GDN_GROUPS} GDN "
-         f"groups overlaying {ATTN_LAYERS} KV tensors, {BLOCK}-token blocks in {KERNEL}-token kernel blocks, "
-         f"{NUM_BLOCKS} blocks per rank, every rank its own process, CUDA allocation and NIXL agent on the one GPU.",
+         f"groups overlaying {ATTN_LAYERS} KV tensors, {BLOCK}-token blocks; attention kernel blocks (k) of "
+         f"{m.get('kernel')} tokens ({BLOCK}: not split), {m.get('num_blocks')} blocks per rank, every rank its own process, CUDA allocation and NIXL agent on the one GPU.",
          ""]
     L += ["## Byte-exact checks (decode allocation poisoned, one hand-over of "
           f"{CHECK_BLOCKS} attention blocks + 1 block per GDN group READ, WHOLE allocation compared with the "
           "independently sliced expectation)", "",
-          "| case | decode rank | plan: <- prefill rank (local head0, remote head0, heads) | path | READ reported ok | "
-          "whole allocation == expected | wrong bytes | expected bytes written |", "|---|---|---|---|---|---|---|---|"]
+          "| case | kernel tokens | decode rank | plan: <- prefill rank (local head0, remote head0, heads) | path | "
+          "READ reported ok | whole allocation == expected | wrong bytes | expected bytes written |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for c in doc["cases"]:
         for r in c["ranks"]:
             if "error" in r:
-                L.append(f"| {c['name']} | ERROR | {r['error'].splitlines()[0]} | | | | | |")
+                L.append(f"| {c['name']} | {c.get('kernel')} | ERROR | {r['error'].splitlines()[0]} | | | | | |")
                 continue
             plan = "; ".join(f"p{p} ({lh}, {rh}, {nh})" for p, lh, rh, nh, _ in r["plan"])
             for label, ch in r["checks"].items():
                 want = not label.startswith("planted")
                 verdict = ("**yes**" if ch["exact"] else "no") if want else (
                     "no: **detected**" if not ch["exact"] else "yes: **NOT detected**")
-                L.append(f"| {c['name']} | {r['rank']} | {plan} | {label} | {ch['read_ok']} | {verdict} | "
+                L.append(f"| {c['name']} | {c.get('kernel')} | {r['rank']} | {plan} | {label} | {ch['read_ok']} | {verdict} | "
                          f"{ch['wrong_bytes']} | {ch['expected_written_bytes']} |")
     L += ["", "`planted swap`: the prefill ranks' shares swapped (PDWorker._plan patched); `planted ssm`: the SSM "
           "span one v head off (PDWorker._slices patched: remote offset + 1 head, 1 head shorter). Both through "
           "the same PDWorker job path; the READ itself succeeds, only the byte check can see them.", ""]
     L += ["## Throughput: hybridkv READ vs raw NIXL READ of the same descriptor rows (same run)", "",
-          "| case | attention blocks + GDN blocks per hand-over | MiB (all decode ranks) | descriptors per decode rank | "
+          "| case | kernel tokens | attention blocks + GDN blocks per hand-over | MiB (all decode ranks) | descriptors per decode rank | "
           "hybridkv GB/s | raw NIXL GB/s | **raw time / hybridkv time** | PDWorker job GB/s (incl. gRPC lease "
-          "claim + release) | job / raw | D2D GB/s (same bytes) |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "claim + release) | job / raw | D2D GB/s (same bytes) | span build ms (in hybridkv time) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         ratio = statistics.median(r["raw_s"]) / statistics.median(r["ours_s"])
         jr = statistics.median(r["raw_s"]) / statistics.median(r["job_s"])
-        L.append(f"| {r['case']} | {r['n']} + {GDN_GROUPS} | {r['bytes'] / 2**20:.1f} | {' / '.join(map(str, r['descs']))} "
+        L.append(f"| {r['case']} | {r.get('kernel')} | {r['n']} + {GDN_GROUPS} | {r['bytes'] / 2**20:.1f} | {' / '.join(map(str, r['descs']))} "
                  f"| {_gbs(r, 'ours'):.1f} | {_gbs(r, 'raw'):.1f} | **{ratio:.2f}** | {_gbs(r, 'job'):.1f} | {jr:.2f} | "
-                 f"{_gbs(r, 'd2d'):.0f} |")
+                 f"{_gbs(r, 'd2d'):.0f} | {1e3 * r.get('build_s', float('nan')):.2f} |")
     L += ["", f"{doc['meta']['repeats']} timed repeats after {doc['meta']['warmup']} warm-up per size, paths rotated; "
           "medians. GB/s = payload bytes of all decode ranks / (earliest start -> latest end).", ""]
     for c in doc["cases"]:
-        L.append(f"- {c['name']}: prefill mamba_reslice_problem = {[p['mamba_reslice_problem'] for p in c['prefill']]}; "
+        L.append(f"- {c['name']} (kernel {c.get('kernel')}): prefill mamba_reslice_problem = {[p['mamba_reslice_problem'] for p in c['prefill']]}; "
                  f"GDN state splits (offset, rows, unit, parts) rank 0: {c['prefill'][0]['splits'][1]}")
     if doc.get("notes"):
         L += ["", "## Notes", ""] + [f"- {n}" for n in doc["notes"]]
@@ -613,8 +625,8 @@ def plot(doc: dict, path: Path) -> bool:
     except ImportError:
         return False
     rows = doc["rows"]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    labels = [f"{r['case']}\n{r['n']}+{GDN_GROUPS} blk, {r['bytes'] / 2**20:.0f} MiB" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(9, 1.1 * len(doc["rows"])), 4.8))
+    labels = [f"{r['case']} k{r.get('kernel')}\n{r['n']}+{GDN_GROUPS} blk, {r['bytes'] / 2**20:.0f} MiB" for r in rows]
     for j, (k, lab) in enumerate((("ours", "hybridkv READ (PDWorker plan + spans)"), ("raw", "raw NIXL READ, same rows"),
                                   ("job", "PDWorker job incl. gRPC lease claim/release"))):
         ax.bar([i + (j - 1) * 0.27 for i in range(len(rows))], [_gbs(r, k) for r in rows], 0.27, label=lab)
@@ -632,8 +644,16 @@ def plot(doc: dict, path: Path) -> bool:
     return True
 
 
-def render(src: Path) -> int:
-    doc = json.loads(src.read_text())
+def render(srcs: list[Path]) -> int:
+    """Merge device JSONs (one per kernel size) into bench/results/gpu_pd_tp.*."""
+    docs = [json.loads(p.read_text()) for p in srcs]
+    for d in docs:
+        for c in d["cases"]:
+            c["kernel"] = d["meta"].get("kernel", KERNEL)
+    doc = {"meta": {k: ("; ".join(sorted({str(d["meta"].get(k)) for d in docs})) if k not in ("repeats", "warmup")
+                        else docs[0]["meta"][k]) for k in docs[0]["meta"] if k != "addressing_files_sha1"},
+           "cases": [c for d in docs for c in d["cases"]], "rows": [r for d in docs for r in d["rows"]]}
+    doc["meta"]["addressing_files_sha1"] = docs[0]["meta"].get("addressing_files_sha1")
     notes = ROOT / "bench" / "results" / "gpu_pd_tp.notes.json"
     if notes.exists():
         doc["notes"] = json.loads(notes.read_text())
@@ -673,7 +693,8 @@ def main() -> int:
     ap.add_argument("--case-timeout", type=float, default=240)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run here (DRAM, UCX loopback), no results")
     ap.add_argument("--num-blocks", type=int, default=NUM_BLOCKS)
-    ap.add_argument("--render", type=Path)
+    ap.add_argument("--kernel", type=int, default=KERNEL, help=f"attention kernel block tokens ({BLOCK}: no split)")
+    ap.add_argument("--render", type=Path, nargs="*")
     ap.add_argument("--check-vllm", action="store_true")
     args = ap.parse_args()
     if args.render:
@@ -694,11 +715,11 @@ def main() -> int:
             continue
         c = run_case(name, ptp, dtp, args)
         cases.append(c)
-        rows += summarize(c)
+        rows += summarize(c, args.kernel)
         for r in c["ranks"]:
             print(f"{name} decode rank {r.get('rank', '?')}: " + (r["error"] if "error" in r else
                   json.dumps(r["checks"])), flush=True)
-        for r in summarize(c):
+        for r in summarize(c, args.kernel):
             print(f"{name} n={r['n']}: {r['bytes'] / 2**20:.1f} MiB descs {r['descs']} hybridkv {_gbs(r, 'ours'):.1f} "
                   f"raw {_gbs(r, 'raw'):.1f} job {_gbs(r, 'job'):.1f} d2d {_gbs(r, 'd2d'):.0f} GB/s "
                   f"(at {time.time() - t0:.0f} s)", flush=True)
@@ -710,8 +731,8 @@ def main() -> int:
         except md.PackageNotFoundError:
             return "-"
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("HYBRIDKV_COMMIT", "(no git on the device)")
+    commit = os.environ.get("HYBRIDKV_COMMIT") or subprocess.run(  # the device's .git can be stale
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = {"meta": {
         "command": "python bench/gpu_pd_tp.py " + " ".join(sys.argv[1:]),
         "device": f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'CPU'} (kernel {platform.release()})",
@@ -720,7 +741,8 @@ def main() -> int:
         "wheels": ", ".join(f"{d} {ver(d)}" for d in ("nixl-cu13", "nixl", "grpcio") if ver(d) != "-"),
         "vllm": "0.33 kv_cache_interface from " + sys.modules["vllm"].__file__.replace(str(ROOT) + "/", ""),
         "shim": ", ".join(gdp.SHIM), "commit": commit, "ucx": UCX_ENV, "repeats": args.repeats,
-        "warmup": args.warmup, "wall_s": round(time.time() - t0),
+        "warmup": args.warmup, "wall_s": round(time.time() - t0), "kernel": args.kernel,
+        "num_blocks": args.num_blocks,
         "addressing_files_sha1": {f: __import__("hashlib").sha1((ROOT / f).read_bytes()).hexdigest()[:10]
                                   for f in ("connector/pd_tp.py", "connector/pd_transport.py",
                                             "connector/pd_worker.py", "connector/block_layout.py")}},
