@@ -31,6 +31,12 @@ def pd_transfer_config(role: str, module_path: bool = True) -> dict:
     return cfg
 
 
+def with_extra_config(cfg: dict, **extra: object) -> dict:
+    """A copy of the kv-transfer config ``cfg`` with ``extra`` added to its
+    ``kv_connector_extra_config`` (the caller's dicts are not changed)."""
+    return {**cfg, "kv_connector_extra_config": {**cfg.get("kv_connector_extra_config", {}), **extra}}
+
+
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 NOBIND = "nobind"  # vLLM's value for "do not bind this engine's threads"
 
@@ -107,12 +113,20 @@ class PDStack:
         decode_tp: int = 1,
         prefill_args: Sequence[str] = (),
         decode_args: Sequence[str] = (),
+        allow_mamba_cross_tp: bool = False,
     ) -> None:
         """``prefill_tp`` / ``decode_tp``: each instance's ``--tensor-parallel-size`` (P/D pairs
         any sizes where one divides the other; see connector/pd_tp.py); ``prefill_args`` /
-        ``decode_args``: one side's extra server arguments, after ``extra_args``."""
+        ``decode_args``: one side's extra server arguments, after ``extra_args``.
+        ``allow_mamba_cross_tp``: set the decode instance's switch of that name (its
+        ``kv_connector_extra_config``; a decode-side setting, so the prefill's config is left
+        as given): without it a hybrid Mamba / GDN model paired across TP sizes is refused per
+        request and recomputed (connector/pd_tp.py says why it is off by default)."""
         log_dir = pathlib.Path(log_dir)
         common = dict(max_model_len=max_model_len, startup_timeout_s=startup_timeout_s)
+        decode_config = decode_config or pd_transfer_config("kv_consumer")
+        if allow_mamba_cross_tp:
+            decode_config = with_extra_config(decode_config, allow_mamba_cross_tp=True)
 
         def args(tp: int, own: Sequence[str]) -> list[str]:
             return [*extra_args, *(["--tensor-parallel-size", str(tp)] if tp != 1 else []), *own]
@@ -120,7 +134,7 @@ class PDStack:
         self.prefill = VllmServer(model, kv_transfer_config=prefill_config or pd_transfer_config("kv_producer"),
                                   log_path=log_dir / "prefill.log", extra_args=args(prefill_tp, prefill_args),
                                   **common)
-        self.decode = VllmServer(model, kv_transfer_config=decode_config or pd_transfer_config("kv_consumer"),
+        self.decode = VllmServer(model, kv_transfer_config=decode_config,
                                  log_path=log_dir / "decode.log", extra_args=args(decode_tp, decode_args), **common)
         for server, env in zip((self.prefill, self.decode), disjoint_core_envs(prefill_tp, decode_tp)):
             for name, value in env.items():

@@ -265,3 +265,28 @@ def test_pd_stack_passes_each_side_its_tp_size_and_args(tmp_path, monkeypatch):
                     prefill_args=["--p"], decode_args=["--d"])
     assert stack.prefill.command()[-4:] == ["--x", "--tensor-parallel-size", "2", "--p"]
     assert stack.decode.command()[-2:] == ["--x", "--d"] and "--tensor-parallel-size" not in stack.decode.command()
+
+
+def _extra(server) -> dict:  # noqa: ANN001 - a VllmServer -> its command line's kv_connector_extra_config
+    import json
+
+    cmd = server.command()
+    return json.loads(cmd[cmd.index("--kv-transfer-config") + 1]).get("kv_connector_extra_config", {})
+
+
+def test_pd_stack_forwards_allow_mamba_cross_tp_to_decode_only(tmp_path, monkeypatch):
+    """The decode-side switch reaches the decode server's command line (merged into a
+    caller's decode config, which is not changed); the prefill never gets it; off by default."""
+    from hybridkv.cli.pd_stack import PDStack, pd_transfer_config
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    off = PDStack("m", log_dir=tmp_path / "a", prefill_tp=2, decode_tp=1)
+    assert "allow_mamba_cross_tp" not in _extra(off.decode) and "allow_mamba_cross_tp" not in _extra(off.prefill)
+    on = PDStack("m", log_dir=tmp_path / "b", prefill_tp=2, decode_tp=1, allow_mamba_cross_tp=True)
+    assert _extra(on.decode)["allow_mamba_cross_tp"] is True and "allow_mamba_cross_tp" not in _extra(on.prefill)
+    mine = pd_transfer_config("kv_consumer") | {"kv_connector_extra_config": {"handshake_timeout_s": 9.0}}
+    merged = PDStack("m", log_dir=tmp_path / "c", decode_config=mine, allow_mamba_cross_tp=True)
+    assert _extra(merged.decode) == {"handshake_timeout_s": 9.0, "allow_mamba_cross_tp": True}
+    assert mine["kv_connector_extra_config"] == {"handshake_timeout_s": 9.0}  # the caller's dict as given
+    assert {k: v for k, v in _extra(merged.decode).items() if k != "allow_mamba_cross_tp"} == \
+        mine["kv_connector_extra_config"]
