@@ -155,6 +155,15 @@ def share_of(parts: list, rank: int, tp: int, dim: int):
     return whole.narrow(dim, rank * n, n)
 
 
+def manager_blocks(view, num_blocks: int):
+    """vLLM's ``group_kernel_blocks`` view, with a kernel-row dim of 1 where the view is not split
+    (attention: ``[blocks, kernel rows, H, N, C]`` either way, heads at dim 2)."""
+    from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+    v = group_kernel_blocks(view, num_blocks)
+    return v.unsqueeze(1) if view.shape[0] == num_blocks else v
+
+
 def expected_groups(kvc, prefill_views: list[dict], decode_rank: int, decode_tp: int, prefill_tp: int,
                     src: list[list[int]]) -> list[list]:
     """Per group, per layer: the bytes decode rank ``decode_rank`` must hold for source blocks
@@ -164,7 +173,7 @@ def expected_groups(kvc, prefill_views: list[dict], decode_rank: int, decode_tp:
     conv then SSM from byte 0 of the page (vLLM's ``MambaBase.bind_kv_cache`` order), the rest
     of the page left as it is (padding)."""
     import torch
-    from vllm.v1.kv_cache_interface import MambaSpec, group_kernel_blocks
+    from vllm.v1.kv_cache_interface import MambaSpec
 
     out = []
     pw, pconv, phead = part_bytes(prefill_tp)
@@ -175,7 +184,7 @@ def expected_groups(kvc, prefill_views: list[dict], decode_rank: int, decode_tp:
             continue
         idx = torch.tensor(ids, dtype=torch.long, device=next(iter(prefill_views[0].values())).device)
         for n in g.layer_names:
-            blocks = [group_kernel_blocks(v[n], kvc.num_blocks).index_select(0, idx) for v in prefill_views]
+            blocks = [manager_blocks(v[n], kvc.num_blocks).index_select(0, idx) for v in prefill_views]
             if isinstance(g.kv_cache_spec, MambaSpec):
                 pages = [b.reshape(len(ids), -1).view(torch.uint8) for b in blocks]
                 rows = GDN_KERNEL - 1
@@ -197,7 +206,7 @@ def expected_image(cache, ref: list[list], dst: list[list[int]]):
     """The decode allocation as it must be: poison, with ``ref`` written at ``dst`` through vLLM's
     own views of a second buffer (GDN: from byte 0 of each page; padding stays poison)."""
     import torch
-    from vllm.v1.kv_cache_interface import MambaSpec, group_kernel_blocks
+    from vllm.v1.kv_cache_interface import MambaSpec
 
     exp = torch.full_like(cache.buf, gdp.POISON - 256)
     _, views = gdp.allocate(cache.kvc, cache.buf.device, cache.vllm_layout, cache.kernels, buf=exp)
@@ -206,7 +215,7 @@ def expected_image(cache, ref: list[list], dst: list[list[int]]):
             continue
         idx = torch.tensor(ids, dtype=torch.long, device=cache.buf.device)
         for n, r in zip(g.layer_names, refs):
-            v = group_kernel_blocks(views[n], cache.kvc.num_blocks)
+            v = manager_blocks(views[n], cache.kvc.num_blocks)
             if isinstance(g.kv_cache_spec, MambaSpec):
                 flat = v.reshape(v.shape[0], -1).view(torch.uint8)
                 assert flat.data_ptr() == v.data_ptr() and flat.stride(0) == v.stride(0)  # a view, not a copy
@@ -749,7 +758,7 @@ def main() -> int:
         "cases": cases, "rows": rows}
     out = args.out or Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_pd_tp.json").write_text(json.dumps(doc, indent=1))
+    (out / f"gpu_pd_tp.k{args.kernel}.json").write_text(json.dumps(doc, indent=1))
     bad = [f"{c['name']} r{r.get('rank')}" for c in cases for r in c["ranks"] if "error" in r or not all(
         ch["exact"] != k.startswith("planted") for k, ch in r["checks"].items())]
     print("checks:", "all as expected" if not bad else f"FAILED {bad}", f"({time.time() - t0:.0f} s)", flush=True)
