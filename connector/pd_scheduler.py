@@ -133,6 +133,11 @@ class PDScheduler:
         self._params: dict[str, ParsedParams] = {}
         self._truncated: set[str] = set()  # prefill: prompt already cut to the handover boundary
         self._read_started: set[str] = set()  # decode: one transfer per request
+        # Decode: requests whose READ job this connector posted (it loads into their blocks),
+        # until the workers report it finished; a failed one goes to _defer_once.
+        self._reading: set[str] = set()
+        self._defer_once: set[str] = set()  # failed READs: the next admission attempt is skipped once
+        self.failed_read_deferrals = 0
 
     def bind_block_pool(self, block_pool: Any) -> None:
         self._block_pool = block_pool
@@ -164,6 +169,8 @@ class PDScheduler:
         self._params.pop(req_id, None)
         self._truncated.discard(req_id)
         self._read_started.discard(req_id)
+        self._reading.discard(req_id)
+        self._defer_once.discard(req_id)
 
     # ------------------------------------------------------------- handshake
     def set_handshake(self, metadata: dict[int, Any]) -> None:
@@ -268,7 +275,24 @@ class PDScheduler:
         )
 
     # ---------------------------------------------------------------- decode
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens decode READs from the prefill side (async), 0 to compute them itself.
+
+        ``None`` (vLLM: "not known yet", the request is skipped this step) exactly once
+        after the request's READ failed. Why (the store connector's ``failed_load_deferrals``,
+        the same vLLM 0.32/0.33 behaviour): vLLM frees a failed load's blocks only when
+        schedule() reaches the request in ``kv_holding_waiting``, and stops at the first
+        request there that cannot allocate. When several READs fail in one step (a prefill
+        instance died), the first, now holding nothing, needs its whole prompt while the
+        failed READs behind it still hold the blocks it needs: nothing runs, nothing frees.
+        Skipped once, it leaves ``kv_holding_waiting`` (it holds no blocks) and schedule()
+        reaches and frees the others in the same step. Only READs this connector posted:
+        under MultiConnector every child sees every child's failed loads."""
+        rid = request.request_id
+        if rid in self._defer_once:
+            self._defer_once.discard(rid)
+            self.failed_read_deferrals += 1
+            return None, False
         parsed = self.params(request)
         if request.request_id in self._read_started:
             return 0, False
@@ -319,6 +343,7 @@ class PDScheduler:
         if isinstance(parsed, Refused):
             if num_external_tokens > 0:  # fail policy: the worker reports this load failed
                 self._read_started.add(request.request_id)
+                self._reading.add(request.request_id)
                 self._reads.append(ReadJob(request.request_id, "", "", "", 0, [], [], refused=str(parsed)))
             return
         if not isinstance(parsed, RemotePrefill):
@@ -361,9 +386,14 @@ class PDScheduler:
                 pinned = [self._block_pool.blocks[b] for group in job.local_block_ids for b in group]
                 self._block_pool.touch(pinned)
                 self._pins[request.request_id] = pinned
+        self._reading.add(request.request_id)
         self._reads.append(job)
 
     def update_connector_output(self, output: Any) -> None:
+        failed = getattr(output, "failed_recving", None) or set()
+        self._defer_once.update(r for r in failed if r in self._reading)
+        for req_id in getattr(output, "finished_recving", None) or ():
+            self._reading.discard(req_id)
         for req_id in getattr(output, "finished_sending", None) or ():
             self._leased_blocks -= self._leased.pop(req_id, 0)  # the lease ended: vLLM frees its blocks now
         meta = output.kv_connector_worker_meta
