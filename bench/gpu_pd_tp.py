@@ -1,7 +1,10 @@
 """P/D across TP sizes on one GPU: hybridkv's decode READ plan over CUDA KV caches laid out as vLLM 0.33 lays them out.
 
-    python bench/gpu_pd_tp.py --out DIR            # device (NIXL wheel carried; see docs/gpu_results.md)
-    python bench/gpu_pd_tp.py --render DIR.json    # here: -> bench/results/gpu_pd_tp.{md,json,png}
+    python bench/gpu_pd_tp.py --out DIR --kernel 32|544 --num-blocks 280 --sizes 4 16 64 256 --repeats 7
+                                                   # device, one call for both kernels: ~3 min with the start
+                                                   # (NIXL wheel + .vllm-mini carried; docs/gpu_results.md)
+    python bench/gpu_pd_tp.py --render A.json B.json   # here: -> bench/results/gpu_pd_tp.{md,json,png}
+    python bench/gpu_pd_tp.py --device cpu --num-blocks 24 --sizes 4 --repeats 1 --warmup 0  # CPU smoke (2 min)
     python bench/gpu_pd_tp.py --check-vllm         # here (CPU, vLLM 0.33 on PYTHONPATH): layouts == vLLM's
 
 Geometry: qwen3-next-80B-A3B's per-layer shapes, fewer layers. Full attention: 2 KV heads of 256
@@ -664,7 +667,8 @@ def plot(doc: dict, path: Path) -> bool:
         ax.annotate(f"x{statistics.median(r['raw_s']) / statistics.median(r['ours_s']):.2f}",
                     (i, max(_gbs(r, 'ours'), _gbs(r, 'raw'))), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("GB/s (all decode ranks)")
+    ax.set_yscale("log")
+    ax.set_ylabel("GB/s (all decode ranks, log)")
     ax.set_title("P/D across TP sizes on one H200 (cuda_ipc): hybridkv vs raw NIXL of the same rows\n"
                  "label = raw time / hybridkv time", fontsize=9)
     ax.legend(fontsize=7)
