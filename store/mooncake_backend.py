@@ -70,8 +70,8 @@ Master failure, measured
 * Restarted master (same port): the client reconnects by itself within about 1 s; all earlier
   keys are gone (exists -> 0) and the first put may answer -200 until the client has remounted
   its segment.
-* Hung master (SIGSTOP): calls block 30 s and answer -901 (RPC_TIMEOUT); after SIGCONT it
-  answers normally again.
+* Hung master (SIGSTOP): calls block 30 s (``MC_RPC_TIMEOUT_MS``, see below) and answer -901
+  (RPC_TIMEOUT); after SIGCONT it answers normally again.
 
 How calls are bounded (the choice made here)
 --------------------------------------------
@@ -94,12 +94,33 @@ interpreter exit, which would turn one stuck call into a hung process.
 CAVEAT: an abandoned ``get_into`` may still write into its destination after the timeout; the
 destination must be treated as garbage until ``stuck_calls`` is 0 (in practice the binding
 fails before any transfer when the master is the problem, but a slow peer could write late).
+
+How long an abandoned call stays inside Mooncake (issue 14)
+-----------------------------------------------------------
+Giving up on a call does not end it, and its buffers (KV blocks of a zero-copy load or save)
+stay pinned until it does. Mooncake ends a stalled call only after its own waits: a TCP transfer
+with no progress after ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / no status frame after
+``MC_TCP_STATUS_TIMEOUT_SEC`` (both 30 s by default), a master RPC after ``MC_RPC_TIMEOUT_MS``
+(30 s). Measured here (loopback, tcp): a get from a SIGSTOPped segment owner abandoned after 1 s
+stayed in Mooncake 30.2 s by default, 2.0 s with the TCP waits at 2; an exists on a SIGSTOPped
+master 2.05 s with ``MC_RPC_TIMEOUT_MS=2000``. Under the P/D + store soak such 30 s transfers
+(ending with "ClientSession: no transfer progress within 30s") kept a prefill's blocks pinned
+with its small cache otherwise held by P/D leases, and every session stalled ~30 s. So the
+backend sets those three waits to ``stall_bound_s`` (default: ``timeout_s`` rounded up to whole
+seconds, at least 1) before the client starts; a value already in the environment (the
+operator's, or the first client of this process) is kept. The TCP waits are read when a
+connection is made, process-wide: one value per process, which is the supported case (one
+client per process); ``stall_bound_s`` reports the one in force. A transfer that makes no
+progress for that long has already failed for the caller (it waited ``timeout_s``); healthy
+transfers make progress continuously, so the bound only shortens stalls.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import os
 import queue
 import socket
 import threading
@@ -114,6 +135,7 @@ from hybridkv.store.cpu_affinity import unpinned
 __all__ = [
     "MooncakeBackend",
     "pin_listeners",
+    "bound_mooncake_stalls",
     "StoreError",
     "ERROR_NAMES",
     "code_name",
@@ -495,6 +517,29 @@ def pin_listeners(local_hostname: str | None) -> list[str]:
         return sorted(_patched_libs)
 
 
+# Mooncake's own waits that decide how long a call we gave up on stays inside the binding
+# (see the module docstring): TCP transfer progress and status (seconds), master RPCs (ms).
+STALL_ENV_S = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+STALL_ENV_MS = "MC_RPC_TIMEOUT_MS"
+
+
+def bound_mooncake_stalls(stall_s: float | None) -> float | None:
+    """Set Mooncake's transfer and RPC waits to ``stall_s`` unless the environment has them.
+
+    Returns the bound in force (seconds; the TCP progress wait, read back), or None when
+    neither this call nor the environment sets one (Mooncake's 30 s then applies).
+    """
+    if stall_s is not None and stall_s > 0:
+        whole = max(1, math.ceil(stall_s))
+        for name in STALL_ENV_S:
+            os.environ.setdefault(name, str(whole))
+        os.environ.setdefault(STALL_ENV_MS, str(whole * 1000))
+    try:
+        return float(os.environ[STALL_ENV_S[0]])
+    except (KeyError, ValueError):
+        return None
+
+
 class MooncakeBackend:
     """One Mooncake store client with bounded calls; see the module docstring for semantics.
 
@@ -508,6 +553,9 @@ class MooncakeBackend:
     ``listen_on_host`` (default True): Mooncake's two listeners (P2P handshake, TCP data) bind
     ``local_hostname``'s address instead of all interfaces (``pin_listeners``); False keeps
     Mooncake's own all-interfaces binds. ``listeners_pinned`` says whether the binds were pinned.
+    ``stall_bound_s``: how long Mooncake may keep a call we gave up on (its TCP transfer and
+    master RPC waits; default ``timeout_s`` rounded up, None: Mooncake's 30 s); see the module
+    docstring. The attribute of the same name is the bound in force in this process.
     """
 
     def __init__(
@@ -524,6 +572,7 @@ class MooncakeBackend:
         metadata_server: str = "P2PHANDSHAKE",
         max_stuck_calls: int = 1,
         listen_on_host: bool = True,
+        stall_bound_s: Any = _DEFAULT,
     ) -> None:
         self.master_address = master_address
         self.max_stuck_calls = max(1, int(max_stuck_calls))
@@ -566,6 +615,8 @@ class MooncakeBackend:
         # Mooncake binds its handshake and data listeners to all interfaces; bind them to the
         # address this client advertises instead (pin_listeners, issue 13).
         self.listeners_pinned = bool(pin_listeners(local_hostname if listen_on_host else None)) and listen_on_host
+        # Before setup(): an abandoned call must end within this, not Mooncake's 30 s (issue 14).
+        self.stall_bound_s = bound_mooncake_stalls(self.timeout_s if stall_bound_s is _DEFAULT else stall_bound_s)
         self._store = MooncakeDistributedStore()
         setup_timeout = max(self.timeout_s or 0.0, 30.0) if self.timeout_s else None
         # The call threads, and the transfer threads Mooncake starts inside setup(), inherit
