@@ -13,12 +13,22 @@ answering without transfer parameters), the decode instance gets the user's requ
 and computes the prompt itself: a dead prefill costs TTFT, not the request (the answer is
 the same; logged, marked with the ``x-hybridkv-pd-fallback`` response header and counted
 on the proxy's ``/metrics``). ``--no-fallback`` answers 502 instead.
+
+Decode-only requests cost the decode instance a whole prefill each, so while every prefill
+instance is down they can saturate it (and the host: on the 2-core CI box they starved the
+restarting prefill). ``--max-decode-only N`` bounds how many run at once: one past the bound
+waits up to ``--decode-only-wait-s`` for a slot, then is answered 503 with ``Retry-After``
+(``--retry-after-s``), counted as ``hybridkv_proxy_decode_only_rejected_total``; the running
+ones are the gauge ``hybridkv_proxy_decode_only_in_flight``. Requests that prefill serves
+are never bounded by it.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves the handlers' `request: Request`
 # annotations at runtime, and Request is imported lazily inside build_app.
 import argparse
+import asyncio
 import copy
+import math
 import itertools
 import json
 import logging
@@ -83,20 +93,65 @@ class _PrefillFailed(Exception):
         self.response = response
 
 
+class DecodeOnlySlots:
+    """At most ``limit`` decode-only requests at once (0: no bound); see the module docstring.
+
+    ``acquire`` waits up to ``wait_s`` for a slot; the caller releases the slot it got through
+    the returned callable, which may be called more than once (a streamed answer releases on
+    its last chunk and again from the response's background task, whichever comes first:
+    the stream may never start if the client goes away)."""
+
+    def __init__(self, limit: int, wait_s: float) -> None:
+        if limit < 0 or wait_s < 0:
+            raise ValueError(f"max_decode_only={limit}, decode_only_wait_s={wait_s}: expected >= 0")
+        self.limit, self.wait_s = limit, wait_s
+        self.in_flight = 0
+        self._sem = asyncio.Semaphore(limit) if limit else None
+
+    async def acquire(self) -> Any:
+        """A release callable, or None when no slot came free within ``wait_s``."""
+        if self._sem is not None:
+            if self.wait_s <= 0:
+                if self._sem.locked():
+                    return None
+                await self._sem.acquire()
+            else:
+                try:
+                    await asyncio.wait_for(self._sem.acquire(), self.wait_s)
+                except asyncio.TimeoutError:
+                    return None
+        self.in_flight += 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight -= 1
+                if self._sem is not None:
+                    self._sem.release()
+
+        return release
+
+
 def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s: float = 600.0,
-              fallback: bool = True):
+              fallback: bool = True, max_decode_only: int = 0, decode_only_wait_s: float = 0.0,
+              retry_after_s: float = 1.0):
     """A FastAPI app routing every request prefill -> decode (decode alone when no prefill
-    instance can serve it and ``fallback`` is on)."""
+    instance can serve it and ``fallback`` is on; at most ``max_decode_only`` of those at once,
+    0: no bound)."""
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.background import BackgroundTask
 
     app = FastAPI(title="hybridkv P/D proxy")
     prefill_list = [u.rstrip("/") for u in prefill_urls]
     prefill_start = itertools.cycle(range(len(prefill_list)))
     decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
-    counts = {"requests": 0, "decode_only_fallbacks": 0, "prefill_errors": 0}
+    counts = {"requests": 0, "decode_only_fallbacks": 0, "prefill_errors": 0, "decode_only_rejected": 0}
+    slots = DecodeOnlySlots(max_decode_only, decode_only_wait_s)
 
     async def prefill_leg(path: str, body: dict[str, Any]) -> dict[str, Any]:
         """The decode leg's request from the first prefill instance that serves it (each
@@ -134,11 +189,23 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         counts["requests"] += 1
         decode = next(decodes)
         headers = {}
+        release = None
         try:
             dreq = await prefill_leg(path, body)
         except _PrefillFailed as failed:
             if not fallback or failed.response.status_code < 500:
                 return failed.response
+            release = await slots.acquire()
+            if release is None:
+                counts["decode_only_rejected"] += 1
+                logger.warning("hybridkv proxy: no prefill instance served the request and %d decode-only requests "
+                               "are running (--max-decode-only); answered 503", slots.limit)
+                return JSONResponse(
+                    status_code=503, headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))},
+                    content={"error": {"message": f"no prefill instance can serve the request and the decode "
+                                                  f"instances already compute {slots.limit} requests alone "
+                                                  f"(--max-decode-only); retry later",
+                                       "detail": json.loads(bytes(failed.response.body) or b"{}")}})
             counts["decode_only_fallbacks"] += 1
             dreq, headers = decode_only_request(body), {"x-hybridkv-pd-fallback": "prefill-unavailable"}
             logger.warning("hybridkv proxy: no prefill instance served the request; decode %s computes the "
@@ -148,24 +215,37 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
                 d = await client.post(decode + path, json=dreq)
             except httpx.HTTPError as e:
                 return _unreachable("decode", decode, e)
+            finally:
+                if release is not None:
+                    release()
             return JSONResponse(status_code=d.status_code, content=d.json() if d.content else {}, headers=headers)
 
         async def relay() -> AsyncIterator[bytes]:
-            async with client.stream("POST", decode + path, json=dreq) as d:
-                async for chunk in d.aiter_bytes():
-                    yield chunk
+            try:
+                async with client.stream("POST", decode + path, json=dreq) as d:
+                    async for chunk in d.aiter_bytes():
+                        yield chunk
+            finally:
+                if release is not None:
+                    release()
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers,
+                                 background=BackgroundTask(release) if release is not None else None)
 
     @app.get("/metrics")
     async def metrics():
         help_text = {"requests": "Requests the proxy routed",
                      "decode_only_fallbacks": "Requests decode computed alone: no prefill instance served them",
-                     "prefill_errors": "Prefill instance attempts that failed (unreachable, 5xx, no transfer parameters)"}
+                     "prefill_errors": "Prefill instance attempts that failed (unreachable, 5xx, no transfer parameters)",
+                     "decode_only_rejected": "Requests answered 503: no prefill instance served them and "
+                                             "--max-decode-only decode-only requests were running"}
         lines = []
         for name, value in counts.items():
             lines += [f"# HELP hybridkv_proxy_{name}_total {help_text[name]}",
                       f"# TYPE hybridkv_proxy_{name}_total counter", f"hybridkv_proxy_{name}_total {value}"]
+        lines += ["# HELP hybridkv_proxy_decode_only_in_flight Decode-only requests running now",
+                  "# TYPE hybridkv_proxy_decode_only_in_flight gauge",
+                  f"hybridkv_proxy_decode_only_in_flight {slots.in_flight}"]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.post("/v1/completions")
@@ -220,13 +300,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--no-fallback", dest="fallback", action="store_false",
                    help="answer 502 when no prefill instance serves a request (default: decode computes it alone)")
+    p.add_argument("--max-decode-only", type=int, default=0, metavar="N",
+                   help="at most N decode-only requests at once (0, the default: no bound); one past it waits "
+                        "--decode-only-wait-s, then is answered 503 with Retry-After")
+    p.add_argument("--decode-only-wait-s", type=float, default=0.0,
+                   help="how long a decode-only request waits for a slot under --max-decode-only (default 0)")
+    p.add_argument("--retry-after-s", type=float, default=1.0,
+                   help="the Retry-After of those 503 answers (whole seconds, at least 1)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run(build_app(args.prefill, args.decode, args.timeout_s, args.fallback), host=args.host, port=args.port,
-                log_level="warning")
+    app = build_app(args.prefill, args.decode, args.timeout_s, args.fallback, max_decode_only=args.max_decode_only,
+                    decode_only_wait_s=args.decode_only_wait_s, retry_after_s=args.retry_after_s)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

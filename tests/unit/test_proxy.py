@@ -53,26 +53,37 @@ def test_the_http_front_door_parses_requests_and_names_a_dead_instance():
 
 
 class _Instance:
-    """A real HTTP server on 127.0.0.1 answering POSTs like a vLLM instance; records bodies."""
+    """A real HTTP server on 127.0.0.1 answering POSTs like a vLLM instance; records bodies.
+    ``gate``: each answer waits until it is set (a decode instance busy computing)."""
 
-    def __init__(self, status: int = 200, params: dict | None = None) -> None:
+    def __init__(self, status: int = 200, params: dict | None = None, gate=None, app=None) -> None:  # noqa: ANN001
+        import asyncio
         import threading
 
         import uvicorn
         from fastapi import FastAPI
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, StreamingResponse
 
         self.bodies: list[dict] = []
-        app = FastAPI()
+        if app is None:
+            app = FastAPI()
 
-        @app.post("/v1/completions")
-        async def completions(request: Request):
-            body = await request.json()
-            self.bodies.append(body)
-            answer = {"choices": [{"text": "ok"}]}
-            if params is not None and body.get("kv_transfer_params", {}).get("do_remote_decode"):
-                answer["kv_transfer_params"] = params
-            return JSONResponse(status_code=status, content=answer)
+            @app.post("/v1/completions")
+            async def completions(request: Request):
+                body = await request.json()
+                self.bodies.append(body)
+                while gate is not None and not gate.is_set():
+                    await asyncio.sleep(0.01)
+                answer = {"choices": [{"text": "ok"}]}
+                if params is not None and body.get("kv_transfer_params", {}).get("do_remote_decode"):
+                    answer["kv_transfer_params"] = params
+                if body.get("stream"):
+                    async def chunks():
+                        yield b"data: {}\n\n"
+                        yield b"data: [DONE]\n\n"
+
+                    return StreamingResponse(chunks(), media_type="text/event-stream")
+                return JSONResponse(status_code=status, content=answer)
 
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -163,5 +174,153 @@ def test_a_request_the_prefill_refuses_as_malformed_is_not_retried_on_decode():
         assert r.status_code == 400 and decode.bodies == []
         assert client.post("/v1/completions", json=[1, 2]).status_code == 400
     finally:
+        decode.close()
+        prefill.close()
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not on {url}/metrics")
+
+
+def _until(cond, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_only_requests_past_the_bound_are_answered_503_with_retry_after(stream):
+    """Every prefill instance down, --max-decode-only 1: one decode-only request runs; the next
+    is answered 503 at once with Retry-After and counted; once the first has finished (its
+    stream too) a slot is free again. Real servers: the proxy and a decode instance busy until
+    released (uvicorn). Planted (the bound not applied): the second request reaches decode."""
+    import threading
+
+    import httpx
+
+    from hybridkv.cli.proxy import build_app
+
+    gate = threading.Event()
+    decode = _Instance(gate=gate)
+    proxy = _Instance(app=build_app([_dead_url()], [decode.url], timeout_s=10, max_decode_only=1,
+                                    retry_after_s=2.5))
+    try:
+        first: dict = {}
+
+        def send_first() -> None:
+            with httpx.Client(timeout=10) as c:
+                r = c.post(proxy.url + "/v1/completions", json=USER | {"stream": stream})
+                first.update(status=r.status_code, text=r.text, fallback=r.headers.get("x-hybridkv-pd-fallback"))
+
+        t = threading.Thread(target=send_first)
+        t.start()
+        _until(lambda: len(decode.bodies) == 1)
+        assert _metric(proxy.url, "hybridkv_proxy_decode_only_in_flight") == 1
+        r = httpx.post(proxy.url + "/v1/completions", json=USER | {"stream": stream}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "3"
+        assert "already compute 1 requests alone (--max-decode-only)" in r.json()["error"]["message"]
+        assert len(decode.bodies) == 1  # the rejected one never reached decode
+        assert _metric(proxy.url, "hybridkv_proxy_decode_only_rejected_total") == 1
+        gate.set()
+        t.join(timeout=10)
+        assert first["status"] == 200 and first["fallback"] == "prefill-unavailable"
+        assert ("[DONE]" in first["text"]) if stream else (first["text"] == '{"choices":[{"text":"ok"}]}')
+        _until(lambda: _metric(proxy.url, "hybridkv_proxy_decode_only_in_flight") == 0)
+        r = httpx.post(proxy.url + "/v1/completions", json=USER | {"stream": stream}, timeout=10)
+        assert r.status_code == 200 and len(decode.bodies) == 2
+        assert _metric(proxy.url, "hybridkv_proxy_decode_only_fallbacks_total") == 2
+        assert _metric(proxy.url, "hybridkv_proxy_decode_only_rejected_total") == 1
+    finally:
+        gate.set()
+        proxy.close()
+        decode.close()
+
+
+def test_a_decode_only_request_past_the_bound_waits_for_a_slot():
+    """--decode-only-wait-s: one past the bound waits, and is served when the running one ends
+    (nothing rejected); a slot that does not come free in time is a 503."""
+    import threading
+    import time
+
+    import httpx
+
+    from hybridkv.cli.proxy import build_app
+
+    gate = threading.Event()
+    decode = _Instance(gate=gate)
+    proxy = _Instance(app=build_app([_dead_url()], [decode.url], timeout_s=10, max_decode_only=1,
+                                    decode_only_wait_s=5.0))
+    try:
+        answers: list[int] = []
+        threads = [threading.Thread(target=lambda: answers.append(
+            httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10).status_code)) for _ in range(2)]
+        threads[0].start()
+        _until(lambda: len(decode.bodies) == 1)
+        threads[1].start()
+        time.sleep(0.5)
+        assert len(decode.bodies) == 1  # the second waits in the proxy, not at decode
+        gate.set()
+        for t in threads:
+            t.join(timeout=10)
+        assert answers == [200, 200] and len(decode.bodies) == 2
+        assert _metric(proxy.url, "hybridkv_proxy_decode_only_rejected_total") == 0
+    finally:
+        gate.set()
+        proxy.close()
+        decode.close()
+    gate.clear()
+    decode = _Instance(gate=gate)
+    proxy = _Instance(app=build_app([_dead_url()], [decode.url], timeout_s=10, max_decode_only=1,
+                                    decode_only_wait_s=0.3))
+    try:
+        t = threading.Thread(target=lambda: httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10))
+        t.start()
+        _until(lambda: len(decode.bodies) == 1)
+        start = time.monotonic()
+        r = httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10)
+        assert r.status_code == 503 and 0.3 <= time.monotonic() - start < 5
+        assert _metric(proxy.url, "hybridkv_proxy_decode_only_rejected_total") == 1
+    finally:
+        gate.set()
+        t.join(timeout=10)
+        proxy.close()
+        decode.close()
+
+
+def test_requests_prefill_serves_are_not_bounded_by_the_decode_only_limit():
+    """The bound is on decode-only requests alone: P/D hand-overs run past it."""
+    import threading
+
+    import httpx
+
+    from hybridkv.cli.proxy import build_app
+
+    gate = threading.Event()
+    decode, prefill = _Instance(gate=gate), _Instance(params=PARAMS)
+    proxy = _Instance(app=build_app([prefill.url], [decode.url], timeout_s=10, max_decode_only=1))
+    try:
+        answers: list[int] = []
+        threads = [threading.Thread(target=lambda: answers.append(
+            httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10).status_code)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        _until(lambda: len(decode.bodies) == 3)
+        gate.set()
+        for t in threads:
+            t.join(timeout=10)
+        assert answers == [200, 200, 200]
+        assert _metric(proxy.url, "hybridkv_proxy_decode_only_in_flight") == 0
+        assert _metric(proxy.url, "hybridkv_proxy_decode_only_fallbacks_total") == 0
+    finally:
+        gate.set()
+        proxy.close()
         decode.close()
         prefill.close()
