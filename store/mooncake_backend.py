@@ -107,10 +107,10 @@ master 2.05 s with ``MC_RPC_TIMEOUT_MS=2000``. Under the P/D + store soak such 3
 (ending with "ClientSession: no transfer progress within 30s") kept a prefill's blocks pinned
 with its small cache otherwise held by P/D leases, and every session stalled ~30 s. So the
 backend sets those three waits to ``stall_bound_s`` (default: ``timeout_s`` rounded up to whole
-seconds, at least 1) before the client starts; a value already in the environment (the
-operator's, or the first client of this process) is kept. The TCP waits are read when a
-connection is made, process-wide: one value per process, which is the supported case (one
-client per process); ``stall_bound_s`` reports the one in force. A transfer that makes no
+seconds, at least 1) before the client starts; a value the operator put in the environment
+(before hybridkv was imported) is kept. The variables are process-wide and Mooncake reads them
+when a client starts / a connection is made: the latest client's bound applies, which is the
+supported case (one client per process); ``stall_bound_s`` reports the one in force. A transfer that makes no
 progress for that long has already failed for the caller (it waited ``timeout_s``); healthy
 transfers make progress continuously, so the bound only shortens stalls.
 """
@@ -523,17 +523,23 @@ STALL_ENV_S = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 STALL_ENV_MS = "MC_RPC_TIMEOUT_MS"
 
 
+# Set by the operator (present before hybridkv was imported): never overridden.
+_OPERATOR_STALL_ENV = frozenset(n for n in (*STALL_ENV_S, STALL_ENV_MS) if n in os.environ)
+
+
 def bound_mooncake_stalls(stall_s: float | None) -> float | None:
-    """Set Mooncake's transfer and RPC waits to ``stall_s`` unless the environment has them.
+    """Set Mooncake's transfer and RPC waits to ``stall_s`` (rounded up to whole seconds, at
+    least 1) for the client about to start; an operator's value is kept. Each new client
+    sets them again (its own bound; one client per process is the supported case).
 
     Returns the bound in force (seconds; the TCP progress wait, read back), or None when
     neither this call nor the environment sets one (Mooncake's 30 s then applies).
     """
     if stall_s is not None and stall_s > 0:
         whole = max(1, math.ceil(stall_s))
-        for name in STALL_ENV_S:
-            os.environ.setdefault(name, str(whole))
-        os.environ.setdefault(STALL_ENV_MS, str(whole * 1000))
+        for name, value in ((STALL_ENV_S[0], whole), (STALL_ENV_S[1], whole), (STALL_ENV_MS, whole * 1000)):
+            if name not in _OPERATOR_STALL_ENV:
+                os.environ[name] = str(value)
     try:
         return float(os.environ[STALL_ENV_S[0]])
     except (KeyError, ValueError):
