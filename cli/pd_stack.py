@@ -86,14 +86,44 @@ def rank_cpus(prefill_tp: int, decode_tp: int, cpus: set[int] | None = None) -> 
     return NOBIND, NOBIND
 
 
-def disjoint_core_envs(prefill_tp: int = 1, decode_tp: int = 1) -> tuple[dict[str, str], dict[str, str]]:
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def disjoint_core_envs(prefill_tp: int = 1, decode_tp: int = 1,
+                       cpus: set[int] | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """Extra environment for the prefill and the decode server: each rank its own cores
     (:func:`rank_cpus`), unless the user chose a binding (``VLLM_CPU_OMP_THREADS_BIND``
-    set) or there are too few cores."""
-    split = None if OMP_BIND_ENV in os.environ else rank_cpus(prefill_tp, decode_tp)
+    set) or there are too few cores.
+
+    With fewer cores than ranks (``nobind``) each rank also gets ``OMP_NUM_THREADS`` = its
+    share of the cores (at least 1), unless the user set it: unbound, vLLM leaves torch at one
+    OpenMP thread per core in EVERY rank (4 ranks x 2 threads on 2 cores), and libgomp's
+    threads spin-wait between parallel regions, which took the CPU from the ranks' gRPC side
+    channel and read threads (a ClaimLease reached a prefill rank 56 s after it was sent, a
+    peer set-up took 15 s: tests/e2e/test_pd_tp_proxy.py)."""
+    if OMP_BIND_ENV in os.environ:
+        return {}, {}
+    split = rank_cpus(prefill_tp, decode_tp, cpus)
     if split is None:
         return {}, {}
-    return {OMP_BIND_ENV: split[0]}, {OMP_BIND_ENV: split[1]}
+    envs = {OMP_BIND_ENV: split[0]}, {OMP_BIND_ENV: split[1]}
+    if split == (NOBIND, NOBIND) and OMP_THREADS_ENV not in os.environ:
+        n = len(cpus if cpus is not None else usable_cpus())
+        share = str(max(1, n // (prefill_tp + decode_tp)))
+        for env in envs:
+            env[OMP_THREADS_ENV] = share
+    return envs
+
+
+def _keep_log(log: pathlib.Path | None) -> pathlib.Path | None:
+    """Rename a server's log to ``NAME.N.log`` (the first free N) before it is restarted."""
+    if log is None or not log.exists():
+        return None
+    n = 1
+    while (old := log.with_name(f"{log.stem}.{n}{log.suffix}")).exists():
+        n += 1
+    log.rename(old)
+    return old
 
 
 class PDStack:
@@ -123,22 +153,16 @@ class PDStack:
         as given): without it a hybrid Mamba / GDN model paired across TP sizes is refused per
         request and recomputed (connector/pd_tp.py says why it is off by default)."""
         log_dir = pathlib.Path(log_dir)
-        common = dict(max_model_len=max_model_len, startup_timeout_s=startup_timeout_s)
-        decode_config = decode_config or pd_transfer_config("kv_consumer")
-        if allow_mamba_cross_tp:
-            decode_config = with_extra_config(decode_config, allow_mamba_cross_tp=True)
-
-        def args(tp: int, own: Sequence[str]) -> list[str]:
-            return [*extra_args, *(["--tensor-parallel-size", str(tp)] if tp != 1 else []), *own]
-
+        self._model, self._log_dir, self._extra_args = model, log_dir, tuple(extra_args)
+        self._common = dict(max_model_len=max_model_len, startup_timeout_s=startup_timeout_s)
+        self.prefill_tp = prefill_tp
         self.prefill = VllmServer(model, kv_transfer_config=prefill_config or pd_transfer_config("kv_producer"),
-                                  log_path=log_dir / "prefill.log", extra_args=args(prefill_tp, prefill_args),
-                                  **common)
-        self.decode = VllmServer(model, kv_transfer_config=decode_config,
-                                 log_path=log_dir / "decode.log", extra_args=args(decode_tp, decode_args), **common)
-        for server, env in zip((self.prefill, self.decode), disjoint_core_envs(prefill_tp, decode_tp)):
-            for name, value in env.items():
-                server.extra_env.setdefault(name, value)
+                                  log_path=log_dir / "prefill.log", extra_args=self._args(prefill_tp, prefill_args),
+                                  **self._common)
+        self.decode = self._decode_server(decode_tp, decode_config, decode_args, allow_mamba_cross_tp)
+        decode_config = self.decode.kv_transfer_config
+        for name, value in disjoint_core_envs(prefill_tp, decode_tp)[0].items():
+            self.prefill.extra_env.setdefault(name, value)
         # One deployment secret for the pair (signs kv_transfer_params and the side channel),
         # fresh per stack, unless the caller configured one.
         self.secret_file: pathlib.Path | None = None
@@ -155,6 +179,40 @@ class PDStack:
         self.proxy_log = log_dir / "proxy.log"
         self._proxy: subprocess.Popen | None = None
         self.startup_timeout_s = startup_timeout_s
+
+    def _args(self, tp: int, own: Sequence[str]) -> list[str]:
+        return [*self._extra_args, *(["--tensor-parallel-size", str(tp)] if tp != 1 else []), *own]
+
+    def _decode_server(self, decode_tp: int, decode_config: dict | None, decode_args: Sequence[str],
+                       allow_mamba_cross_tp: bool, port: int | None = None) -> VllmServer:
+        """The decode server for this stack's prefill: its TP size, config (with the switch
+        merged in) and its cores for the pair (:func:`disjoint_core_envs`)."""
+        decode_config = decode_config or pd_transfer_config("kv_consumer")
+        if allow_mamba_cross_tp:
+            decode_config = with_extra_config(decode_config, allow_mamba_cross_tp=True)
+        server = VllmServer(self._model, port=port, kv_transfer_config=decode_config,
+                            log_path=self._log_dir / "decode.log", extra_args=self._args(decode_tp, decode_args),
+                            **self._common)
+        for name, value in disjoint_core_envs(self.prefill_tp, decode_tp)[1].items():
+            server.extra_env.setdefault(name, value)
+        return server
+
+    def replace_decode(self, decode_tp: int = 1, *, decode_config: dict | None = None,
+                       decode_args: Sequence[str] = (), allow_mamba_cross_tp: bool = False) -> pathlib.Path | None:
+        """Stop the decode server and start another one on its port (the proxy's ``--decode``
+        URL), e.g. at another ``--tensor-parallel-size``, with the stack's secret; wait until it
+        is healthy. The prefill and the proxy keep running (what a rolling change of the decode
+        tier does). Its previous log is kept as ``decode.N.log`` (returned). Its cores are the
+        decode share of :func:`rank_cpus` for the new pair (the prefill keeps the binding it
+        started with)."""
+        port, old_env = self.decode.port, self.decode.extra_env
+        self.decode.stop()
+        old = _keep_log(self.decode.log_path)
+        self.decode = self._decode_server(decode_tp, decode_config, decode_args, allow_mamba_cross_tp, port=port)
+        if SECRET_FILE_ENV in old_env:
+            self.decode.extra_env.setdefault(SECRET_FILE_ENV, old_env[SECRET_FILE_ENV])
+        self.decode.start()
+        return old
 
     @property
     def url(self) -> str:
@@ -196,13 +254,7 @@ class PDStack:
     def restart_prefill(self) -> pathlib.Path | None:
         """Start the prefill server again on its port (the proxy's ``--prefill`` URL) and wait
         until it is healthy. Its previous log is kept as ``prefill.N.log`` (returned)."""
-        old = None
-        log = self.prefill.log_path
-        if log is not None and log.exists():
-            n = 1
-            while (old := log.with_name(f"{log.stem}.{n}{log.suffix}")).exists():
-                n += 1
-            log.rename(old)
+        old = _keep_log(self.prefill.log_path)
         self.prefill.start()
         return old
 

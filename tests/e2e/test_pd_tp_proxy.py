@@ -1,4 +1,6 @@
-"""P/D at TP2 -> TP2 through ``hybridkv proxy``: qwen3-next (GDN linear attention + full attention).
+"""P/D at TP2 -> TP2, then TP2 -> TP1, through ``hybridkv proxy``: qwen3-next (GDN linear
+attention + full attention). In CI (it replaced the in-process qwen3-next TP2 -> TP2 pair of
+tests/e2e/test_pd_tp.py, which keeps the byte-exact cross-TP checks).
 
 What a P/D user at tensor parallelism runs: ``PDStack`` starts a TP2 prefill and a TP2
 decode OpenAI server (each rank on its own core, ``pd_stack.rank_cpus``) and the proxy
@@ -22,6 +24,25 @@ on prefill rank 1 only, overwrites one full-attention block the hand-over lists 
 block's real KV (a one-block shift, test_pd_tp's plant). Both decode ranks must read it, and
 the output must then differ from the recompute.
 
+Then the decode tier is replaced, on the proxy's ``--decode`` port, by a TP1 instance with
+``allow_mamba_cross_tp`` (``PDStack.replace_decode``; the TP2 prefill keeps running): 2 turns,
+each one POST to the proxy; decode's one rank logs one read line naming prefill ranks [0, 1],
+blocks per group == what it lacked, bytes == its whole attention blocks + the GDN conv and SSM
+states without page padding (state_bytes); pulled == hand-over - own hit; no failed READ. Its
+output is printed, not asserted (bf16-only CPU GDN kernel: test_pd_tp.py says why); the bytes
+themselves are compared in process there.
+
+Reliability on 2 shared cores (measured with timing logs around every side-channel call):
+the stalls are CPU starvation of whole worker processes for 15-60 s while both engines step
+(one per run, at a random turn): a ClaimLease reached prefill rank 0's handler 56 s after the
+decode sent it (3.9 s of its 60 s bound left), a decode rank's peer set-up took 15 s. Hence
+``handshake_timeout_s`` 60 s and ``lease_s`` 150 s below, and one OpenMP thread per rank
+(``pd_stack.disjoint_core_envs``). One failure mode is NOT reachable from config: gRPC gives
+up on a new connection whose peer has not sent its HTTP/2 SETTINGS within 20 s (its
+min_reconnect_backoff default), whatever the RPC deadline ("connection attempt timed out
+before receiving SETTINGS frame", the lead's two CI failures): that needs the channel option
+in connector/pd_handshake.py (reported, not applied here).
+
 The geometry and the plant run inside the servers' workers through vLLM's own
 ``--worker-extension-cls`` + ``POST /collective_rpc`` (dev mode; method names only, no code
 over HTTP): :class:`PDProbe` below.
@@ -31,12 +52,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.docs_tables import observe
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +76,7 @@ TURN_TOKENS = {"first_tokens": 600, "growth_tokens": 300}
 # (decode recomputed: the output still right, the provenance check failed).
 HANDSHAKE_TIMEOUT_S = 60.0
 LEASE_S = 150.0  # outlives a READ + claims bounded by HANDSHAKE_TIMEOUT_S
+DECODE_EXTRA = {"handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
 PROBE = f"{__name__}.PDProbe"
 BAD_SIGNS = ("pd_lease_expired", "pd_read_outlived_lease", "[pd_read:", "[pd_refused]", "[pd_release:",
              "P/D handshake with")
@@ -71,6 +94,23 @@ class PDProbe:
         return [[int(g.kv_cache_spec.block_size), 0 if lg is None else int(lg.object_bytes),
                  "Mamba" in type(g.kv_cache_spec).__name__]
                 for g, lg in zip(w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True)]
+
+    def hkv_pd_facts(self) -> list[list]:
+        """Per group: [Mamba?, kernel rows per region, state splits] as this rank's handshake
+        descriptor has them (what its provenance line's bytes are made of)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        from hybridkv.connector.pd_tp import region_rows
+
+        w = get_kv_transfer_group()._worker
+        out = []
+        for lg, desc in zip(w._transport.layout.groups, w._local.groups, strict=True):
+            if lg is None or desc is None:
+                out.append([False, [], []])
+            else:
+                out.append(["Mamba" in desc.spec, list(region_rows(desc.block_bytes, lg.kernel_rows)),
+                            [list(t) for t in desc.state_splits]])
+        return out
 
     def hkv_pd_shift_block(self, rank: str, group: str, victim: str, source: str) -> list[int]:
         """On TP rank ``rank`` only: block ``source``'s real KV over block ``victim`` in every
@@ -142,21 +182,84 @@ class LogTail:
         return data.decode(errors="replace")
 
 
-@pytest.mark.skipif(
-    os.environ.get("HYBRIDKV_E2E_TP_PROXY") != "1",
-    reason="opt-in (HYBRIDKV_E2E_TP_PROXY=1): on a 2-core machine 4 TP ranks + 2 API servers + the proxy "
-           "starve the prefill rank's gRPC handshake (connect timed out before the SETTINGS frame in 2 of 2 "
-           "lead runs, load average 50; side-channel stalls in 4 of 7 helper runs) and decode recomputes; the in-process TP2 -> TP2 "
-           "pair of tests/e2e/test_pd_tp.py covers the same hand-over in CI",
-)
-def test_qwen3next_tp2_to_tp2_through_the_proxy(tmp_path):
+def _turn_sizes(facts: list[list], geometry: list[list]) -> list[int]:
+    """Per group the bytes one block adds to a decode rank's provenance line: a whole
+    attention block, or the GDN states without the page padding (``state_bytes`` per layer)."""
+    from tests.e2e.test_pd_tp import state_bytes
+
+    return [sum(state_bytes(splits)) * len(rows) if mamba else nbytes
+            for (mamba, rows, splits), (_, nbytes, _) in zip(facts, geometry, strict=True)]
+
+
+def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed: int, prefill_tp: int,  # noqa: ANN001
+                decode_tp: int, label: str) -> list[tuple]:
+    """``turns`` agentic turns, each one POST to the proxy. Per turn: every decode rank logged
+    exactly one read line (provenance: the prefill ranks of its heads, blocks per group = what it
+    lacked, bytes = those blocks of its layout); decode's external hit == hand-over - its own hit
+    > 0, and from turn 2 its own hit >= the previous prompt's last checkpoint (cached >=
+    checkpoint); then a recompute on decode under a fresh cache_salt."""
+    from tests.e2e.engine_harness import Session, compare
+    from tests.e2e.test_pd_connector import _expected_blocks
+    from tests.e2e.test_pd_tp import provenance
+
+    geometries = _rpc(http, stack.decode.url, "hkv_pd_geometry")
+    facts = _rpc(http, stack.decode.url, "hkv_pd_facts")
+    assert len(geometries) == decode_tp, geometries
+    align = math.lcm(*(bs for bs, _, _ in geometries[0]))
+    sizes = [[(0, n, False) for n in _turn_sizes(f, g)] for f, g in zip(facts, geometries, strict=True)]
+    session = Session(seed=seed, **TURN_TOKENS)
+    rows, prev = [], 0
+    for turn in range(1, turns + 1):
+        prompt = session.prompt
+        hits_before = _counter(http, stack.decode.url, "vllm:prefix_cache_hits_total")
+        ext_before = _counter(http, stack.decode.url, "vllm:external_prefix_cache_hits_total")
+        decode_log.new(0)
+        t = time.monotonic()
+        got, prefill_hit = _completion(http.post(stack.url + "/v1/completions", json=_body(model, prompt),
+                                                 timeout=300))
+        leg_s = time.monotonic() - t
+        log = decode_log.new()
+        local_hit = int(_counter(http, stack.decode.url, "vllm:prefix_cache_hits_total") - hits_before)
+        pulled = int(_counter(http, stack.decode.url, "vllm:external_prefix_cache_hits_total") - ext_before)
+        handover = (len(prompt) - 1) // align * align
+        # Full attention keeps every block of a request (none is null), so what decode lacks
+        # is each block from its own hit to the hand-over, and the GDN state block.
+        every_block = [[1] * (len(prompt) // bs + 1) for bs, _, _ in geometries[0]]
+        want = _expected_blocks(geometries[0], every_block, local_hit, handover)
+        provenance(log, decode_tp, prefill_tp, want, sizes)
+        assert pulled == handover - local_hit > 0, (turn, pulled, handover, local_hit)
+        assert local_hit == 0 if turn == 1 else local_hit >= (prev - 1) // align * align, (turn, local_hit, prev)
+        t = time.monotonic()
+        ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                       json=_body(model, prompt, cache_salt=f"pd-tp-proxy-{label}-{uuid.uuid4()}")))
+        cmp = compare(got, ref)
+        rows.append((turn, len(prompt), handover, prefill_hit, local_hit, pulled, want, cmp.matches,
+                     f"{cmp.max_logprob_diff:.3g}", cmp.why, f"{leg_s:.1f}/{time.monotonic() - t:.1f} s"))
+        assert sum(want) > 0, rows[-1]
+        session.extend(got.token_ids)
+        prev = len(prompt)
+    print(f"\nP/D {label} (prefill TP{prefill_tp} -> decode TP{decode_tp}) through hybridkv proxy: turn, prompt, "
+          "hand-over, prefill's hit, decode's own hit, tokens pulled, blocks read per group (each rank), "
+          "matches_recompute, max logprob diff, why, proxy/recompute time")
+    for r in rows:
+        print("  ", *r)
+    return rows
+
+
+def _no_bad_signs(*paths) -> None:  # noqa: ANN002
+    for path in paths:
+        text = Path(path).read_text(errors="replace")
+        bad = [s for s in BAD_SIGNS if s in text]
+        assert not bad, f"{Path(path).name}: {bad}"
+
+
+def test_qwen3next_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
     import requests
 
     from hybridkv.cli.pd_stack import PDStack, pd_transfer_config, rank_cpus
     from hybridkv.store.cpu_affinity import usable_cpus
     from tests.e2e.engine_harness import Session, compare, tiny_model
-    from tests.e2e.test_pd_connector import _expected_blocks
-    from tests.e2e.test_pd_tp import _FAILED, _TP_LINE, observe_pd_tp, provenance
+    from tests.e2e.test_pd_tp import _FAILED, _TP_LINE, observe_pd_tp
 
     if len(usable_cpus()) < TP:
         pytest.fail(f"TP{TP} needs {TP} usable CPUs (one per rank), this runner has {sorted(usable_cpus())}")
@@ -164,8 +267,7 @@ def test_qwen3next_tp2_to_tp2_through_the_proxy(tmp_path):
     http = requests.Session()
     worker_args = [*SERVER_ARGS, "--worker-extension-cls", PROBE]
     prefill_config = pd_transfer_config("kv_producer") | {"kv_connector_extra_config": {"lease_s": LEASE_S}}
-    decode_config = pd_transfer_config("kv_consumer") | {
-        "kv_connector_extra_config": {"handshake_timeout_s": HANDSHAKE_TIMEOUT_S}}
+    decode_config = pd_transfer_config("kv_consumer") | {"kv_connector_extra_config": DECODE_EXTRA}
     with PDStack(tiny_model(KIND), max_model_len=2048, log_dir=tmp_path, prefill_tp=TP, decode_tp=TP,
                  prefill_args=worker_args, decode_args=worker_args, prefill_config=prefill_config,
                  decode_config=decode_config) as stack:
@@ -176,41 +278,10 @@ def test_qwen3next_tp2_to_tp2_through_the_proxy(tmp_path):
         geometries = _rpc(http, stack.decode.url, "hkv_pd_geometry")
         assert len(geometries) == TP and geometries[0] == geometries[1], geometries  # same shares per rank
         assert sorted(m for _, _, m in geometries[0]) == [False, True], geometries  # GDN + full attention
-        align = math.lcm(*(bs for bs, _, _ in geometries[0]))
         dense = next(g for g, (_, _, mamba) in enumerate(geometries[0]) if not mamba)
         decode_log = LogTail(Path(stack.decode.log_path))
-        session = Session(seed=45, **TURN_TOKENS)
-        rows = []
-        for turn in range(1, 4):
-            prompt = session.prompt
-            hits_before = _counter(http, stack.decode.url, "vllm:prefix_cache_hits_total")
-            decode_log.new(0)
-            t = time.monotonic()
-            got, prefill_hit = _completion(http.post(stack.url + "/v1/completions", json=_body(model, prompt),
-                                                     timeout=300))
-            leg_s = time.monotonic() - t
-            log = decode_log.new()
-            local_hit = int(_counter(http, stack.decode.url, "vllm:prefix_cache_hits_total") - hits_before)
-            handover = (len(prompt) - 1) // align * align
-            # Full attention keeps every block of a request (none is null), so what decode lacks
-            # is each block from its own hit to the hand-over, and the GDN state block.
-            every_block = [[1] * (len(prompt) // bs + 1) for bs, _, _ in geometries[0]]
-            want = _expected_blocks(geometries[0], every_block, local_hit, handover)
-            provenance(log, TP, TP, want, geometries)
-            t = time.monotonic()
-            ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
-                                           json=_body(model, prompt, cache_salt=f"pd-tp-proxy-{uuid.uuid4()}")))
-            cmp = compare(got, ref)
-            rows.append((turn, len(prompt), handover, prefill_hit, local_hit, want, cmp.matches,
-                         f"{cmp.max_logprob_diff:.3g}", cmp.why, f"{leg_s:.1f}/{time.monotonic() - t:.1f} s"))
-            assert sum(want) > 0 and want[dense] > 0, rows[-1]
-            session.extend(got.token_ids)
-        print(f"\nP/D {KIND} TP{TP} -> TP{TP} through hybridkv proxy (boot {boot_s:.0f} s): turn, prompt, "
-              "hand-over, prefill's hit, decode's own hit, blocks read per group (each rank), matches_recompute, "
-              "max logprob diff, why, proxy/recompute time")
-        for r in rows:
-            print("  ", *r)
-        assert [r[6] for r in rows] == [True] * 3, rows
+        rows = proxy_turns(http, stack, model, decode_log, 3, 45, TP, TP, "qwen3next-tp2-tp2")
+        assert [r[7] for r in rows] == [True] * 3, rows
 
         # Control: one full-attention block of prefill rank 1 holds another block's real KV.
         prompt = Session(seed=46, **TURN_TOKENS).prompt
@@ -232,12 +303,25 @@ def test_qwen3next_tp2_to_tp2_through_the_proxy(tmp_path):
         assert len(_TP_LINE.findall(log)) == TP and not _FAILED.search(log), \
             "both decode ranks must have read the planted prompt's blocks"
         assert not cmp.matches, "prefill rank 1's shifted block went unnoticed: its KV is not what decode used"
-        for path in (stack.prefill.log_path, stack.decode.log_path):
-            text = Path(path).read_text(errors="replace")
-            bad = [s for s in BAD_SIGNS if s in text]
-            assert not bad, f"{Path(path).name}: {bad}"
-    observe_pd_tp("qwen3next-tp2-tp2-proxy", [r[5] for r in rows])
-    print(f"total {time.monotonic() - t0:.0f} s")
+        _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
+        tp2_s = time.monotonic() - t0
+
+        # Across TP sizes: the decode tier replaced by a TP1 instance with allow_mamba_cross_tp
+        # (forwarded by PDStack), on the proxy's --decode port; the TP2 prefill keeps running.
+        t1 = time.monotonic()
+        stack.replace_decode(1, decode_config=decode_config, decode_args=worker_args, allow_mamba_cross_tp=True)
+        swap_s = time.monotonic() - t1
+        decode_log = LogTail(Path(stack.decode.log_path))
+        cross = proxy_turns(http, stack, model, decode_log, 2, 47, TP, 1, "qwen3next-tp2-tp1")
+        _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
+        assert "allow_mamba_cross_tp is ON" in Path(stack.decode.log_path).read_text(errors="replace")
+    observe_pd_tp("qwen3next-tp2-tp2-proxy", [r[6] for r in rows])
+    observe("pd-tp", "qwen3next-tp2-tp1-proxy", {
+        "blocks per group, turns 1-3 (SW, FA / Mamba, FA)": " ".join("[" + ",".join(map(str, r[6])) + "]"
+                                                                    for r in cross),
+        "= recompute": f"provenance + bytes {len(cross)}/{len(cross)}; output not asserted"})
+    print(f"boot {boot_s:.0f} s, TP2 -> TP2 part {tp2_s:.0f} s, decode replaced by TP1 in {swap_s:.0f} s, "
+          f"total {time.monotonic() - t0:.0f} s")
 
 
 def test_rank_cpus_gives_each_rank_its_cores_or_unbinds():
@@ -252,6 +336,26 @@ def test_rank_cpus_gives_each_rank_its_cores_or_unbinds():
     assert rank_cpus(2, 2, {0, 1}) == ("nobind", "nobind")  # fewer cores than ranks: not pinned
     assert rank_cpus(2, 1, {0, 1}) == ("nobind", "nobind")
     assert rank_cpus(2, 2, {0}) is None and rank_cpus(1, 1, {0}) is None
+
+
+def test_unbound_ranks_get_their_share_of_openmp_threads(monkeypatch):
+    """Fewer cores than ranks: each rank's OMP_NUM_THREADS is its share (>= 1), so 4 ranks on
+    2 cores run 4 OpenMP threads, not 8 spin-waiting ones; bound ranks and a user's own
+    setting are left alone."""
+    from hybridkv.cli.pd_stack import disjoint_core_envs
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    both = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    assert disjoint_core_envs(2, 2, {0, 1}) == (both, both)
+    assert disjoint_core_envs(2, 1, {0, 1}) == (both, both)
+    assert disjoint_core_envs(2, 2, set(range(8))) == ({"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"},
+                                                       {"VLLM_CPU_OMP_THREADS_BIND": "4-5|6-7"})
+    assert disjoint_core_envs(1, 1, {0, 1}) == ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert disjoint_core_envs(2, 2, {0, 1}) == ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"},) * 2
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert disjoint_core_envs(2, 2, {0, 1}) == ({}, {})
 
 
 def test_pd_stack_passes_each_side_its_tp_size_and_args(tmp_path, monkeypatch):
@@ -290,3 +394,28 @@ def test_pd_stack_forwards_allow_mamba_cross_tp_to_decode_only(tmp_path, monkeyp
     assert mine["kv_connector_extra_config"] == {"handshake_timeout_s": 9.0}  # the caller's dict as given
     assert {k: v for k, v in _extra(merged.decode).items() if k != "allow_mamba_cross_tp"} == \
         mine["kv_connector_extra_config"]
+
+
+def test_pd_stack_replace_decode_keeps_port_and_secret_and_sets_the_new_size(tmp_path, monkeypatch):
+    """What the cross-TP case below relies on, without an engine: the replacement decode
+    listens where the proxy sends (same port), holds the stack's secret, runs at the new TP
+    size with the switch on, and the old log is kept. ``VllmServer.start`` is recorded here
+    instead of booting (the e2e case boots it for real)."""
+    from hybridkv.cli import server as server_mod
+    from hybridkv.cli.pd_stack import PDStack
+    from hybridkv.connector.pd_auth import SECRET_FILE_ENV
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    started = []
+    monkeypatch.setattr(server_mod.VllmServer, "start", lambda self: started.append(self))
+    stack = PDStack("m", log_dir=tmp_path, prefill_tp=2, decode_tp=2, decode_args=["--d"])
+    old = stack.decode
+    old.log_path.write_text("old decode log")
+    kept = stack.replace_decode(1, decode_args=["--e"], allow_mamba_cross_tp=True)
+    assert started == [stack.decode] and stack.decode is not old
+    assert stack.decode.port == old.port and stack.decode.url == old.url  # the proxy's --decode URL
+    assert stack.decode.extra_env[SECRET_FILE_ENV] == old.extra_env[SECRET_FILE_ENV] \
+        == str(stack.secret_file)
+    assert "--tensor-parallel-size" not in stack.decode.command() and stack.decode.command()[-1] == "--e"
+    assert _extra(stack.decode)["allow_mamba_cross_tp"] is True and "allow_mamba_cross_tp" not in _extra(old)
+    assert kept == tmp_path / "decode.1.log" and kept.read_text() == "old decode log"
