@@ -403,7 +403,7 @@ def test_external_master_restart_under_two_clients_recovers_both() -> None:
 
     m = EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS)
     env = dict(os.environ, GLOG_minloglevel="2")
-    procs = [subprocess.Popen([sys.executable, "-c", _RESTART_CLIENT, m.address, name, "14"], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", _RESTART_CLIENT, m.address, name, "90"], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True, env=env) for name in ("a", "b")]
     rows: dict[str, list[dict]] = {"a": [], "b": []}
     ready: list[str] = []
@@ -417,11 +417,11 @@ def test_external_master_restart_under_two_clients_recovers_both() -> None:
     for t in readers:
         t.start()
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # a loaded 2-core box starts processes slowly
         while len(ready) < 2 or min(len(r) for r in rows.values()) < 5:
-            assert time.monotonic() < deadline, "clients did not start"
+            assert time.monotonic() < deadline, f"clients did not start: {ready}, {[len(r) for r in rows.values()]}"
             time.sleep(0.05)
-        assert sorted(_master_http(m, "/get_all_segments").split()) and len(_master_http(m, "/get_all_segments").split()) == 2
+        assert len(_master_http(m, "/get_all_segments").split()) == 2
         m.kill()
         time.sleep(1.0)
         m.restart()  # same rpc (and metrics) port: the clients keep their address
@@ -429,8 +429,9 @@ def test_external_master_restart_under_two_clients_recovers_both() -> None:
         time.sleep(RESTART_RECOVERY_S + 1.0)
         segments = _master_http(m, "/get_all_segments").split()
         keys = set(_master_http(m, "/get_all_keys").split())
-        for p in procs:
-            p.wait(timeout=40)
+        for p in procs:  # enough seen: stop them (no close(): it only costs seconds here)
+            p.kill()
+            p.wait(timeout=10)
         for t in readers:
             t.join(timeout=5)
     finally:
@@ -447,5 +448,5 @@ def test_external_master_restart_under_two_clients_recovers_both() -> None:
         # No relapse once recovered, and what it wrote is held by the new master.
         later = [r for r in after if r["t"] >= ok[0]["t"]]
         assert all(r["rc"] == 0 and r["seen"] is True for r in later), (name, [r for r in later if r["rc"]][:5])
-        assert {r["key"] for r in later if r["t"] < t_restart + RESTART_RECOVERY_S + 1.0} <= keys
+        assert {r["key"] for r in later if r["t"] < t_restart + RESTART_RECOVERY_S + 0.5} <= keys  # (read at +6 s)
         assert later[-1]["epoch"] == 1  # the marker vanished once: state kept beside the store is dropped
