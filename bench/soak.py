@@ -23,7 +23,8 @@ more store node (a process contributing a segment), so it can fault both:
     after-kill      (phase-s)
 
 ``--sessions`` agentic sessions (the demo's seeded Trajectory: each turn re-sends the previous
-prompt + answer + a new chunk) run concurrently, one request at a time each, with a small local
+prompt + answer + a new chunk) run concurrently, one request at a time each (``--think-s`` between
+an answer and the session's next turn), with a small local
 KV cache so later turns must come from the store; each session runs ``cycle`` trajectories in
 turn (re-running one re-reads its old objects). Per phase: requests, failures (HTTP error or
 empty answer; the policy is recompute, so the target is 0), p50/p99 TTFT, prompt-token hit rate,
@@ -45,9 +46,10 @@ instances) and one more, after them:
 
     prefill-kill        (-)    a burst of ``pd_burst`` fresh long prompts sent through the
                                proxy's two legs by hand; once every decode leg is posted, the
-                               prefill's process group is SIGKILLed (the decode holds leases it
-                               has not read: :func:`prefill_kill_mid_read` says how that is
-                               proven), then the prefill is started again on its port
+                               prefill's process group is frozen (SIGSTOP: no READ of it can
+                               complete) and SIGKILLed once the decode has issued READs of it
+                               (:func:`prefill_kill_mid_read` says how that is proven), then the
+                               prefill is started again on its port
     after-prefill-kill  (phase-s)
 
 Requests the proxy answers 502 "prefill instance ... unreachable" while the prefill is down
@@ -63,7 +65,9 @@ master is not restarted after the SIGKILL), ``leak-master`` (the restarted maste
 at shutdown), ``sealed-corruption`` (the misplaced objects are re-sealed under the victim's key,
 so the trailer check passes: a verification hole), ``policy-fail`` (kv_load_failure_policy
 "fail" instead of "recompute"), ``no-prefill-restart`` (--pd: the killed prefill stays dead),
-``leak-prefill`` (--pd: the prefill server is not stopped at shutdown).
+``leak-prefill`` (--pd: the prefill server is not stopped at shutdown), ``kill-before-read``
+(--pd: the prefill is SIGKILLed as soon as it is frozen, without waiting for the decode to
+issue a READ).
 """
 
 from __future__ import annotations
@@ -95,12 +99,16 @@ PHASES = ("warm", "stop", "after-stop", "corrupt", "after-corrupt", "node-kill",
           "kill", "after-kill")
 STORE_FAULTS = ("stop", "corrupt", "node-kill", "kill")  # in this order; each followed by "after-<fault>"
 PD_FAULTS = (*STORE_FAULTS, "prefill-kill")
-PLANTS = ("no-restart", "leak-master", "sealed-corruption", "policy-fail", "no-prefill-restart", "leak-prefill")
+PLANTS = ("no-restart", "leak-master", "sealed-corruption", "policy-fail", "no-prefill-restart", "leak-prefill",
+          "kill-before-read")
 # Phases whose loads may meet wrong bytes (misplaced objects, a dead node's objects): sampled
 # DATA_FAULT_SAMPLES x more, since only the turns that loaded a faulted object can show it.
 DATA_FAULT_PHASES = ("corrupt", "after-corrupt", "node-kill", "after-node-kill")
 DATA_FAULT_SAMPLES = 3
-KILL_AFTER_POST_S = 0.05  # burst decode legs on the wire -> prefill SIGKILLed (prefill_kill_mid_read)
+# Runs before 2026-12-01 SIGKILLed the prefill this long after the burst's decode legs were posted
+# (their table says so when re-rendered); prefill_kill_mid_read now waits for evidence instead.
+OLD_KILL_AFTER_POST_S = 0.05
+POLL_S = 0.05  # prefill_kill_mid_read polls the decode's p2p admissions this often while the prefill is frozen
 SAMPLE_S = 2.0  # the sampler's period (RSS, threads, loaded blocks)
 KILL_GAP_S = 3.0  # master SIGKILLed -> new master started
 # Measured facts of Mooncake 0.3.13.post1 the recovery bound rests on (store/mooncake_backend.py):
@@ -155,6 +163,10 @@ class SoakConfig:
     pd_handshake_timeout_s: float = 2.0
     pd_burst: int = 3  # fresh long prompts whose READs the prefill kill cuts
     pd_burst_tokens: int = 1000
+    # A session's pause after each answered turn before its next request (an agent reading the
+    # answer or running a tool). 0: back to back (the full runs so far). Bounds that wait for a
+    # session's next turn include it.
+    think_s: float = 0.0
 
 
 def faults_of(cfg: SoakConfig) -> list[str]:
@@ -175,15 +187,17 @@ def phases_of(cfg: SoakConfig) -> list[str]:
 def pd_recovery_bound_s(cfg: SoakConfig, turn_s: float) -> float:
     """Longest P/D READs may take to land again once the restarted prefill is healthy.
 
-    The chain, each term a bound: a session's next turn starts (its failure back-off, 1 s);
-    a first turn whose decode leg READs from a peer entry of the dead prefill (same handshake
-    port reused) fails within ``pd_read_timeout_s`` and forgets the peer; the next turn's READ
-    handshakes afresh (``pd_handshake_timeout_s``) and lands; two turns (2 x ``turn_s``) and
-    the sampler's period (``SAMPLE_S``)::
+    The chain, each term a bound: a session's next turn starts (its failure back-off, 1 s, or
+    its think time, ``think_s``); a first turn whose decode leg READs from a peer entry of the
+    dead prefill (same handshake port reused) fails within ``pd_read_timeout_s`` and forgets
+    the peer; the next turn's READ handshakes afresh (``pd_handshake_timeout_s``) and lands;
+    two turns (2 x ``turn_s``) and the sampler's period (``SAMPLE_S``)::
 
-        bound = 1 + read_timeout_s + handshake_timeout_s + 2 turn_s + 2.0
-    """
-    return 1.0 + cfg.pd_read_timeout_s + cfg.pd_handshake_timeout_s + 2 * turn_s + SAMPLE_S
+        bound = max(1, think_s) + read_timeout_s + handshake_timeout_s + 2 turn_s + 2.0
+
+    The phase after the prefill's restart lasts at least this long (+ one sampler period), so
+    a recovery inside the bound is always seen."""
+    return max(1.0, cfg.think_s) + cfg.pd_read_timeout_s + cfg.pd_handshake_timeout_s + 2 * turn_s + SAMPLE_S
 
 
 def retry_after_s() -> float:
@@ -462,6 +476,7 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
     counters: dict[str, dict[str, float]] = {}
     corruption: dict[str, int] = {}
     burst: dict = {}
+    exited: dict[str, int] = {}  # server -> return code, for one that exited before shutdown
     server_pids: dict[int, float] = {}  # every server process seen -> create time
     offsets: dict[str, float] = {}  # a restarted server's counters before its restart
     phase = {"name": "warm"}
@@ -523,6 +538,8 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
                         time.sleep(1.0)
                 else:
                     turn += 1
+                if ok and cfg.think_s:
+                    stop_all.wait(cfg.think_s)
 
         def tree(s) -> list:  # noqa: ANN001 - VllmServer -> psutil.Process list
             proc_ = s.proc
@@ -618,7 +635,13 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
             enter(name)
             actions[name]()
             enter(f"after-{name}")
-            time.sleep(cfg.phase_s)
+            hold = cfg.phase_s
+            if name == "prefill-kill":  # long enough to see P/D READs back within their bound
+                with lock:
+                    warm_turn = max((r["latency_s"] for r in records if r["phase"] == "warm" and r.get("ok")),
+                                    default=0.0)
+                hold = max(hold, pd_recovery_bound_s(cfg, warm_turn) + SAMPLE_S)
+            time.sleep(hold)
         counters["end"] = all_counters()
         stop_all.set()
         for w in workers:
@@ -660,6 +683,11 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
     finally:
         stop_all.set()
         if stack is not None:
+            # A server that exited on its own before shutdown (e.g. its engine died): a finding.
+            for name, s in servers.items():
+                if s.proc is not None and s.proc.poll() is not None:
+                    exited[name] = s.proc.returncode
+                    say(f"  the {name} server had exited on its own (rc {s.proc.returncode}); log {s.log_path}")
             if "leak-prefill" in cfg.plant and stack.prefill.proc is not None:
                 say(f"  PLANTED: the prefill (pid {stack.prefill.proc.pid}) is not stopped at shutdown")
                 stack.prefill.proc = None
@@ -691,33 +719,44 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
 
     doc = summarize(cfg, records, samples, events, counters, checks, corruption, left_procs, left_dirs, burst)
     doc["wall_s"] = time.monotonic() - t_start
+    doc["servers_exited"] = exited
     write_results(doc, records, out)
     return doc
 
 
 def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records: list[dict],  # noqa: ANN001
                           completions: dict, lock: threading.Lock, say) -> dict:  # noqa: ANN001
-    """SIGKILL the prefill while the decode holds hand-overs it has not finished reading.
+    """SIGKILL the prefill while the decode has READs of it in flight.
 
-    How a READ is made to be in flight: ``pd_burst`` fresh prompts of ``pd_burst_tokens``
-    tokens go the proxy's two legs by hand (cli/proxy.py's own ``prefill_request`` /
-    ``decode_request``): each prefill leg returns its lease (the prefill keeps the blocks),
-    then each decode leg is posted to the decode server; once every decode leg is on the wire
-    (plus ``KILL_AFTER_POST_S`` for the decode to schedule them) the prefill's process group
-    is SIGKILLed. The proof is the decode log (its provenance line is printed only for a READ
-    that completed, its lease claim granted): of the burst's hand-overs, those without the
-    line were in flight when the prefill died; they must be answered all the same (policy
-    recompute) and equal a salted recompute (sampled always). The burst's turns are records
-    with ``slot`` -1."""
+    How a READ is made to be in flight, and shown to be: ``pd_burst`` fresh prompts of
+    ``pd_burst_tokens`` tokens go the proxy's two legs by hand (cli/proxy.py's own
+    ``prefill_request`` / ``decode_request``): each prefill leg returns its lease (the prefill
+    keeps the blocks). Then the prefill's counters are read, the decode legs are posted and
+    the prefill's process group is frozen (SIGSTOP) at once: from then on no READ of it can
+    complete (its lease claim cannot be answered; the claim is bounded by
+    ``pd_handshake_timeout_s``, the READ by ``pd_read_timeout_s``). The decode's
+    ``prompt_tokens_cached_by_source{source="p2p"}`` counts a P/D hit at admission, the step
+    its READ job goes to the worker: the prefill is SIGKILLed as soon as that counter has
+    grown by the burst's hand-over tokens since the freeze, or ``pd_handshake_timeout_s / 2``
+    after it first grew (so the first READ issued cannot have timed out on its own), or after
+    ``pd_read_timeout_s`` at the latest. ``reads_issued_at_kill``: the tokens admitted while
+    frozen (> 0: a READ was in flight when the prefill died). Per burst turn the decode log
+    then says which were cut: no provenance line (printed only for a READ whose claim was
+    granted) and a READ failure line for its request. They must be answered all the same
+    (policy recompute) and equal a salted recompute (sampled always). The burst's turns are
+    records with ``slot`` -1. Before 2026-12-01 the kill came a fixed 0.05 s after the
+    posts, behind a scrape of the busy prefill's /metrics: once the READs finished first."""
     import requests
 
-    from hybridkv.cli.agentic_demo import Completion, Trajectory, _absorb_choice
+    from hybridkv.cli.agentic_demo import Client, Completion, Trajectory, _absorb_choice
     from hybridkv.cli.proxy import decode_request, prefill_request
 
     n = cfg.pd_burst
-    legs_posted = threading.Barrier(n + 1)
+    prefilled = threading.Barrier(n + 1)  # every prefill leg answered
+    go = threading.Barrier(n + 1)  # counters read: post the decode legs
     results: list[dict] = [{} for _ in range(n)]
     decode_log = stack.decode.log_path
+    decode_probe = Client(stack.decode.url, timeout_s=5)
 
     def one(k: int) -> None:
         traj = Trajectory(900_000 + 1000 * k + 100_000 * cfg.seed, cfg.pd_burst_tokens, cfg.growth_tokens)
@@ -733,9 +772,11 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
                 r.raise_for_status()
                 params = r.json().get("kv_transfer_params") or {}
                 res["handover_blocks"] = sum(len(g) for g in params.get("remote_block_ids") or [])
+                res["handover_tokens"] = int(params.get("remote_num_tokens") or 0)
                 res["prefill_request_id"] = params.get("remote_request_id")
                 dreq = decode_request(body, r.json())
-                legs_posted.wait(timeout=120)
+                prefilled.wait(timeout=120)
+                go.wait(timeout=120)
                 res["decode_posted"] = time.monotonic() - t0
                 d = http.post(stack.decode.url + "/v1/completions", json=dreq, timeout=120)
             if d.status_code != 200:
@@ -754,45 +795,75 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
         except Exception as e:  # noqa: BLE001 - counted as a failure
             ok, c = False, None
             rec.update(ok=False, error=f"burst: {type(e).__name__}: {str(e)[:200]}")
-            try:
-                legs_posted.abort()
-            except Exception:  # noqa: BLE001
-                pass
+            for b in (prefilled, go):
+                try:
+                    b.abort()
+                except Exception:  # noqa: BLE001
+                    pass
         rec["latency_s"] = time.monotonic() - start
         with lock:
             records.append(rec)
             if ok:
                 completions[len(records) - 1] = (prompt, c)
 
+    def p2p() -> float:
+        return metric_sum(_metrics_text(decode_probe), "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+
     threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(n)]
     for th in threads:
         th.start()
     try:
-        legs_posted.wait(timeout=120)
+        prefilled.wait(timeout=120)
     except threading.BrokenBarrierError:
-        say("  burst: a prefill leg failed; killing the prefill anyway")
-    time.sleep(KILL_AFTER_POST_S)
-    from hybridkv.cli.agentic_demo import Client
-
+        say("  burst: a prefill leg failed; freezing and killing the prefill anyway")
+    # Read while the prefill still answers: its counters (kept in the totals after it dies).
     prefill_counters = _counters(_metrics_text(Client(stack.prefill.url, timeout_s=5)), pd=True)
     log_at_kill = _log_size(decode_log)
     reads_before = pd_read_outcomes(_log_lines(decode_log))["completed"]
+    base = p2p()
+    expected = sum(r.get("handover_tokens", 0) for r in results)
+    group = stack.prefill.proc.pid if stack.prefill.proc is not None else None
+    try:
+        go.wait(timeout=120)
+    except threading.BrokenBarrierError:
+        pass
+    if group is not None:
+        os.killpg(group, signal.SIGSTOP)  # from here on no READ of it completes
+    frozen = time.monotonic()
+    first_growth = None
+    issued = 0.0
+    while "kill-before-read" not in cfg.plant:
+        now = time.monotonic()
+        got = p2p() - base
+        if got == got and got > 0:  # not NaN
+            issued = got
+            first_growth = first_growth or now
+        if ((expected and issued >= expected) or now - frozen >= cfg.pd_read_timeout_s
+                or (first_growth is not None and now - first_growth >= cfg.pd_handshake_timeout_s / 2)):
+            break
+        time.sleep(POLL_S)
     stack.kill_prefill()
-    killed_at = time.monotonic() - t0
-    say(f"  prefill SIGKILLed with {n} burst decode legs posted")
+    killed = time.monotonic()
+    killed_at = killed - t0
+    say(f"  prefill frozen when {n} burst decode legs were posted, SIGKILLed {killed - frozen:.2f} s later "
+        f"(decode admitted {issued:.0f} P/D tokens meanwhile; the burst handed over {expected})")
     for th in threads:
         th.join(timeout=150)
     lines = _log_lines(decode_log)
     for res in results:
         rid = res.get("decode_request_id")
-        res["read_completed"] = bool(rid) and any(PD_READ_LINE in ln and f" for {rid}" in ln for ln in lines)
-        res["log_lines"] = [ln[-300:] for ln in lines if rid and rid in ln and "hybridkv P/D" in ln][:4]
-    in_flight = [r for r in results if r.get("handover_blocks") and not r["read_completed"]]
-    say(f"  burst: {len(in_flight)} of {n} hand-overs not read when the prefill died "
-        f"({sum(bool(r.get('handover_blocks')) for r in results)} handed over)")
+        mine = [ln for ln in lines if rid and rid in ln and "hybridkv P/D" in ln]
+        res["read_completed"] = any(PD_READ_LINE in ln and " blocks (" in ln for ln in mine)
+        res["read_failed"] = any(any(m in ln for m in PD_FAIL_MARKS) for ln in mine)
+        res["log_lines"] = [ln[-300:] for ln in mine][:4]
+    in_flight = [r for r in results if r.get("handover_blocks") and not r["read_completed"] and r["read_failed"]]
+    say(f"  burst: {len(in_flight)} of {n} hand-overs cut by the kill (no provenance line, a READ failure line; "
+        f"{sum(bool(r.get('handover_blocks')) for r in results)} handed over)")
     return {"killed_at": killed_at, "requests": results, "in_flight_at_kill": len(in_flight),
             "handed_over": sum(bool(r.get("handover_blocks")) for r in results), "decode_log_at_kill": log_at_kill,
-            "decode_reads_completed_before_kill": reads_before, "prefill_counters": prefill_counters}
+            "decode_reads_completed_before_kill": reads_before, "prefill_counters": prefill_counters,
+            "frozen_s": killed - frozen, "reads_issued_at_kill": issued, "handover_tokens": expected,
+            "first_read_issued_after_s": None if first_growth is None else first_growth - frozen}
 
 
 def loads_back_after(samples: list[dict], t: float | None) -> float | None:
@@ -955,9 +1026,14 @@ def table(doc: dict) -> str:
         b = doc.get("burst") or {}
         reads = b.get("decode_reads_after_kill") or {}
         lines += [f"prefill SIGKILL mid-READ: {b.get('handed_over', 0)} burst hand-overs "
-                  f"({c['pd_burst_tokens']} tokens each) posted to decode, prefill killed "
-                  f"{KILL_AFTER_POST_S:g} s later: {b.get('in_flight_at_kill', 0)} of them not read when it died "
-                  f"(no provenance line in the decode log); decode log after the kill: "
+                  f"({c['pd_burst_tokens']} tokens each) posted to decode, "
+                  + (f"prefill frozen at once and SIGKILLed {_f(b.get('frozen_s'), '.2f')} s later, decode "
+                     f"having admitted {_f(b.get('reads_issued_at_kill'), '.0f')} P/D tokens (READs in flight) "
+                     f"meanwhile: {b.get('in_flight_at_kill', 0)} of them cut by the kill (no provenance line, a "
+                     "READ failure line in the decode log)" if "frozen_s" in b else
+                     f"prefill killed {OLD_KILL_AFTER_POST_S:g} s later: {b.get('in_flight_at_kill', 0)} of them "
+                     "not read when it died (no provenance line in the decode log)")
+                  + "; decode log after the kill: "
                   f"{reads.get('failed_or_discarded', 0)} READ failure/discard lines, "
                   f"{reads.get('completed', 0)} completed READs",
                   f"prefill healthy again {_f(doc.get('prefill_restart_s'))} s after the kill; P/D READs land again "
@@ -1076,6 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only these faults (repeatable; default all of the mode's)")
     p.add_argument("--pd-decode-order", default=d.pd_decode_order, choices=["pd,store", "store,pd"])
     p.add_argument("--pd-burst", type=int, default=d.pd_burst)
+    p.add_argument("--think-s", type=float, default=d.think_s,
+                   help="a session's pause between an answer and its next turn (default 0: back to back)")
     p.add_argument("--plant", action="append", default=[], choices=PLANTS,
                    help="a planted fault (shows a check can fail; never for results)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"),
@@ -1092,7 +1170,7 @@ def main(argv: list[str] | None = None) -> int:
                      max_tokens=args.max_tokens, num_gpu_blocks=args.num_gpu_blocks, timeout_s=args.timeout_s,
                      kind=args.kind, cycle=args.cycle, corrupt_fraction=args.corrupt_fraction,
                      samples=args.samples, plant=list(args.plant), faults=list(args.faults), pd=args.pd,
-                     pd_decode_order=args.pd_decode_order, pd_burst=args.pd_burst)
+                     pd_decode_order=args.pd_decode_order, pd_burst=args.pd_burst, think_s=args.think_s)
     run_soak(cfg, pathlib.Path(args.out), keep_log=args.keep_log)
     return 0
 
