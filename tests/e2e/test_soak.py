@@ -61,9 +61,13 @@ CI = SoakConfig(sessions=5, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_
 # asked Linux for the AMX tile state; HybridPDConnector's workers now ask, allow_amx). Before
 # (4) 2 of 2 runs here failed "READs resumed after None s" with the prefill's engine dead
 # (worker exit -4, SIGILL) right after it was healthy; stop 14's "135 s restart" then no READs fits it too.
-# After: 3 of 3 in a row passed under the engine lock, 170 / 203 / 192 s (2026-12-01, helper-30):
-# each time 3 of 3 burst READs in flight at the kill (prefill frozen 0.65 / 0.36 / 0.73 s, 2688-3200
-# P/D tokens admitted meanwhile), READs back 3.5 / 3.0 / 4.9 s after the restart, 0 failures.
+# After: 4 of 4 in a row passed under the engine lock, 170 / 203 / 192 / 152 s (2026-12-01, helper-30):
+# each time 3 of 3 burst READs in flight at the kill (prefill frozen 0.36-0.73 s, 2688-3200 P/D
+# tokens admitted meanwhile), READs back 3.0-4.9 s after the restart, 0 failures. Plants
+# policy-fail + kill-before-read + no-prefill-restart in one run: "prefill-kill: 4 of 6 requests
+# failed", "after-prefill-kill: 4 of 56", "no READ was issued while the prefill was frozen (0.0 in
+# 0.48 s)", "no hand-over was cut by the kill", "0 of 3 burst turns compared", "P/D READs resumed
+# after None s".
 CI_PD = SoakConfig(sessions=4, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_blocks=64, samples=2,
                    pd=True, faults=["stop", "prefill-kill"], think_s=2.0)
 
