@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.connector.block_copies import block_copy_views, redo_block_copies
 from hybridkv.connector.block_layout import layer_specs
+from hybridkv.connector.cpu_amx import allow_amx
 from hybridkv.connector.pd_auth import load_key
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
@@ -132,30 +133,6 @@ def _mamba_problem(cfg: PDConnectorConfig, kv_cache_config: "KVCacheConfig", mam
             "in bfloat16), so outputs can differ from a local recompute", engine_id, list(mamba),
             f"; NOT for this model ({problem})" if problem else "")
     return problem
-
-
-def allow_amx() -> bool:
-    """Request this process's AMX tile permission from Linux before its first forward.
-
-    Why: on a CPU with AMX, Linux delivers SIGILL to a process whose first AMX instruction
-    comes before it asked for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM). oneDNN asks on
-    its first bf16 matmul; vLLM 0.32's CPU attention does not. So a CPU worker whose FIRST
-    forward is one token over a cached prefix died with SIGILL (exit -4): a restarted prefill
-    whose first request is a store hit of all but the prompt's last token, which the P/D
-    prefill's cut to the hand-over + 1 makes the usual case (bench/soak.py --pd, the prefill
-    restarted after its SIGKILL: 2 of 2 runs, 2026-12-01). True when the permission is held."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    import torch
-
-    init = getattr(torch.cpu, "_init_amx", None)
-    try:
-        return bool(init()) if init is not None else False
-    except Exception as e:  # noqa: BLE001 - a CPU without AMX, or a torch without the call
-        logger.debug("hybridkv: AMX permission not requested: %s", e)
-        return False
 
 
 class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):

@@ -23,6 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.connector.block_copies import block_copy_views, redo_block_copies
 from hybridkv.connector.block_layout import layer_specs
+from hybridkv.connector.cpu_amx import allow_amx
 from hybridkv.connector.store_config import (
     ConfigError,
     StoreConnectorConfig,
@@ -123,6 +124,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+            allow_amx()  # before this worker's first forward (a full store hit leaves 1 token; see allow_amx)
             schema = store_key_schema(
                 vllm_config,
                 kv_cache_config,

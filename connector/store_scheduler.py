@@ -443,7 +443,10 @@ class StoreScheduler:
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """Release pins of save jobs every worker has finished; remember failed loads."""
         failed = output.failed_recving or set()
-        self._load_failed.update((r, True) for r in failed if r in self._requests)
+        # Only this connector's own loads. Under MultiConnector every child sees every
+        # child's failed loads: a failed P/D READ must not stop the store from offering its
+        # copy of the prefix to the recompute (the P/D scheduler defers its own failures).
+        self._load_failed.update((r, True) for r in failed if r in self._load_keys and r in self._requests)
         for r in output.finished_recving or ():
             self._ledger.load_done(r, r not in failed)  # a set over workers: once per request
             keys = self._load_keys.pop(r, ())

@@ -386,3 +386,20 @@ def test_loads_failing_together_do_not_stall_the_engine(store, num_blocks):
     assert out.num_scheduled_tokens, (
         f"engine stalled: free {sched.kv_cache_manager.block_pool.get_num_free_blocks()}, "
         f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in reqs]}")
+
+
+def test_a_failed_load_of_another_connector_does_not_stop_store_hits(store):
+    """Under MultiConnector every child sees every child's ``failed_recving``. A P/D READ
+    that failed (not a store load) must leave the store free to offer its copy of the
+    prefix to the recompute, and must not be deferred by the store (the P/D scheduler
+    defers its own failures). Planted: marking every failed id -> the store answers 0."""
+    geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096)
+    sched = _scheduler(geo, store[0], store[3], "foreign-fail", policy="recompute")
+    conn = sched.connector._scheduler
+    req = _request("foreign-fail-0", random.Random(77).choices(range(3, 30000), k=300))
+    _fill_for(sched, store, req, 288)
+    conn.on_new_request(req)
+    conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
+                                                   failed_recving={req.request_id}))
+    assert conn._load_failed == {}
+    assert conn.get_num_new_matched_tokens(req, 0) == (288, True)
