@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import logging
 import secrets
 import threading
@@ -793,26 +794,30 @@ class _Channels:
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._by_address: OrderedDict[str, grpc.Channel] = OrderedDict()
+        self._by_address: OrderedDict[tuple[str, int], grpc.Channel] = OrderedDict()
         self.opened = 0  # channels created (tests and bounds)
 
-    def get(self, address: str) -> grpc.Channel:
+    def get(self, address: str, connect_timeout_s: float = 20.0) -> grpc.Channel:
+        """``connect_timeout_s``: how long a new connection may wait for the peer's HTTP/2
+        SETTINGS (gRPC's default is 20 s whatever the call's deadline; the caller's bound)."""
+        key = (address, max(1000, math.ceil(connect_timeout_s * 1000)))
         with self._lock:
-            channel = self._by_address.get(address)
+            channel = self._by_address.get(key)
             if channel is not None:
-                self._by_address.move_to_end(address)
+                self._by_address.move_to_end(key)
                 return channel
-            channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = grpc.insecure_channel(address, options=[*_CHANNEL_OPTIONS,
+                                                              ("grpc.min_reconnect_backoff_ms", key[1])])
             self.opened += 1
-            self._by_address[address] = channel
+            self._by_address[key] = channel
             while len(self._by_address) > self._capacity:
                 self._by_address.popitem(last=False)
             return channel
 
     def drop(self, address: str, channel: grpc.Channel) -> None:
         with self._lock:
-            if self._by_address.get(address) is channel:
-                del self._by_address[address]
+            for key in [k for k, c in self._by_address.items() if k[0] == address and c is channel]:
+                del self._by_address[key]
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -827,7 +832,7 @@ def _call(address: str, method: str, obj: dict[str, Any], timeout_s: float, key:
     answer's MAC checked (raises :class:`HandshakeError` if it is missing or wrong)."""
     body = json.dumps({**obj, "nonce": secrets.token_hex(16)}).encode()
     metadata = () if key is None else ((MAC_METADATA, request_mac(key, method, body)),)
-    channel = _channels.get(address)
+    channel = _channels.get(address, timeout_s)
     try:
         answer, call = channel.unary_unary(
             f"/{SERVICE}/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
