@@ -107,7 +107,7 @@ master 2.05 s with ``MC_RPC_TIMEOUT_MS=2000``. Under the P/D + store soak such 3
 (ending with "ClientSession: no transfer progress within 30s") kept a prefill's blocks pinned
 with its small cache otherwise held by P/D leases, and every session stalled ~30 s. So the
 backend sets those three waits to ``stall_bound_s`` (default: ``timeout_s`` rounded up to whole
-seconds, at least 1) before the client starts; a value the operator put in the environment
+seconds, at least ``STALL_FLOOR_S`` = 10: at 1-2 s a loaded master failed RPCs it would have answered) before the client starts; a value the operator put in the environment
 (before hybridkv was imported) is kept. The variables are process-wide and Mooncake reads them
 when a client starts / a connection is made: the latest client's bound applies, which is the
 supported case (one client per process); ``stall_bound_s`` reports the one in force. A transfer that makes no
@@ -523,20 +523,28 @@ STALL_ENV_S = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 STALL_ENV_MS = "MC_RPC_TIMEOUT_MS"
 
 
+# The shortest bound set: a master RPC that fails makes Mooncake's client ping fail, and 3
+# failed pings reconnect it (non-HA). At 1-2 s a 10 s master SIGSTOP, or a master slowed by a
+# loaded 2-core CI box, made master RPCs fail where they used to succeed (the final CI of stop
+# 15 failed test_pd_and_store_in_one_multiconnector_three_turns[2]: RPC_TIMEOUT task polls,
+# "prefill saved 0 of 16 objects"), and the store soak's hit rate after a master SIGSTOP fell to
+# 0.07 after a reconnect. 10 s still cuts Mooncake's 30 s waits to a third.
+STALL_FLOOR_S = 10
+
 # Set by the operator (present before hybridkv was imported): never overridden.
 _OPERATOR_STALL_ENV = frozenset(n for n in (*STALL_ENV_S, STALL_ENV_MS) if n in os.environ)
 
 
 def bound_mooncake_stalls(stall_s: float | None) -> float | None:
     """Set Mooncake's transfer and RPC waits to ``stall_s`` (rounded up to whole seconds, at
-    least 1) for the client about to start; an operator's value is kept. Each new client
+    least ``STALL_FLOOR_S``) for the client about to start; an operator's value is kept. Each new client
     sets them again (its own bound; one client per process is the supported case).
 
     Returns the bound in force (seconds; the TCP progress wait, read back), or None when
     neither this call nor the environment sets one (Mooncake's 30 s then applies).
     """
     if stall_s is not None and stall_s > 0:
-        whole = max(1, math.ceil(stall_s))
+        whole = max(STALL_FLOOR_S, math.ceil(stall_s))
         for name, value in ((STALL_ENV_S[0], whole), (STALL_ENV_S[1], whole), (STALL_ENV_MS, whole * 1000)):
             if name not in _OPERATOR_STALL_ENV:
                 os.environ[name] = str(value)
