@@ -798,9 +798,12 @@ class _Channels:
         self.opened = 0  # channels created (tests and bounds)
 
     def get(self, address: str, connect_timeout_s: float = 20.0) -> grpc.Channel:
-        """``connect_timeout_s``: how long a new connection may wait for the peer's HTTP/2
-        SETTINGS (gRPC's default is 20 s whatever the call's deadline; the caller's bound)."""
-        key = (address, max(1000, math.ceil(connect_timeout_s * 1000)))
+        """``connect_timeout_s``: the caller's bound; a new connection may wait that long plus
+        ``CONNECT_MARGIN_MS`` for the peer's HTTP/2 SETTINGS (gRPC's default is 20 s whatever
+        the call's deadline). The margin keeps the call's own deadline first: with both equal
+        a silent peer's call ended UNAVAILABLE ("unreachable") or DEADLINE_EXCEEDED ("no
+        answer") by a race that a loaded CI box decided (test_pd_transport failed on it)."""
+        key = (address, max(1000, math.ceil(connect_timeout_s * 1000)) + CONNECT_MARGIN_MS)
         with self._lock:
             channel = self._by_address.get(key)
             if channel is not None:
@@ -823,6 +826,7 @@ class _Channels:
         return len(self._by_address)
 
 
+CONNECT_MARGIN_MS = 1000  # see _Channels.get
 MAX_PEER_CHANNELS = 64  # as many as the NIXL peers a decode worker keeps (PDWorker MAX_PEERS)
 _channels = _Channels(MAX_PEER_CHANNELS)
 

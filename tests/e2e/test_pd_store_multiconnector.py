@@ -50,11 +50,11 @@ from hybridkv.store.embedded_master import EmbeddedMaster
 from tests.e2e.engine_harness import (
     Completion,
     Session,
+    compare,
     completion_from,
     generate,
     greedy_params,
     make_llm,
-    matches,
     metric,
     reset_local_cache,
     tiny_model,
@@ -217,6 +217,7 @@ def _turn(prefill, decode, label, prompt: list[int], expected: int, key_log: Pat
     got, out_params = _decode(decode, prompt, params)
     delta = {k: v - before[k] for k, v in _snapshot(decode).items()}
     ref = generate(decode, prompt, cache_salt=f"multi-recompute-{uuid.uuid4()}")
+    verdict = compare(got, ref)
     return dict(turn=label, prompt=len(prompt), expected=expected, answer=got.token_ids,
                 handover=int(params["remote_num_tokens"]),
                 # The decode engine's own hit, by tier. (RequestOutput.num_cached_tokens on a
@@ -224,7 +225,7 @@ def _turn(prefill, decode, label, prompt: list[int], expected: int, key_log: Pat
                 cached=int(delta["host"] + delta["p2p"] + delta["device"]), source=_source(delta),
                 store_tokens=int(delta["host"]), peer_tokens=int(delta["p2p"]), store_bytes=int(delta["store_bytes"]),
                 store_lookups=int(delta["store_lookups"]), prefill_cached=got.num_cached_tokens,
-                matches=matches(got, ref), ref_cached=ref.num_cached_tokens, out_params=out_params, dropped=dropped,
+                matches=verdict.matches, why=verdict.why, ref_cached=ref.num_cached_tokens, out_params=out_params, dropped=dropped,
                 release_s=_release_seconds(prefill), logged_at_decode=logged_at_decode,
                 logged_at_release=len(_key_lines(key_log)))
 
@@ -295,7 +296,9 @@ def test_pd_and_store_in_one_multiconnector_three_turns(tp):
               f"{r['matches']!s:<8} {r['release_s']:.2f}")
 
     for r in rows:
-        assert r["matches"], f"turn {r['turn']} differs from recompute"
+        # The row itself in the message: CI prints only the tail of a failure.
+        assert r["matches"], (f"turn {r['turn']} differs from recompute ({r['why']}); source {r['source']}, "
+                              f"store/peer tokens {r['store_tokens']}/{r['peer_tokens']} of {r['expected']}")
         assert r["ref_cached"] == 0, "the recompute under a fresh cache_salt must not hit"
         assert r["out_params"] is None, "a decode request hands nothing on"
         assert 0 < r["cached"] <= r["prompt"] - 1
