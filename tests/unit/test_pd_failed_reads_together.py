@@ -18,97 +18,43 @@ their READs; the workers' "READ failed" comes back through ``update_from_output`
 
 from __future__ import annotations
 
-import json
 import random
 import tempfile
 from pathlib import Path
 
 import pytest
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-    resolve_cache_hit_alignment_tokens,
-    resolve_kv_cache_block_sizes,
-)
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 from hybridkv.connector.pd_auth import write_secret_file
-from hybridkv.connector.pd_connector import HybridPDConnector
-from hybridkv.connector.pd_metadata import PDHandshakeMetadata, PDWorkerMetadata
+from hybridkv.connector.pd_metadata import PDWorkerMetadata
 from tests.unit.harness import Geometry, fa, sw
-from tests.unit.tiny_vllm_config import TINY_LLAMA
+from tests.unit.pd_real_scheduler import (  # noqa: F401 (model_dir: fixture)
+    model_dir,
+    pd_request,
+    pd_scheduler,
+    prefill_leg,
+    worker_reply,
+)
 
 BS = 16
 PROMPT_TOKENS = 300  # hand-over 288 tokens: 18 full-attention blocks + the window's
 SECRET = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-fail-")) / "secret"))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    init_none_hash(sha256)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return d
-
-
 def _scheduler(model_dir, role: str, num_blocks: int) -> Scheduler:
-    """What ``EngineCore`` builds in the scheduler process (no workers)."""
     geo = Geometry([fa(BS), sw(BS, 64)], hash_block_size=BS, num_blocks=num_blocks, max_model_len=4096)
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                                 enforce_eager=True, max_model_len=geo.max_model_len),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16,
-                                         max_model_len=geo.max_model_len, is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridPDConnector", kv_role=role, kv_connector_module_path="hybridkv.connector",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"auth_secret_file": SECRET}),
-    )
-    kv_cache_config = geo.kv_cache_config()
-    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    kv_cache_config.hash_block_size = hash_block_size
-    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-        kv_cache_config, vllm_config, block_size, hash_block_size)
-    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                      structured_output_manager=StructuredOutputManager(vllm_config),
-                      block_size=block_size, hash_block_size=hash_block_size)
-    assert isinstance(sched.connector, HybridPDConnector)
-    return sched
+    return pd_scheduler(model_dir, role, geo, SECRET, max_num_seqs=16)
 
 
 def _request(req_id: str, prompt: list[int], params: dict) -> Request:
-    req = Request(req_id, list(prompt), SamplingParams(max_tokens=1), None,
-                  block_hasher=get_request_block_hasher(BS, sha256))
-    req.kv_transfer_params = dict(params)
-    return req
-
-
-def _reply(out, sampled: dict[str, list[int]] | None = None, **connector: object) -> ModelRunnerOutput:
-    """What the workers report for this step (no forward: connector results only)."""
-    ids = list(out.num_scheduled_tokens)
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=[list((sampled or {}).get(r, [])) for r in ids],
-                             kv_connector_output=KVConnectorOutput(**connector))
+    return pd_request(req_id, prompt, params, BS)
 
 
 def _prefill(model_dir, req_id: str, prompt: list[int], num_blocks: int) -> dict:
     """One prefill leg through a real prefill scheduler: its signed kv_transfer_params."""
-    sched = _scheduler(model_dir, "kv_producer", num_blocks)
-    sched.connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata("127.0.0.1", 45678, 0)})
-    sched.add_request(_request(req_id, prompt, {"do_remote_decode": True}))
-    out = sched.schedule()
-    outputs = sched.update_from_output(out, _reply(out, {r: [7] for r in out.num_scheduled_tokens},
-                                                   kv_connector_worker_meta=PDWorkerMetadata({})))
-    done = [o for eo in outputs.values() for o in eo.outputs if o.request_id == req_id]
-    assert len(done) == 1 and done[0].kv_transfer_params, done
-    return done[0].kv_transfer_params
+    return prefill_leg(_scheduler(model_dir, "kv_producer", num_blocks),
+                       _request(req_id, prompt, {"do_remote_decode": True}))
 
 
 @pytest.mark.parametrize("num_blocks", [48, 56, 72, 80])  # each stalls without the deferral
@@ -128,8 +74,8 @@ def test_reads_failing_together_do_not_stall_the_engine(model_dir, num_blocks):
     assert all(r.num_computed_tokens == 288 for r in loading)
     ids = {r.request_id for r in loading}
     # The prefill instance died: every READ failed; the workers release their target blocks.
-    sched.update_from_output(out, _reply(out, finished_recving=set(ids), failed_recving=set(ids),
-                                         kv_connector_worker_meta=PDWorkerMetadata({r: 1 for r in ids})))
+    sched.update_from_output(out, worker_reply(out, finished_recving=set(ids), failed_recving=set(ids),
+                                               kv_connector_worker_meta=PDWorkerMetadata({r: 1 for r in ids})))
     out = sched.schedule()
     statuses = [r.status for r in loading]
     holding = [r.request_id for r in loading if any(any(g) for g in sched.kv_cache_manager.get_block_ids(r.request_id))]
@@ -139,8 +85,8 @@ def test_reads_failing_together_do_not_stall_the_engine(model_dir, num_blocks):
             break
         reads = out.kv_connector_metadata.reads  # later admissions' READs: these land
         done = {j.req_id for j in reads if not j.release_only}
-        sched.update_from_output(out, _reply(out, finished_recving=done,
-                                             kv_connector_worker_meta=PDWorkerMetadata({r: 1 for r in done})))
+        sched.update_from_output(out, worker_reply(out, finished_recving=done,
+                                                   kv_connector_worker_meta=PDWorkerMetadata({r: 1 for r in done})))
         out = sched.schedule()
     assert out.num_scheduled_tokens, (
         f"engine stalled: free {sched.kv_cache_manager.block_pool.get_num_free_blocks()} of {num_blocks}, "
@@ -171,8 +117,9 @@ def test_a_read_that_lands_is_not_deferred(model_dir):
     assert ok.status == other.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     # ok's READ lands; a failure reported for a request this connector never read (another
     # MultiConnector child's load) is not this connector's to defer.
-    sched.update_from_output(out, _reply(out, finished_recving={ok.request_id}, failed_recving={local.request_id},
-                                         kv_connector_worker_meta=PDWorkerMetadata({ok.request_id: 1})))
+    sched.update_from_output(out, worker_reply(out, finished_recving={ok.request_id},
+                                               failed_recving={local.request_id},
+                                               kv_connector_worker_meta=PDWorkerMetadata({ok.request_id: 1})))
     out = sched.schedule()
     assert out.num_scheduled_tokens.get(ok.request_id) == PROMPT_TOKENS - 288
     assert pd.failed_read_deferrals == 0

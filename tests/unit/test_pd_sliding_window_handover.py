@@ -18,94 +18,37 @@ window (T with recurrent state), so vLLM's trim at finish keeps the window decod
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import tempfile
 from pathlib import Path
 
 import pytest
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-    resolve_cache_hit_alignment_tokens,
-    resolve_kv_cache_block_sizes,
-)
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from hybridkv.connector.pd_auth import write_secret_file
-from hybridkv.connector.pd_connector import HybridPDConnector
-from hybridkv.connector.pd_metadata import PDHandshakeMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_params import RemotePrefill
 from hybridkv.connector.pd_scheduler import PDScheduler
 from tests.unit.harness import Geometry, fa, sw
-from tests.unit.tiny_vllm_config import TINY_LLAMA
+from tests.unit.pd_real_scheduler import model_dir, pd_request, pd_scheduler, prefill_leg  # noqa: F401 (fixture)
 
 BS = WINDOW = 128  # tiny gemma3's block size and sliding window
 GEO = Geometry([sw(BS, WINDOW), fa(BS)], hash_block_size=BS, num_blocks=200, max_model_len=4096)
 SECRET = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-sw-")) / "secret"))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    init_none_hash(sha256)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return d
-
-
 def _scheduler(model_dir, role: str) -> Scheduler:
-    """What ``EngineCore`` builds in the scheduler process (no workers)."""
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                                 enforce_eager=True, max_model_len=GEO.max_model_len),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
-                                         max_model_len=GEO.max_model_len, is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridPDConnector", kv_role=role, kv_connector_module_path="hybridkv.connector",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"auth_secret_file": SECRET}),
-    )
-    kv_cache_config = GEO.kv_cache_config()
-    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    kv_cache_config.hash_block_size = hash_block_size
-    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-        kv_cache_config, vllm_config, block_size, hash_block_size)
-    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                      structured_output_manager=StructuredOutputManager(vllm_config),
-                      block_size=block_size, hash_block_size=hash_block_size)
-    assert isinstance(sched.connector, HybridPDConnector)
-    return sched
+    return pd_scheduler(model_dir, role, GEO, SECRET, max_num_seqs=8)
 
 
 def _request(req_id: str, prompt: list[int], params: dict) -> Request:
-    req = Request(req_id, list(prompt), SamplingParams(max_tokens=1), None,
-                  block_hasher=get_request_block_hasher(BS, sha256))
-    req.kv_transfer_params = dict(params)
-    return req
+    return pd_request(req_id, prompt, params, BS)
 
 
 def _prefill(model_dir, prompt: list[int]) -> dict:
     """The prefill leg through real schedule()/update_from_output: its kv_transfer_params."""
-    sched = _scheduler(model_dir, "kv_producer")
-    sched.connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata("127.0.0.1", 45678, 0)})
-    req = _request("cmpl-prefill", prompt, {"do_remote_decode": True})
-    sched.add_request(req)
-    out = sched.schedule()
-    ids = list(out.num_scheduled_tokens)
-    reply = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                              sampled_token_ids=[[7] for _ in ids],
-                              kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=PDWorkerMetadata({})))
-    outputs = sched.update_from_output(out, reply)
-    finished = [o for eo in outputs.values() for o in eo.outputs if o.request_id == "cmpl-prefill"]
-    assert len(finished) == 1 and finished[0].kv_transfer_params, finished
-    return finished[0].kv_transfer_params
+    return prefill_leg(_scheduler(model_dir, "kv_producer"),
+                       _request("cmpl-prefill", prompt, {"do_remote_decode": True}))
 
 
 def _prompt(n: int) -> list[int]:
