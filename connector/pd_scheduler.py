@@ -37,6 +37,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.connector.block_copies import step_block_copies
+from hybridkv.connector.failed_loads import FailedLoads
 from hybridkv.connector.pd_auth import DeploymentKey
 from hybridkv.connector.pd_metadata import Lease, PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata, ReadJob
 from hybridkv.connector.pd_params import (
@@ -134,10 +135,14 @@ class PDScheduler:
         self._truncated: set[str] = set()  # prefill: prompt already cut to the handover boundary
         self._read_started: set[str] = set()  # decode: one transfer per request
         # Decode: requests whose READ job this connector posted (it loads into their blocks),
-        # until the workers report it finished; a failed one goes to _defer_once.
+        # until the workers report it finished; a failed one goes to _failed_reads.
         self._reading: set[str] = set()
-        self._defer_once: set[str] = set()  # failed READs: the next admission attempt is skipped once
-        self.failed_read_deferrals = 0
+        self._failed_reads = FailedLoads()  # failed READs: the next admission attempt is skipped once
+
+    @property
+    def failed_read_deferrals(self) -> int:
+        """Admissions skipped once after a failed READ (see get_num_new_matched_tokens)."""
+        return self._failed_reads.deferrals
 
     def bind_block_pool(self, block_pool: Any) -> None:
         self._block_pool = block_pool
@@ -170,7 +175,7 @@ class PDScheduler:
         self._truncated.discard(req_id)
         self._read_started.discard(req_id)
         self._reading.discard(req_id)
-        self._defer_once.discard(req_id)
+        self._failed_reads.forget(req_id)
 
     # ------------------------------------------------------------- handshake
     def set_handshake(self, metadata: dict[int, Any]) -> None:
@@ -279,19 +284,10 @@ class PDScheduler:
         """Tokens decode READs from the prefill side (async), 0 to compute them itself.
 
         ``None`` (vLLM: "not known yet", the request is skipped this step) exactly once
-        after the request's READ failed. Why (the store connector's ``failed_load_deferrals``,
-        the same vLLM 0.32/0.33 behaviour): vLLM frees a failed load's blocks only when
-        schedule() reaches the request in ``kv_holding_waiting``, and stops at the first
-        request there that cannot allocate. When several READs fail in one step (a prefill
-        instance died), the first, now holding nothing, needs its whole prompt while the
-        failed READs behind it still hold the blocks it needs: nothing runs, nothing frees.
-        Skipped once, it leaves ``kv_holding_waiting`` (it holds no blocks) and schedule()
-        reaches and frees the others in the same step. Only READs this connector posted:
-        under MultiConnector every child sees every child's failed loads."""
-        rid = request.request_id
-        if rid in self._defer_once:
-            self._defer_once.discard(rid)
-            self.failed_read_deferrals += 1
+        after a READ this connector posted failed, so that several READs failing in one
+        step (a prefill instance died) cannot stall vLLM's scheduler (why:
+        connector/failed_loads.py; counted in ``failed_read_deferrals``)."""
+        if self._failed_reads.take_deferral(request.request_id):
             return None, False
         parsed = self.params(request)
         if request.request_id in self._read_started:
@@ -391,7 +387,7 @@ class PDScheduler:
 
     def update_connector_output(self, output: Any) -> None:
         failed = getattr(output, "failed_recving", None) or set()
-        self._defer_once.update(r for r in failed if r in self._reading)
+        self._failed_reads.mark_own(failed, self._reading.__contains__)  # only READs it posted
         for req_id in getattr(output, "finished_recving", None) or ():
             self._reading.discard(req_id)
         for req_id in getattr(output, "finished_sending", None) or ():

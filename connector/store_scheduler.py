@@ -23,6 +23,7 @@ from vllm.v1.core.kv_cache_utils import get_block_hash
 
 from hybridkv.connector.block_copies import step_block_copies
 from hybridkv.connector.dense_reference import install_reconciled_lookup
+from hybridkv.connector.failed_loads import FailedLoads
 from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.store_config import StoreConnectorConfig
 from hybridkv.connector.store_keys import AllRankKeys
@@ -90,10 +91,9 @@ class StoreScheduler:
         self._loads: list[LoadJob] = []
         self._saved_upto: dict[str, list[int]] = {}  # req -> per group: blocks considered for saving
         self._tails_done: set[str] = set()
-        # Requests whose async load failed (they recompute; never offered a hit again) ->
-        # whether their next admission attempt is still to be skipped once (see
-        # get_num_new_matched_tokens).
-        self._load_failed: dict[str, bool] = {}
+        # Requests whose async load failed: they recompute (never offered a hit again) and
+        # skip their next admission once (get_num_new_matched_tokens).
+        self._failed_loads = FailedLoads()
         self._recent_lookups: dict[str, tuple] = {}
         self._load_pins: dict[int, list[Any]] = {}
         self._load_acks: Counter[int] = Counter()
@@ -134,16 +134,10 @@ class StoreScheduler:
         """External tokens beyond the block-aligned local hit; side-effect free on the store.
 
         ``None`` (vLLM: "not known yet", the request is skipped this step) exactly once
-        after the request's async load failed. Why: vLLM 0.32 frees a failed load's
-        blocks only when schedule() reaches the request in ``kv_holding_waiting``, and
-        stops at the first request there that cannot allocate. When several loads fail
-        in one step (a store node died), the first one, now holding nothing, needs its
-        whole prompt (full_sequence_must_fit) while the others behind it still hold the
-        blocks it needs: nothing runs, nothing frees, the engine stalls until clients
-        give up. Skipped once, it leaves ``kv_holding_waiting`` (it holds no blocks), so
-        schedule() reaches and frees the other failed loads in the same step."""
-        if self._load_failed.get(request.request_id):
-            self._load_failed[request.request_id] = False
+        after the request's async load failed, so that several loads failing in one step
+        (a store node died) cannot stall vLLM's scheduler (why: connector/failed_loads.py;
+        counted in ``failed_load_deferrals``)."""
+        if self._failed_loads.take_deferral(request.request_id):
             self._stats.add("failed_load_deferrals")
             return None, False
         return self._matched_tokens(request, num_computed_tokens)
@@ -170,7 +164,7 @@ class StoreScheduler:
         mirror = self._mirror
         if mirror is None or self._client is None or not request.block_hashes:
             return 0, False
-        if request.request_id in self._load_failed:
+        if self._failed_loads.load_failed(request.request_id):
             return 0, False  # a failed load recomputes; offering the same hit again could loop
         max_tokens = request.num_tokens - 1
         unit = mirror.geometry.hash_block_size
@@ -443,10 +437,10 @@ class StoreScheduler:
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """Release pins of save jobs every worker has finished; remember failed loads."""
         failed = output.failed_recving or set()
-        # Only this connector's own loads. Under MultiConnector every child sees every
-        # child's failed loads: a failed P/D READ must not stop the store from offering its
-        # copy of the prefix to the recompute (the P/D scheduler defers its own failures).
-        self._load_failed.update((r, True) for r in failed if r in self._load_keys and r in self._requests)
+        # Only this connector's own loads (a failed P/D READ under MultiConnector must not
+        # stop the store from offering its copy of the prefix to the recompute), and only
+        # of requests not finished yet; marked before the loop below pops _load_keys.
+        self._failed_loads.mark_own(failed, lambda r: r in self._load_keys and r in self._requests)
         for r in output.finished_recving or ():
             self._ledger.load_done(r, r not in failed)  # a set over workers: once per request
             keys = self._load_keys.pop(r, ())
@@ -509,7 +503,7 @@ class StoreScheduler:
         self._plans.pop(req_id, None)
         self._saved_upto.pop(req_id, None)
         self._tails_done.discard(req_id)
-        self._load_failed.pop(req_id, None)
+        self._failed_loads.forget(req_id)
         self._recent_lookups.pop(req_id, None)
         self._ledger.forget(req_id)
         return False, None

@@ -123,3 +123,6 @@ def test_a_read_that_lands_is_not_deferred(model_dir):
     out = sched.schedule()
     assert out.num_scheduled_tokens.get(ok.request_id) == PROMPT_TOKENS - 288
     assert pd.failed_read_deferrals == 0
+    # Under MultiConnector every child is asked about that request at its next admission
+    # (here it runs already, so ask directly): an answer, not a deferral.
+    assert pd.get_num_new_matched_tokens(local, 0) == (0, False) and pd.failed_read_deferrals == 0
