@@ -46,7 +46,8 @@ VLLM033_TESTS=(
     tests/unit/test_save_mask.py tests/unit/test_truncation_drift.py tests/unit/test_block_copies.py
     tests/unit/test_store_connector_parts.py tests/unit/test_pd_transport.py tests/unit/test_doctor.py
     tests/unit/test_kernel_blocks.py tests/unit/test_lookup_probes.py tests/unit/test_pd_tp.py
-    tests/unit/test_store_overlap.py
+    tests/unit/test_store_overlap.py tests/unit/test_failed_loads.py
+    tests/unit/test_pd_failed_reads_together.py tests/unit/test_pd_sliding_window_handover.py
 )
 [ "${HYBRIDKV_VLLM033_ALL:-0}" = "1" ] && VLLM033_TESTS=(tests/unit)
 
