@@ -272,37 +272,13 @@ class FaultRun:
                 f"matches {self.comparison.matches} ({self.comparison.why or 'equal'})")
 
 
-DECISIVE_POSITIONS = 4  # output positions whose greedy choice must be clear in a control's reference
-DECISIVE_DRAWS = 12  # tails tried per control before taking the last one drawn
-
-
-def leads_clearly(ref: Completion, positions: int = DECISIVE_POSITIONS, tol: float = LOGPROB_TOL) -> bool:
-    """Does the greedy token lead its runner-up by more than 2 x ``tol`` at each of the first
-    ``positions`` output positions?
-
-    Why: :func:`matches` accepts a first difference that is a near-tie seen from both runs
-    (gaps <= ``tol``) and compares nothing after it. A control whose reference starts with
-    such a tie proves nothing: CI saw "stale version of the same block" flip output token 0
-    of qwen3next between two tokens 0.016 apart (a bf16 ulp) and pass as a tie. Where the
-    reference leads by > 2 x tol, a flip there cannot pass as a tie, and bf16 noise (<= tol)
-    cannot flip the clean run."""
-    for i in range(min(positions, len(ref.token_ids))):
-        others = [lp for tok, lp in ref.top_logprobs[i].items() if tok != ref.token_ids[i]]
-        if others and ref.logprobs[i] - max(others) <= 2 * tol:
-            return False
-    return True
-
-
-def _decisive_tail(llm, prefix: list[int], rng: random.Random) -> tuple[list[int], Completion]:  # noqa: ANN001
-    """``prefix`` + a fresh random 96-token tail whose salted recompute (returned: the
-    control's reference, it never touches the store's unsalted objects) leads clearly
-    (:func:`leads_clearly`); after ``DECISIVE_DRAWS`` tries the last one drawn."""
-    for _ in range(DECISIVE_DRAWS):
-        prompt = list(prefix) + [rng.randrange(3, VOCAB) for _ in range(96)]
-        ref = generate(llm, prompt, cache_salt=f"fault-recompute-{uuid.uuid4()}")
-        if leads_clearly(ref):
-            break
-    return prompt, ref
+# A planted fault whose comparison ended in an excused near-tie is served again with another
+# tail, up to this many times. Why: compare() excuses a first difference that is a near-tie
+# seen from both runs and compares nothing after it, so such a verdict says nothing either
+# way; CI saw "stale version of the same block" on qwen3next flip output token 0 between two
+# tokens 0.0156 apart (a bf16 ulp) and pass as a tie. A fault counts as caught only by a
+# comparison that fails; the clean control run is served once and must match.
+TIE_REDRAWS = 4
 
 
 def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int, block_size: int, position: int,
@@ -313,7 +289,7 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
     ``group`` (blocks of ``block_size`` tokens). The stale version is that block after 32
     different tokens just before it: close enough to be inside any sliding window (a
     change further back can leave a window layer's output, so the block's KV, bit for bit
-    identical: seen on gemma4, window 64). Each run serves ``prefix`` + a fresh random tail whose recompute leads clearly (:func:`leads_clearly`; so its own saves never
+    identical: seen on gemma4, window 64). Each run serves ``prefix`` + a fresh random tail (another one, up to ``TIE_REDRAWS``, while a fault's verdict is an excused near-tie; so its own saves never
     feed the next run) after emptying the local cache, compares it with a salted
     recompute, and restores the victim's original object. A last run with the original
     in place must match (so the tails are not what fails). ``prefix`` must end where the
@@ -365,12 +341,17 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
                                          f"victim {desc(original[:-TRAILER_BYTES])}, sources {others}, "
                                          f"first keys {first_keys[:4]}")
                 assert client.replace_bytes(victim, seal(victim, payload)) == 0
-            prompt, ref = _decisive_tail(llm, prefix, rng)
-            reset_local_cache(llm)
-            failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
-            got = generate(llm, prompt)
-            failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
-            runs.append(FaultRun(name, got.num_cached_tokens, failed, compare(got, ref)))
+            for _ in range(TIE_REDRAWS if source is not None else 1):
+                reset_local_cache(llm)
+                prompt = list(prefix) + [rng.randrange(3, VOCAB) for _ in range(96)]
+                failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
+                got = generate(llm, prompt)
+                failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
+                ref = generate(llm, prompt, cache_salt=f"fault-recompute-{uuid.uuid4()}")
+                verdict = compare(got, ref)
+                if not (verdict.matches and verdict.tie_at is not None):
+                    break  # decisive: caught, or matched without excusing a tie
+            runs.append(FaultRun(name, got.num_cached_tokens, failed, verdict))
             assert client.replace_bytes(victim, original) == 0
     return runs
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from tests.e2e.engine_harness import LOGPROB_TOL, TOP_LOGPROBS, Completion, compare, leads_clearly, matches
+from tests.e2e.engine_harness import LOGPROB_TOL, TOP_LOGPROBS, Completion, compare, matches
 
 
 def _c(tokens: list[int], tops: list[dict[int, float]]) -> Completion:
@@ -86,20 +86,3 @@ def test_without_top_k_a_flip_can_never_pass_as_a_tie() -> None:
     b = Completion([6], [-0.69], 0)
     assert not matches(a, b)
     assert TOP_LOGPROBS >= 5
-
-
-def test_a_control_reference_must_lead_clearly_where_a_flip_could_pass_as_a_tie() -> None:
-    """The planted-fault controls draw tails until the reference leads clearly
-    (``leads_clearly``): CI once saw a fault flip output token 0 between two tokens a bf16
-    ulp apart (gaps 0.0156 / 0.0312) and pass as a near-tie. With the reference leading by
-    more than 2 x tol, that same flip fails the comparison."""
-    tied = [{5: -0.70, 6: -0.7156}, {8: -0.2, 9: -2.5}]
-    assert not leads_clearly(_c([5, 8], tied))
-    flipped = [{6: -0.69, 5: -0.72}, {8: -0.2, 9: -2.5}]
-    assert matches(_c([6, 8], flipped), _c([5, 8], tied))  # the hole: a flip passes as a tie
-    clear = [{5: -0.1, 6: -0.1 - 3 * LOGPROB_TOL}, {8: -0.2, 9: -2.5}]
-    assert leads_clearly(_c([5, 8], clear))
-    assert not matches(_c([6, 8], flipped), _c([5, 8], clear))  # the same flip against it fails
-    late_tie = [*clear, {10: -0.5, 11: -0.51}]
-    assert not leads_clearly(_c([5, 8, 10], late_tie))  # within the first DECISIVE_POSITIONS
-    assert leads_clearly(_c([5, 8, 10], late_tie), positions=2)
