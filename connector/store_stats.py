@@ -52,7 +52,8 @@ COUNTERS: dict[str, str] = {
     "snapshot_blocks": "Blocks copied before their checksum and write (partial tails still being written)",
     "removed_objects": "Stored objects this instance removed because they failed verification (corrupt, forged)",
     "recent_saves_dropped": "Times the 'saved recently' set was emptied because the master lost its objects",
-    "recent_saves_forgotten": "Keys offered for saving again: their save was skipped or failed, or their load failed",
+    "recent_saves_forgotten": "Keys offered for saving again: their save was skipped or failed, their load failed, "
+                              "or a lookup found them missing (lost by the store: evicted, or a segment dropped)",
     "failed_load_deferrals": "Admissions skipped once after a failed load, so vLLM frees other failed loads' "
                              "blocks first (else a stall when several loads fail in one step)",
 }

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, count, repeat
+from itertools import compress, count, islice, repeat
 
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -128,6 +128,12 @@ class KeyAnswers(Mapping[BlockKey, bool]):
 
     def __len__(self) -> int:
         return sum(map(len, self._by_group))
+
+    def absent(self, first: int | None = None) -> Iterator[BlockKey]:
+        """The keys the store answered absent, per group in the order asked (ascending
+        positions within a round trip); ``first``: at most that many per group."""
+        for gid, answers in enumerate(self._by_group):
+            yield from zip(repeat(gid), islice((h for h, ok in answers.items() if not ok), first))
 
 
 class StoreBackedBlockPool:

@@ -121,6 +121,14 @@ def _fill_store(sched: Scheduler, store, upto: int) -> None:
     assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(keys)
 
 
+def _put_keys(sched: Scheduler, store, keys) -> None:
+    """What the workers' saves of ``keys`` ((group, hash) pairs) would have written."""
+    _, holder, buf, _ = store
+    schema = sched.connector._scheduler._schema
+    names = [schema.key(g, bytes(h)) for g, h in keys]
+    assert holder.put_from(names, [int(buf.ctypes.data)] * len(names), [64] * len(names)) == [0] * len(names)
+
+
 def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, saves_failed=False,
                   failed_recving=()) -> ModelRunnerOutput:
     """What the workers would report for this step (no forward: only connector acks)."""
@@ -198,7 +206,8 @@ def _run_to_completion(sched: Scheduler, req: Request, saves_failed: bool = Fals
                        jobs: list | None = None, ack: bool = True) -> set[tuple[int, bytes]]:
     """Prefill ``req`` step by step as the engine would (workers ack every save, as
     failed with ``saves_failed``; none with ``ack=False``: a store that does not answer),
-    then finish it; returns the keys its saves offered (``jobs``: gets its save jobs)."""
+    then finish it; returns the keys its saves offered (``jobs``: gets its save jobs).
+    A store hit's load is reported done (and loaded) in the step that issued it."""
     sched.add_request(req)
     offered = set()
     for _ in range(50):
@@ -208,10 +217,12 @@ def _run_to_completion(sched: Scheduler, req: Request, saves_failed: bool = Fals
             offered |= {(g, bytes(h)) for g, h in zip(job.blocks.group_ids, job.blocks.hashes)}
         if jobs is not None:
             jobs += meta.saves
+        loads = [j for j in meta.loads if j.req_id == req.request_id and j.blocks and j.refused is None]
         n = out.num_scheduled_tokens.get(req.request_id, 0)
         done = req.num_computed_tokens >= req.num_tokens  # schedule() already advanced it
         sched.update_from_output(out, _worker_reply(out, saves=meta.saves if ack else (), saves_failed=saves_failed,
-                                                    sampled={req.request_id: [5]} if done and n else None))
+                                                    sampled={req.request_id: [5]} if done and n else None,
+                                                    finished_recving={req.request_id} if loads else (), loads=loads))
         if req.is_finished():
             return offered
     raise AssertionError("prefill did not finish in 50 steps")
@@ -219,15 +230,20 @@ def _run_to_completion(sched: Scheduler, req: Request, saves_failed: bool = Fals
 
 @pytest.mark.parametrize("failed", [False, True])
 def test_a_save_the_workers_could_not_write_is_offered_again(store, failed):
-    """The same prompt computed twice (local cache emptied in between, the store empty:
-    no worker writes here). Saves acknowledged as written are not offered again (the
-    dedup); saves a worker reported failed or skipped are offered again, every key of
-    them, instead of being taken as saved for up to 131,072 saves."""
+    """The same prompt computed twice (local cache emptied in between). Saves acknowledged
+    as written (and written here, as the workers would) are not offered again (the dedup):
+    the second request loads the store's hit and recomputes the rest, whose state blocks
+    are already stored (planted, no dedup: a Mamba state is offered again). Saves a worker
+    reported failed or skipped are offered again, every key of them, instead of being
+    taken as saved for up to 131,072 saves."""
     sched = _scheduler(WINDOW, store[0], store[3], f"resave-{failed}")
     first = _run_to_completion(sched, _request(f"resave-{failed}-a"), saves_failed=failed)
     assert first, "the first prefill offered nothing to save"
+    if not failed:
+        _put_keys(sched, store, first)
     assert sched.kv_cache_manager.reset_prefix_cache()
-    again = _run_to_completion(sched, _request(f"resave-{failed}-b"))
+    req = _request(f"resave-{failed}-b")
+    again = _run_to_completion(sched, req)
     assert again == (first if failed else set())
     assert not sched.connector._scheduler._save_keys, "keys of acknowledged jobs must not be kept"
 
