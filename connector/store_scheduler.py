@@ -207,7 +207,7 @@ class StoreScheduler:
         (``MooncakeBackend.check_master_epoch``) does not see it: the master expires a
         segment owner whose pings it did not see for its client TTL (10 s by default)
         and drops every object in that segment. Measured with real processes: a master
-        SIGSTOPped 10-15 s sometimes (1-2 of 20 trials, at any ``MC_RPC_TIMEOUT_MS``)
+        SIGSTOPped 10-15 s sometimes (10 s: 1-2 of 20 trials at ``MC_RPC_TIMEOUT_MS`` 2-10 s; 15 s: 1 of 6 at 30 s)
         expired one or both segment owners as it resumed, before reading the pings queued
         meanwhile, and dropped their objects; the epoch marker survives when it sits in
         a segment that was kept. Those blocks stayed in ``_recent``, so every later
@@ -222,9 +222,13 @@ class StoreScheduler:
         to find them missing, one degraded hit each. Keys of save jobs still in flight stay:
         not landed yet is not lost. Only the first ``_LOSS_CHECKS`` absent keys per group
         are looked up in ``_recent`` (a dense group's first absent key is where a loss
-        shows: a block's hash covers its whole prefix, so no saved key follows a key
-        never saved). Measured at 12314 keys asked: 0.18 ms all present, 0.03 ms all absent
-        (checking every absent key: 3-5 ms, against a ~57 ms lookup).
+        shows: a block's hash covers its whole prefix, so saved keys rarely follow one
+        never saved; after a skipped or failed save they can, and a loss behind more than
+        ``_LOSS_CHECKS`` such keys is found by a later lookup, the hit ending earlier
+        meanwhile). Measured at 12314 keys asked: 0.18 ms all present, 0.03 ms all absent
+        (checking every absent key: 3-5 ms, against a ~57 ms lookup); not measured: the
+        in-flight key set rebuilt below when a lost key is found while many saves are in
+        flight (a running count would make it O(1)).
         """
         recent = self._recent
         if not recent:

@@ -7,7 +7,7 @@ connection whose peer has not sent its HTTP/2 SETTINGS frame within 20 s (the ch
 ``grpc.min_reconnect_backoff_ms`` default), whatever the call's deadline: measured here a
 release with a 60 s bound failed after 20.1 s ("connection attempt timed out before receiving
 SETTINGS frame", the failure of the lead's CI runs); with the channel's connect timeout set to
-the call's bound it is answered when the peer runs again (25.0 s), and a refused port still
+the call's bound (+ 1 s, CONNECT_MARGIN_MS, so the call's own deadline fires first) it is answered when the peer runs again (25.0 s), and a refused port still
 fails at once (calls that fail drop their channel, so no backoff carries over). Real gRPC, a real HandshakeServer in a real process, stopped with SIGSTOP (the
 starvation itself cannot be produced on demand; a stopped process is its limit case).
 Shown failing: without the option (connector/pd_handshake.py before) -> HandshakeError at 20.1 s.
