@@ -265,19 +265,21 @@ class FaultRun:
     name: str
     cached: int
     failed_loads: float  # failed loads during this run (0: the object loaded as valid)
-    comparison: Any  # agentic_demo.Comparison vs a recompute
+    comparison: Any  # agentic_demo.Comparison vs a recompute (of the last tail served)
+    tails: int = 1  # tails served: more than 1 after verdicts that compared nothing (TIE_REDRAWS)
 
     def line(self) -> str:
         return (f"  {self.name:<58} cached {self.cached:<6} failed_loads +{self.failed_loads:g} "
-                f"matches {self.comparison.matches} ({self.comparison.why or 'equal'})")
+                f"matches {self.comparison.matches} ({self.comparison.why or 'equal'}; tails {self.tails})")
 
 
-# A planted fault whose comparison ended in an excused near-tie is served again with another
-# tail, up to this many times. Why: compare() excuses a first difference that is a near-tie
-# seen from both runs and compares nothing after it, so such a verdict says nothing either
-# way; CI saw "stale version of the same block" on qwen3next flip output token 0 between two
-# tokens 0.0156 apart (a bf16 ulp) and pass as a tie. A fault counts as caught only by a
-# comparison that fails; the clean control run is served once and must match.
+# A planted fault whose comparison excused a near-tie at output position 0 is served again
+# with another tail, up to this many tails. Why: compare() excuses a first difference that is
+# a near-tie seen from both runs and compares nothing after it, so a tie at position 0
+# compared nothing at all; CI saw "stale version of the same block" on qwen3next flip output
+# token 0 between two tokens 0.0156 apart (a bf16 ulp) and pass as a tie. A tie further on is
+# a verdict (the positions before it agreed) and is not redrawn. A fault counts as caught only
+# by a comparison that fails; the clean control run is served once and must match.
 TIE_REDRAWS = 4
 
 
@@ -289,7 +291,7 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
     ``group`` (blocks of ``block_size`` tokens). The stale version is that block after 32
     different tokens just before it: close enough to be inside any sliding window (a
     change further back can leave a window layer's output, so the block's KV, bit for bit
-    identical: seen on gemma4, window 64). Each run serves ``prefix`` + a fresh random tail (another one, up to ``TIE_REDRAWS``, while a fault's verdict is an excused near-tie; so its own saves never
+    identical: seen on gemma4, window 64). Each run serves ``prefix`` + a fresh random tail (another one, up to ``TIE_REDRAWS``, while a fault's verdict is a near-tie at output position 0; so its own saves never
     feed the next run) after emptying the local cache, compares it with a salted
     recompute, and restores the victim's original object. A last run with the original
     in place must match (so the tails are not what fails). ``prefix`` must end where the
@@ -341,7 +343,7 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
                                          f"victim {desc(original[:-TRAILER_BYTES])}, sources {others}, "
                                          f"first keys {first_keys[:4]}")
                 assert client.replace_bytes(victim, seal(victim, payload)) == 0
-            for _ in range(TIE_REDRAWS if source is not None else 1):
+            for tails in range(1, (TIE_REDRAWS if source is not None else 1) + 1):
                 reset_local_cache(llm)
                 prompt = list(prefix) + [rng.randrange(3, VOCAB) for _ in range(96)]
                 failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
@@ -349,9 +351,9 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
                 failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
                 ref = generate(llm, prompt, cache_salt=f"fault-recompute-{uuid.uuid4()}")
                 verdict = compare(got, ref)
-                if not (verdict.matches and verdict.tie_at is not None):
-                    break  # decisive: caught, or matched without excusing a tie
-            runs.append(FaultRun(name, got.num_cached_tokens, failed, verdict))
+                if verdict.tie_at != 0:
+                    break  # a verdict: caught, or matched over at least one compared position
+            runs.append(FaultRun(name, got.num_cached_tokens, failed, verdict, tails))
             assert client.replace_bytes(victim, original) == 0
     return runs
 
