@@ -16,6 +16,8 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,57 @@ def make_llm(model_dir: str, kv_transfer_config: dict[str, Any] | None, prefix_m
         args["kv_transfer_config"] = kv_transfer_config
     args.update(kw)
     return LLM(**args)
+
+
+class LogTail:
+    """What a log file gained since the last :meth:`new` (engine workers' lines included)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, path.stat().st_size
+
+    def new(self, settle_s: float = 0.3) -> str:
+        time.sleep(settle_s)  # workers' lines are written before the answer; let the pipe drain
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        return data.decode(errors="replace")
+
+
+@contextmanager
+def engine_output_to(path: Path) -> Iterator[None]:
+    """Engines started inside write their processes' stdout and stderr to ``path``.
+
+    Why: an engine shared by several tests (a class-scoped fixture) is started before
+    any test's ``capfd`` exists, so its worker processes keep the file descriptors they
+    were born with and ``capfd`` never sees their lines; the tests read them with
+    :class:`LogTail` instead. (The test process's own fds 1 and 2 are restored.)"""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+
+
+def shutdown(*llms) -> None:  # noqa: ANN002 - vllm LLMs
+    """Stop engines now rather than at garbage collection (a test's or fixture's end may
+    hold references): the next engine must find the cores free. Best effort."""
+    for llm in llms:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - the engine may already be gone
+            pass
 
 
 @dataclass

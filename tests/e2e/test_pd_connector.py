@@ -25,11 +25,14 @@ from tests.e2e.engine_harness import (
     TOP_LOGPROBS,
     Completion,
     Session,
+    LogTail,
     completion_from,
+    engine_output_to,
     generate,
     make_llm,
     matches,
     metric,
+    shutdown,
     tiny_model,
 )
 
@@ -130,14 +133,9 @@ def _expected_blocks(geometry, remote_block_ids: list[list[int]], local_hit: int
     return want
 
 
-@pytest.mark.parametrize("kind", list(CASES))
-def test_pd_three_turns_match_recompute(kind, monkeypatch, capfd):
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(_geometry)
-    model_kind, prefill_args, decode_args = CASES[kind]
-    model = tiny_model(model_kind)
-    prefill = make_llm(model, pd_config("kv_producer"), **prefill_args)
-    # The decode side resolves the connector by the name hybridkv registers (no module path).
-    decode = make_llm(model, pd_config("kv_consumer", module_path=False), disable_log_stats=False, **decode_args)
+def _three_turns(kind: str, prefill, decode, read_log) -> None:  # noqa: ANN001
+    """Three agentic turns through the pair; ``read_log()`` returns decode's log lines
+    written since its last call."""
     geometry = decode.collective_rpc(_geometry)[0]
     align = math.lcm(*(bs for bs, _, _ in geometry))
     session = Session(seed=21)
@@ -146,9 +144,9 @@ def test_pd_three_turns_match_recompute(kind, monkeypatch, capfd):
         params = _prefill(prefill, session.prompt)
         assert params and params["do_remote_prefill"] and params["remote_block_ids"], params
         before, local_before = _external_hits(decode), metric(decode, "vllm:prefix_cache_hits")
-        capfd.readouterr()  # this turn's decode log only
+        read_log()  # this turn's decode log only
         got = _decode(decode, session.prompt, params)
-        log = "".join(capfd.readouterr())
+        log = read_log()
         pulled = _external_hits(decode) - before
         local_hit = int(metric(decode, "vllm:prefix_cache_hits") - local_before)
         handover = (len(session.prompt) - 1) // align * align
@@ -174,6 +172,16 @@ def test_pd_three_turns_match_recompute(kind, monkeypatch, capfd):
         prev = prompt
     cells = {f"turn {t}": f"{local_hit} + {pulled} of {prompt}" for t, prompt, _, local_hit, pulled, *_ in rows}
     observe("pd-e2e", kind, {**cells, "matches recompute": "all"})
+
+
+@pytest.mark.parametrize("kind", [k for k in CASES if k != "gemma3"])  # gemma3: TestGemma3Pair
+def test_pd_three_turns_match_recompute(kind, monkeypatch, capfd):
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(_geometry)
+    model_kind, prefill_args, decode_args = CASES[kind]
+    model = tiny_model(model_kind)
+    prefill = make_llm(model, pd_config("kv_producer"), **prefill_args)
+    decode = make_llm(model, pd_config("kv_consumer"), disable_log_stats=False, **decode_args)
+    _three_turns(kind, prefill, decode, lambda: "".join(capfd.readouterr()))
     del prefill, decode
 
 
@@ -199,31 +207,6 @@ def _corrupt_blocks(worker, group: int, block_ids: list[int], seed: int) -> int:
     return written
 
 
-def test_pd_planted_fault_in_the_prefill_blocks_is_caught_by_the_recompute_check(monkeypatch):
-    """The control for the P/D comparisons above: one full-attention block corrupted on the
-    prefill side after the prefill and before the READ must make decode's output differ
-    from a recompute (else 'matches recompute' would prove nothing)."""
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
-    model = tiny_model("gemma3")
-    prefill = make_llm(model, pd_config("kv_producer"))
-    decode = make_llm(model, pd_config("kv_consumer"), disable_log_stats=False)
-    session = Session(seed=24)
-    params = _prefill(prefill, session.prompt)
-    dense = 1  # gemma3: group 0 sliding window, group 1 full attention
-    victim = [b for b in params["remote_block_ids"][dense] if b][:2]
-    assert victim, params
-    written = prefill.collective_rpc(_corrupt_blocks, args=(dense, victim, 7))[0]
-    before = _external_hits(decode)
-    got = _decode(decode, session.prompt, params)
-    pulled = _external_hits(decode) - before
-    ref = generate(decode, session.prompt, cache_salt="pd-planted-recompute")
-    print(f"\nP/D planted fault: {written} bytes of blocks {victim} overwritten, pulled {pulled:.0f}, "
-          f"matches recompute: {matches(got, ref)}")
-    assert pulled > 0, "the corrupted blocks must actually have been read"
-    assert not matches(got, ref), "a corrupted block read over NIXL went unnoticed by the comparison"
-    del prefill, decode
-
-
 def _children() -> set[int]:
     import psutil
 
@@ -243,44 +226,6 @@ def _signal_all(pids: set[int], sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
-
-
-def test_layout_mismatch_is_refused_and_decode_recomputes(capfd):
-    """Prefill at --block-size 128, decode at 256: refused, naming the field; no wrong KV is read.
-    (Decode's parameter check sees twice the blocks a 256-token layout can have and refuses
-    before any connection; the handshake's own check is unit-tested in test_pd_transport.)"""
-    model = tiny_model("gemma3")
-    prefill = make_llm(model, pd_config("kv_producer"))
-    decode = make_llm(model, pd_config("kv_consumer"), block_size=256)
-    session = Session(seed=22)
-    params = _prefill(prefill, session.prompt)
-    got = _decode(decode, session.prompt, params)
-    ref = generate(decode, session.prompt, cache_salt="pd-mismatch-recompute")
-    out, err = capfd.readouterr()
-    assert matches(got, ref)
-    assert "block_size=256" in out + err and "--block-size" in out + err, "the refusal must name the field and fix"
-    del prefill, decode
-
-
-def test_prefill_instance_killed_before_the_read_decode_recomputes():
-    import signal as _signal
-
-    model = tiny_model("gemma3")
-    prefill, prefill_pids = _start_prefill(model)
-    decode = make_llm(model, pd_config("kv_consumer"), disable_log_stats=False)
-    session = Session(seed=23)
-    params = _prefill(prefill, session.prompt)
-    _signal_all(prefill_pids, _signal.SIGKILL)
-    import time
-
-    t0 = time.monotonic()
-    got = _decode(decode, session.prompt, params)
-    elapsed = time.monotonic() - t0
-    ref = generate(decode, session.prompt, cache_salt="pd-killed-recompute")
-    print(f"\nprefill killed: decode finished in {elapsed:.1f}s, cached {got.num_cached_tokens}")
-    assert matches(got, ref)
-    assert elapsed < 30
-    del decode
 
 
 def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, capfd):
@@ -367,30 +312,107 @@ def test_with_policy_fail_a_failed_read_fails_only_that_request(capfd):
     del decode
 
 
-def test_expired_lease_is_not_read_and_decode_recomputes(capfd):
-    """Prefill keeps a finished request's blocks for lease_s only; afterwards it may hand
-    them to other requests. A decode request arriving later must not READ them (it would
-    copy whatever KV lives there now): it recomputes, and says why."""
-    import time
+class TestGemma3Pair:
+    """The gemma3 cases on one prefill and one decode engine, started once for the class
+    (before: a pair per test, 2 engine boots each). Each test uses its own session seed,
+    so no test's prompt shares a block with another's: what one test leaves in an
+    engine's prefix cache (the planted test's corrupted blocks included) cannot serve
+    another. Tests that need an engine configured otherwise start their own beside it.
+    The shared engines' output goes to a file (engine_output_to), read with LogTail."""
 
-    model = tiny_model("gemma3")
-    prefill = make_llm(model, pd_config("kv_producer", lease_s=2))
-    decode = make_llm(model, pd_config("kv_consumer"), disable_log_stats=False)
-    session = Session(seed=24)
-    params = _prefill(prefill, session.prompt)
-    assert len(params["remote_lease_id"]) == 32 and "remote_lease_expires_at" not in params  # no wall clock
-    time.sleep(2.5)
-    got = _decode(decode, session.prompt, params)
-    ref = generate(decode, session.prompt, cache_salt="pd-expired-recompute")
-    out, err = capfd.readouterr()
-    print(f"\nexpired lease: cached {got.num_cached_tokens}")
-    # (vLLM counts the offered tokens as external hits at scheduling, read or not: the
-    # refusal is visible in the worker's log, and the output must equal a recompute.)
-    assert "lease on its blocks has expired" in out + err, "blocks were read after the prefill side's lease expired"
-    assert matches(got, ref)
-    # Control for the provenance check of the turn test: this READ was refused (the lease
-    # ended before decode's claim), so the check must fail here, though the output matches.
-    with pytest.raises(AssertionError, match="a READ failed or was refused"):
-        _assert_provenance(out + err, [0, 0], [0, 0])
-    assert not _READ_LINE.search(out + err), "a refused READ printed the provenance line"
-    del prefill, decode
+    @pytest.fixture(scope="class")
+    def pair(self, tmp_path_factory):  # noqa: ANN001, ANN201
+        log = tmp_path_factory.mktemp("pd-gemma3") / "engines.log"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
+            model = tiny_model("gemma3")
+            with engine_output_to(log):
+                prefill = make_llm(model, pd_config("kv_producer"))
+                # The decode side resolves the connector by the name hybridkv registers (no module path).
+                decode = make_llm(model, pd_config("kv_consumer", module_path=False), disable_log_stats=False)
+            yield model, prefill, decode, LogTail(log)
+            shutdown(prefill, decode)
+
+    def test_three_turns_match_recompute(self, pair):  # noqa: ANN001
+        _model, prefill, decode, log = pair
+        _three_turns("gemma3", prefill, decode, lambda: log.new())
+
+    def test_planted_fault_in_the_prefill_blocks_is_caught_by_the_recompute_check(self, pair):  # noqa: ANN001
+        """The control for the P/D comparisons: one full-attention block corrupted on the
+        prefill side after the prefill and before the READ must make decode's output differ
+        from a recompute (else 'matches recompute' would prove nothing)."""
+        _model, prefill, decode, _log = pair
+        session = Session(seed=24)
+        params = _prefill(prefill, session.prompt)
+        dense = 1  # gemma3: group 0 sliding window, group 1 full attention
+        victim = [b for b in params["remote_block_ids"][dense] if b][:2]
+        assert victim, params
+        written = prefill.collective_rpc(_corrupt_blocks, args=(dense, victim, 7))[0]
+        before = _external_hits(decode)
+        got = _decode(decode, session.prompt, params)
+        pulled = _external_hits(decode) - before
+        ref = generate(decode, session.prompt, cache_salt="pd-planted-recompute")
+        print(f"\nP/D planted fault: {written} bytes of blocks {victim} overwritten, pulled {pulled:.0f}, "
+              f"matches recompute: {matches(got, ref)}")
+        assert pulled > 0, "the corrupted blocks must actually have been read"
+        assert not matches(got, ref), "a corrupted block read over NIXL went unnoticed by the comparison"
+
+    def test_layout_mismatch_is_refused_and_decode_recomputes(self, pair, capfd):  # noqa: ANN001
+        """Prefill at --block-size 128, decode at 256: refused, naming the field; no wrong KV is read.
+        (Decode's parameter check sees twice the blocks a 256-token layout can have and refuses
+        before any connection; the handshake's own check is unit-tested in test_pd_transport.)"""
+        model, prefill, _decode_128, _log = pair
+        decode = make_llm(model, pd_config("kv_consumer"), block_size=256)  # started here: capfd sees it
+        session = Session(seed=22)
+        params = _prefill(prefill, session.prompt)
+        got = _decode(decode, session.prompt, params)
+        ref = generate(decode, session.prompt, cache_salt="pd-mismatch-recompute")
+        out, err = capfd.readouterr()
+        assert matches(got, ref)
+        assert "block_size=256" in out + err and "--block-size" in out + err, "the refusal must name the field and fix"
+        shutdown(decode)
+
+    def test_prefill_instance_killed_before_the_read_decode_recomputes(self, pair):  # noqa: ANN001
+        import signal as _signal
+        import time
+
+        model, _prefill_shared, decode, _log = pair
+        prefill, prefill_pids = _start_prefill(model)
+        session = Session(seed=23)
+        params = _prefill(prefill, session.prompt)
+        _signal_all(prefill_pids, _signal.SIGKILL)
+        t0 = time.monotonic()
+        got = _decode(decode, session.prompt, params)
+        elapsed = time.monotonic() - t0
+        ref = generate(decode, session.prompt, cache_salt="pd-killed-recompute")
+        print(f"\nprefill killed: decode finished in {elapsed:.1f}s, cached {got.num_cached_tokens}")
+        assert matches(got, ref)
+        assert elapsed < 30
+
+    def test_expired_lease_is_not_read_and_decode_recomputes(self, pair):  # noqa: ANN001
+        """Prefill keeps a finished request's blocks for lease_s only; afterwards it may hand
+        them to other requests. A decode request arriving later must not READ them (it would
+        copy whatever KV lives there now): it recomputes, and says why."""
+        import time
+
+        model, _prefill_shared, decode, log = pair
+        prefill = make_llm(model, pd_config("kv_producer", lease_s=2))
+        session = Session(seed=27)
+        params = _prefill(prefill, session.prompt)
+        assert len(params["remote_lease_id"]) == 32 and "remote_lease_expires_at" not in params  # no wall clock
+        time.sleep(2.5)
+        log.new(0)
+        got = _decode(decode, session.prompt, params)
+        said = log.new()
+        ref = generate(decode, session.prompt, cache_salt="pd-expired-recompute")
+        print(f"\nexpired lease: cached {got.num_cached_tokens}")
+        # (vLLM counts the offered tokens as external hits at scheduling, read or not: the
+        # refusal is visible in the worker's log, and the output must equal a recompute.)
+        assert "lease on its blocks has expired" in said, "blocks were read after the prefill side's lease expired"
+        assert matches(got, ref)
+        # Control for the provenance check of the turn test: this READ was refused (the lease
+        # ended before decode's claim), so the check must fail here, though the output matches.
+        with pytest.raises(AssertionError, match="a READ failed or was refused"):
+            _assert_provenance(said, [0, 0], [0, 0])
+        assert not _READ_LINE.search(said), "a refused READ printed the provenance line"
+        shutdown(prefill)

@@ -46,7 +46,7 @@ import pytest
 from hybridkv.cli.agentic_demo import common_prefix
 from hybridkv.store.cpu_affinity import usable_cpus
 from tests.docs_tables import observe
-from tests.e2e.engine_harness import Session, compare, generate, make_llm, matches, metric, tiny_model
+from tests.e2e.engine_harness import Session, compare, generate, make_llm, matches, metric, shutdown, tiny_model
 from tests.e2e.test_pd_connector import _decode, _expected_blocks, _prefill, pd_config
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -87,14 +87,6 @@ def start(kind: str, role: str, tp: int, **extra):
                         disable_log_stats=False, **MODELS[kind])
     finally:
         mp.undo()  # the engine's processes have their environment already
-
-
-def shutdown(*llms) -> None:
-    for llm in llms:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort; the next engine must still start
-            pass
 
 
 def _geometry(worker):  # noqa: ANN001, ANN202 - runs in each decode worker

@@ -59,6 +59,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs_tables import observe
+from tests.e2e.engine_harness import LogTail
 
 pytestmark = pytest.mark.e2e
 
@@ -165,21 +166,6 @@ def _completion(r):  # noqa: ANN001, ANN202 - a requests.Response -> (engine_har
         top.setdefault(t, float(v))
     cached = int(((doc.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return Completion(tokens, [float(v) for v in lp["token_logprobs"]], cached, tops), cached
-
-
-class LogTail:
-    """What a server log gained since the last :meth:`new` (worker lines included)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset = path, path.stat().st_size
-
-    def new(self, settle_s: float = 0.3) -> str:
-        time.sleep(settle_s)  # workers' lines are written before the answer; let the pipe drain
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        self.offset += len(data)
-        return data.decode(errors="replace")
 
 
 def _turn_sizes(facts: list[list], geometry: list[list]) -> list[int]:
