@@ -561,7 +561,10 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
                         for p_ in procs:
                             server_pids.setdefault(p_.pid, p_.create_time())
                         pre = "prefill_" if name == "prefill" else ""
-                        row[pre + "rss_mib"] = sum(p_.memory_info().rss for p_ in procs if p_.is_running()) / 2**20
+                        by_proc = {f"{p_.name()}[{p_.pid}]": p_.memory_info().rss / 2**20
+                                   for p_ in procs if p_.is_running()}
+                        row[pre + "rss_mib"] = sum(by_proc.values())
+                        row[pre + "rss_by_proc"] = by_proc  # which process grows (api server, engine core)
                         row[pre + "threads"] = sum(p_.num_threads() for p_ in procs if p_.is_running())
                 except psutil.Error:
                     continue
@@ -889,6 +892,16 @@ def prefill_down(cfg: SoakConfig, r: dict, events: dict[str, float], end: float)
     return "prefill instance" in err and "unreachable" in err and r["t"] <= back and r["t"] + r["latency_s"] >= kill
 
 
+def rss_by_phase_end(samples: list[dict], key: str = "rss_by_proc") -> dict[str, dict[str, float]]:
+    """Per phase, each server process's RSS (MiB) in the phase's last sample: where a step
+    in the total comes from (the API server, the engine core with the store client)."""
+    out: dict[str, dict[str, float]] = {}
+    for s in samples:
+        if key in s:
+            out[s["phase"]] = {name: round(mib, 1) for name, mib in s[key].items()}
+    return out
+
+
 def _growth(samples: list[dict], key: str) -> float | None:
     warm = [s[key] for s in samples if s["phase"] == "warm" and key in s]
     last = [s[key] for s in samples if key in s]
@@ -950,7 +963,8 @@ def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events:
            "turn_bound_s": turn_bound, "recovery": recovery, "warm_hit_rate": warm_hit,
            "hit_rate_after_recovery": sum(r["cached"] for r in after) / after_prompt if after_prompt else None,
            "corruption": corruption, "recompute_checks": checks,
-           "rss_growth": _growth(samples, "rss_mib"), "thread_growth": _growth(samples, "threads")}
+           "rss_growth": _growth(samples, "rss_mib"), "thread_growth": _growth(samples, "threads"),
+           "rss_by_phase_end": rss_by_phase_end(samples)}
     if cfg.pd:
         pb = events.get("prefill_back")
         doc.update(pd_reads_back_after_s=_grows_after(samples, pb, "p2p_tokens"),
@@ -1049,6 +1063,8 @@ def table(doc: dict) -> str:
                      f"{_f(doc.get('rss_mib_max'), '.0f')} MiB, prefill {_f(doc.get('prefill_rss_mib_max'), '.0f')} MiB")
     else:
         lines.append(f"RSS growth {pct(rss)} %, threads {pct(thr)} % (target < 5 %)")
+    for phase_name, procs in (doc.get("rss_by_phase_end") or {}).items():
+        lines.append(f"RSS MiB at the end of {phase_name}: " + ", ".join(f"{n} {v:.0f}" for n, v in procs.items()))
     lines.append(f"left after shutdown: processes {doc['left_processes'] or 'none'}, dirs {doc['left_dirs'] or 'none'}")
     return "\n".join(lines) + "\n"
 
