@@ -62,6 +62,11 @@ class StoreConnectorConfig:
     # Mooncake's own libraries (store/mooncake_backend.pin_listeners). false: leave them as
     # Mooncake opens them (then firewall their ports), e.g. if the interposer misbehaves.
     pin_mooncake_listeners: bool = True
+    # Fault the whole global segment in at start (madvise MADV_POPULATE_WRITE): the engine's
+    # RSS includes global_segment_size from the beginning instead of growing up to it as
+    # objects land in the segment (e.g. a dead node's objects saved again here). false: pages
+    # become resident on first write (memory committed lazily).
+    populate_segment: bool = True
     # Bound on any one store call (seconds); a dead store costs at most this per request.
     timeout_s: float = 5.0
     # Bound on the scheduler's existence query (seconds); on expiry the lookup is a miss.
@@ -126,7 +131,7 @@ class StoreConnectorConfig:
                 if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                     raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: expected a positive integer")
                 kw[key] = value
-            elif key in ("save_decode", "pin_mooncake_listeners"):
+            elif key in ("save_decode", "pin_mooncake_listeners", "populate_segment"):
                 if not isinstance(value, bool):
                     raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: expected true or false")
                 kw[key] = value

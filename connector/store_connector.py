@@ -105,6 +105,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
             rdma_devices=self._cfg.rdma_devices,
             timeout_s=self._cfg.timeout_s,
             listen_on_host=self._cfg.pin_mooncake_listeners,
+            populate_segment=self._cfg.populate_segment,
         )
         client = shared_client(address, settings)
         self._scheduler: StoreScheduler | None = None

@@ -192,6 +192,8 @@ class ClientSettings:
     max_stuck_calls: int = 4
     # Rebind Mooncake's wildcard listeners to local_hostname (MooncakeBackend listen_on_host).
     listen_on_host: bool = True
+    # Make the global segment resident at start (MooncakeBackend populate_segment).
+    populate_segment: bool = True
 
 
 def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBackend:
@@ -209,6 +211,7 @@ def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBack
                 timeout_s=settings.timeout_s,
                 max_stuck_calls=settings.max_stuck_calls,
                 listen_on_host=settings.listen_on_host,
+                populate_segment=settings.populate_segment,
             )
             _CLIENTS[master_address] = client
             _MONITORS[master_address] = _start_epoch_monitor(client)
