@@ -100,6 +100,9 @@ class StoreScheduler:
         self._load_acks: Counter[int] = Counter()
         self._recent: OrderedDict[BlockKey, None] = OrderedDict()
         self._save_keys: dict[int, list[BlockKey]] = {}  # save job -> its keys, while pinned
+        # The keys of _save_keys with their job counts (_save_started/_save_ended keep both):
+        # _forget_missing asks it per lost key instead of rebuilding it from every job.
+        self._in_flight: Counter[BlockKey] = Counter()
         self._load_keys: dict[str, list[BlockKey]] = {}  # request -> its load's keys, until reported
         self._job_ids = itertools.count(1)
         self._pins: dict[int, list[Any]] = {}
@@ -226,9 +229,14 @@ class StoreScheduler:
         never saved; after a skipped or failed save they can, and a loss behind more than
         ``_LOSS_CHECKS`` such keys is found by a later lookup, the hit ending earlier
         meanwhile). Measured at 12314 keys asked: 0.18 ms all present, 0.03 ms all absent
-        (checking every absent key: 3-5 ms, against a ~57 ms lookup); not measured: the
-        in-flight key set rebuilt below when a lost key is found while many saves are in
-        flight (a running count would make it O(1)).
+        (checking every absent key: 3-5 ms, against a ~57 ms lookup). The keys of save
+        jobs in flight are a running count (``_in_flight``), so telling in-flight keys
+        from lost ones costs one probe per lost key, not a set of every pinned job's
+        keys rebuilt per call. Measured (a micro-benchmark calling this directly: 64
+        pinned save jobs of 200 keys, a 1000-hash-unit prompt in 3 groups, 564 answers
+        scanned; medians of 300 calls on 2 shared cores): absent keys that are a save still in flight 0.54-0.64 ms
+        with the rebuild, 0.04-0.05 ms with the count; a loss 1.10-1.17 ms, 0.70-0.75 ms
+        (0.60 ms of it forgetting the prompt's 3000 keys, as with no save in flight).
         """
         recent = self._recent
         if not recent:
@@ -236,8 +244,8 @@ class StoreScheduler:
         lost = [k for k in answers.absent(_LOSS_CHECKS) if k in recent]
         if not lost:
             return
-        in_flight = set(itertools.chain.from_iterable(self._save_keys.values()))
-        if in_flight and all(k in in_flight for k in lost):
+        in_flight = self._in_flight
+        if all(k in in_flight for k in lost):
             return
         hashes = [bytes(h) for h in request.block_hashes]
         self._forget(k for gid in range(len(self._mirror.geometry.groups)) for k in zip(itertools.repeat(gid), hashes)
@@ -378,8 +386,24 @@ class StoreScheduler:
         self._pinned_save_blocks += len(blocks.block_ids)
         # Its keys, until every worker acknowledged it: a worker that could not write them
         # makes them unknown again (_forget_failed_saves).
-        self._save_keys[job.job_id] = list(zip(blocks.group_ids, blocks.hashes))
+        self._save_started(job.job_id, list(zip(blocks.group_ids, blocks.hashes)))
         return job
+
+    def _save_started(self, job_id: int, keys: list[BlockKey]) -> None:
+        """A pinned save job's keys are in flight until its last worker acknowledges it."""
+        self._save_keys[job_id] = keys
+        self._in_flight.update(keys)
+
+    def _save_ended(self, job_id: int) -> None:
+        """Its keys leave the in-flight count; a key another unacknowledged job also
+        writes (offered again after it was forgotten) stays counted for that job."""
+        in_flight = self._in_flight
+        for key in self._save_keys.pop(job_id, ()):
+            n = in_flight[key] - 1
+            if n > 0:
+                in_flight[key] = n
+            else:
+                in_flight.pop(key, None)
 
     def _pin(self, block_ids: list[int]) -> list[Any]:
         """Hold blocks (ref count + 1) so vLLM cannot hand them to another request."""
@@ -500,7 +524,7 @@ class StoreScheduler:
             return
         self._forget_failed_saves(meta.failed_saves)
         for job_id, unpinned in self._release(meta.finished_saves, self._acks, self._pins):
-            self._save_keys.pop(job_id, None)  # a save job ends here: keys and pins together
+            self._save_ended(job_id)  # a save job ends here: keys and pins together
             self._pinned_save_blocks -= unpinned
         self._release(meta.released_loads, self._load_acks, self._load_pins)
 

@@ -35,7 +35,9 @@ from collections import Counter
 import numpy as np
 import pytest
 from mooncake.store import ReplicateConfig
+from vllm.v1.outputs import KVConnectorOutput
 
+from hybridkv.connector.store_metadata import StoreWorkerMetadata
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.mirror import KeyAnswers, _GroupAnswers
 from hybridkv.store.mooncake_backend import MooncakeBackend
@@ -144,10 +146,36 @@ def test_a_save_still_in_flight_is_not_taken_as_lost(tiny_model):
             h = [bytes(x) for x in req.block_hashes]
             landed, pending, far, other = (0, h[0]), (0, h[1]), (2, h[40]), (0, b"x" * 32)
             conn._recent.update(dict.fromkeys([landed, pending, far, other]))
-            conn._save_keys[7] = [pending]
+            conn._save_started(7, [pending])
             conn._forget_missing(req, KeyAnswers([_GroupAnswers({h[0]: True, h[1]: False}), {}, {}]))
             assert list(conn._recent) == [landed, pending, far, other]
             conn._forget_missing(req, KeyAnswers([_GroupAnswers({h[0]: False, h[1]: False}), {}, {}]))
             assert list(conn._recent) == [pending, other]
+        finally:
+            release_all()
+
+
+def test_a_key_two_saves_write_is_in_flight_until_both_end(tiny_model):
+    """A key forgotten while its save was in flight is offered again and written by a second
+    job: it stays in flight (not lost) until BOTH jobs are acknowledged (the running count,
+    ``_in_flight``, counts jobs per key; planted as a set: the first job's end drops it and
+    the absent key is taken as lost), then a lookup finding it absent forgets it (planted,
+    the count never decremented: never forgotten)."""
+    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=16 << 20) as _holder:
+        try:
+            sched = _scheduler(WINDOW, master.address, tiny_model, "in-flight-twice")
+            conn = sched.connector._scheduler
+            req = _request("in-flight-twice")
+            key = (0, bytes(req.block_hashes[0]))
+            conn._recent[key] = None
+            conn._save_started(7, [key])
+            conn._save_started(8, [key])
+            absent = KeyAnswers([_GroupAnswers({key[1]: False}), {}, {}])
+            for job, forgotten in ((7, False), (8, True)):
+                conn.update_connector_output(
+                    KVConnectorOutput(kv_connector_worker_meta=StoreWorkerMetadata(finished_saves=Counter({job: 1}))))
+                conn._forget_missing(req, absent)
+                assert (key not in conn._recent) == forgotten, f"after job {job} ended"
+            assert not conn._save_keys and not conn._in_flight
         finally:
             release_all()
