@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,17 @@ logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" log
 _RECENT_SAVES = 1 << 17
 _MAX_PENDING_LOADS = 65_536  # loads whose keys wait for the workers' report (bounded)
 _LOSS_CHECKS = 64  # absent keys per group a lookup checks against _recent (_forget_missing)
+
+
+def _first_lost_unit(block_hashes: Sequence[bytes], lost: set[bytes]) -> int:
+    """The first hash unit of the prompt whose key was found lost, in any group.
+
+    A key is named by the hash unit it ends at (``StoreMirror.block_key``), so one
+    unit is the same token in every group whatever its block size: the keys of a
+    group from this unit on are its blocks ending at or after the earliest loss.
+    0 (every key) if none is the prompt's: the answers come from this prompt's
+    hashes, and forgetting too much only costs puts."""
+    return next((i for i, h in enumerate(block_hashes) if h in lost), 0)
 
 
 @dataclass
@@ -218,13 +229,24 @@ class StoreScheduler:
         stayed at 0.07 after a master SIGSTOP until the next master restart). A node that
         dies or an eviction does the same.
 
-        So once a lookup finds a key it believes saved missing, every key of the request's
-        prompt leaves ``_recent``, and the recompute that follows saves them again: a lookup
-        asks every dense key it can use but sparse keys (window tails, Mamba states) only
-        near its hit, so lost sparse keys further on would otherwise wait for later lookups
-        to find them missing, one degraded hit each. Keys of save jobs still in flight stay:
-        not landed yet is not lost. Only the first ``_LOSS_CHECKS`` absent keys per group
-        are looked up in ``_recent`` (a dense group's first absent key is where a loss
+        So once a lookup finds a key it believes saved missing, the keys of the request's
+        prompt from the earliest such key on leave ``_recent`` (:func:`_first_lost_unit`),
+        in every group, and the recompute that follows saves them again. Earliest over ALL
+        groups, not each group's own first loss: a lookup asks every dense key it can use
+        but sparse keys (window tails, Mamba states) only near its hit, and a finer dense
+        group only up to a block past it, so a group's keys further on may be lost unasked;
+        forgotten now, the recompute saves them instead of each waiting for a later lookup
+        to find it missing (one degraded hit each). Keys before that position stay
+        (forgetting the whole prompt made the recompute re-put every block it passed,
+        stored or not): between the hit and the loss this lookup asked every key (the
+        coordinator reads each group down from its candidate to the hit) and found none
+        lost; below the hit (held locally, or loaded) this request computes nothing, so
+        forgetting could not save them again, and a request that needs them asks for them
+        itself. Left behind until a later lookup asks them: lost sparse keys between the
+        ask range and a loss past a dense key never saved (a skipped save ends the hit
+        there), and lost keys the checks below skip. Keys of save jobs still in flight
+        stay: not landed yet is not lost. Only the first ``_LOSS_CHECKS`` absent keys per
+        group are looked up in ``_recent`` (a dense group's first absent key is where a loss
         shows: a block's hash covers its whole prefix, so saved keys rarely follow one
         never saved; after a skipped or failed save they can, and a loss behind more than
         ``_LOSS_CHECKS`` such keys is found by a later lookup, the hit ending earlier
@@ -234,20 +256,20 @@ class StoreScheduler:
         from lost ones costs one probe per lost key, not a set of every pinned job's
         keys rebuilt per call. Measured (a micro-benchmark calling this directly: 64
         pinned save jobs of 200 keys, a 1000-hash-unit prompt in 3 groups, 564 answers
-        scanned; medians of 300 calls on 2 shared cores): absent keys that are a save still in flight 0.54-0.64 ms
-        with the rebuild, 0.04-0.05 ms with the count; a loss 1.10-1.17 ms, 0.70-0.75 ms
-        (0.60 ms of it forgetting the prompt's 3000 keys, as with no save in flight).
+        scanned; medians of 300 calls on 2 shared cores): absent keys that are a save
+        still in flight 0.54-0.64 ms with the rebuild, 0.04-0.05 ms with the count; a
+        loss at unit 500 1.10-1.26 ms with the rebuild and the whole prompt forgotten
+        (3000 keys), 0.44-0.46 ms now (the 1500 from unit 500 on; 0.73-0.81 ms for a
+        loss at unit 0, all 3000).
         """
-        recent = self._recent
+        recent, in_flight = self._recent, self._in_flight
         if not recent:
             return
-        lost = [k for k in answers.absent(_LOSS_CHECKS) if k in recent]
+        lost = {k[1] for k in answers.absent(_LOSS_CHECKS) if k in recent and k not in in_flight}
         if not lost:
             return
-        in_flight = self._in_flight
-        if all(k in in_flight for k in lost):
-            return
-        hashes = [bytes(h) for h in request.block_hashes]
+        first = _first_lost_unit(request.block_hashes, lost)
+        hashes = [bytes(h) for h in request.block_hashes[first:]]
         self._forget(k for gid in range(len(self._mirror.geometry.groups)) for k in zip(itertools.repeat(gid), hashes)
                      if k not in in_flight)
 

@@ -136,8 +136,9 @@ def test_keys_of_a_dropped_segment_are_saved_again(tiny_model):
 
 def test_a_save_still_in_flight_is_not_taken_as_lost(tiny_model):
     """A key whose save job is not acknowledged yet reads as missing (not landed): alone it
-    forgets nothing. A saved key found missing forgets every key of the request's prompt
-    (all groups: sparse keys far from the hit are not asked) except those still in flight."""
+    forgets nothing. A saved key found missing at the prompt's first block forgets every key
+    of the prompt from there on (all groups: sparse keys far from the hit are not asked)
+    except those still in flight."""
     with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=16 << 20) as _holder:
         try:
             sched = _scheduler(WINDOW, master.address, tiny_model, "in-flight")
@@ -151,6 +152,41 @@ def test_a_save_still_in_flight_is_not_taken_as_lost(tiny_model):
             assert list(conn._recent) == [landed, pending, far, other]
             conn._forget_missing(req, KeyAnswers([_GroupAnswers({h[0]: False, h[1]: False}), {}, {}]))
             assert list(conn._recent) == [pending, other]
+        finally:
+            release_all()
+
+
+def test_a_loss_forgets_from_the_earliest_lost_position_on(tiny_model):
+    """Keys before the first lost one stay "saved recently"; from it on, every group's go.
+
+    Geometry: full attention 16 (group 0), sliding window 16/64 (1), Mamba 64 (2), hash
+    unit 16; a key is named by the hash unit its block ends at (``h[i]``: tokens up to
+    16 * (i + 1)). A dense loss at h[5]: the dense keys this lookup found present before it
+    and the Mamba state at 64 (not asked) stay (planted, the old rule forgetting the whole
+    prompt: they go, and the recompute would re-put blocks still stored); the present dense
+    key after it, a far window tail and the Mamba state at 128 (neither asked) go. A Mamba
+    state lost at 64 before a dense loss at 96: the dense key ending at 80, found present,
+    goes too (planted, each group from its own first loss: it stays), the one at 48 stays:
+    the earliest loss over all groups bounds what this lookup can vouch for."""
+    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=16 << 20) as _holder:
+        try:
+            sched = _scheduler(WINDOW, master.address, tiny_model, "first-lost")
+            conn = sched.connector._scheduler
+            req = _request("first-lost")
+            h = [bytes(x) for x in req.block_hashes]
+            other = (0, b"x" * 32)  # another prompt's key
+            before, lost, after = [(0, h[3]), (0, h[4]), (2, h[3])], (0, h[5]), [(0, h[6]), (1, h[40]), (2, h[7])]
+            conn._recent.update(dict.fromkeys([*before, lost, *after, other]))
+            dense = _GroupAnswers({h[3]: True, h[4]: True, h[5]: False, h[6]: True})
+            conn._forget_missing(req, KeyAnswers([dense, {}, {}]))
+            assert list(conn._recent) == [*before, other]
+
+            conn._recent.clear()
+            kept, gone = [(0, h[2])], [(0, h[4]), (2, h[3]), (0, h[5])]
+            conn._recent.update(dict.fromkeys([*kept, *gone, other]))
+            dense = _GroupAnswers({h[2]: True, h[4]: True, h[5]: False})
+            conn._forget_missing(req, KeyAnswers([dense, {}, _GroupAnswers({h[3]: False})]))
+            assert list(conn._recent) == [*kept, other]
         finally:
             release_all()
 
