@@ -295,7 +295,9 @@ def corrupt_objects(address: str, key_logs: list[pathlib.Path], fraction: float,
         if len(parts) == 3:
             by_group.setdefault((parts[1], parts[2]), {})[parts[0]] = None
     present_n = planted = 0
-    with MooncakeBackend(address, global_segment_size=0, timeout_s=5.0) as client:
+    # The chaos tool's own client waits longer than the engines' (timeout_s 2-5 s): it is the
+    # harness, and a P/D soak run died here when an exists took over 5 s under both engines' load.
+    with MooncakeBackend(address, global_segment_size=0, timeout_s=30.0) as client:
         for keys in by_group.values():
             keys_l = list(keys)
             present = []
