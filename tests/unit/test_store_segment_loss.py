@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -134,26 +135,32 @@ def test_keys_of_a_dropped_segment_are_saved_again(tiny_model):
             keeper.close()
 
 
+@contextmanager
+def _scheduler_on_a_fresh_master(tiny_model, tag: str):  # noqa: ANN001, ANN202
+    """(the store scheduler, a request of its prompt) on a master of its own that holds one
+    segment; the store clients are released after."""
+    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=16 << 20) as _holder:
+        try:
+            sched = _scheduler(WINDOW, master.address, tiny_model, tag)
+            yield sched.connector._scheduler, _request(tag)
+        finally:
+            release_all()
+
+
 def test_a_save_still_in_flight_is_not_taken_as_lost(tiny_model):
     """A key whose save job is not acknowledged yet reads as missing (not landed): alone it
     forgets nothing. A saved key found missing at the prompt's first block forgets every key
     of the prompt from there on (all groups: sparse keys far from the hit are not asked)
     except those still in flight."""
-    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=16 << 20) as _holder:
-        try:
-            sched = _scheduler(WINDOW, master.address, tiny_model, "in-flight")
-            conn = sched.connector._scheduler
-            req = _request("in-flight")
-            h = [bytes(x) for x in req.block_hashes]
-            landed, pending, far, other = (0, h[0]), (0, h[1]), (2, h[40]), (0, b"x" * 32)
-            conn._recent.update(dict.fromkeys([landed, pending, far, other]))
-            conn._save_started(7, [pending])
-            conn._forget_missing(req, KeyAnswers([_GroupAnswers({h[0]: True, h[1]: False}), {}, {}]))
-            assert list(conn._recent) == [landed, pending, far, other]
-            conn._forget_missing(req, KeyAnswers([_GroupAnswers({h[0]: False, h[1]: False}), {}, {}]))
-            assert list(conn._recent) == [pending, other]
-        finally:
-            release_all()
+    with _scheduler_on_a_fresh_master(tiny_model, "in-flight") as (conn, req):
+        h = [bytes(x) for x in req.block_hashes]
+        landed, pending, far, other = (0, h[0]), (0, h[1]), (2, h[40]), (0, b"x" * 32)
+        conn._recent.update(dict.fromkeys([landed, pending, far, other]))
+        conn._save_started(7, [pending])
+        conn._forget_missing(req, KeyAnswers([_GroupAnswers({h[0]: True, h[1]: False}), {}, {}]))
+        assert list(conn._recent) == [landed, pending, far, other]
+        conn._forget_missing(req, KeyAnswers([_GroupAnswers({h[0]: False, h[1]: False}), {}, {}]))
+        assert list(conn._recent) == [pending, other]
 
 
 def test_a_loss_forgets_from_the_earliest_lost_position_on(tiny_model):
@@ -168,27 +175,21 @@ def test_a_loss_forgets_from_the_earliest_lost_position_on(tiny_model):
     state lost at 64 before a dense loss at 96: the dense key ending at 80, found present,
     goes too (planted, each group from its own first loss: it stays), the one at 48 stays:
     the earliest loss over all groups bounds what this lookup can vouch for."""
-    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=16 << 20) as _holder:
-        try:
-            sched = _scheduler(WINDOW, master.address, tiny_model, "first-lost")
-            conn = sched.connector._scheduler
-            req = _request("first-lost")
-            h = [bytes(x) for x in req.block_hashes]
-            other = (0, b"x" * 32)  # another prompt's key
-            before, lost, after = [(0, h[3]), (0, h[4]), (2, h[3])], (0, h[5]), [(0, h[6]), (1, h[40]), (2, h[7])]
-            conn._recent.update(dict.fromkeys([*before, lost, *after, other]))
-            dense = _GroupAnswers({h[3]: True, h[4]: True, h[5]: False, h[6]: True})
-            conn._forget_missing(req, KeyAnswers([dense, {}, {}]))
-            assert list(conn._recent) == [*before, other]
+    with _scheduler_on_a_fresh_master(tiny_model, "first-lost") as (conn, req):
+        h = [bytes(x) for x in req.block_hashes]
+        other = (0, b"x" * 32)  # another prompt's key
+        before, lost, after = [(0, h[3]), (0, h[4]), (2, h[3])], (0, h[5]), [(0, h[6]), (1, h[40]), (2, h[7])]
+        conn._recent.update(dict.fromkeys([*before, lost, *after, other]))
+        dense = _GroupAnswers({h[3]: True, h[4]: True, h[5]: False, h[6]: True})
+        conn._forget_missing(req, KeyAnswers([dense, {}, {}]))
+        assert list(conn._recent) == [*before, other]
 
-            conn._recent.clear()
-            kept, gone = [(0, h[2])], [(0, h[4]), (2, h[3]), (0, h[5])]
-            conn._recent.update(dict.fromkeys([*kept, *gone, other]))
-            dense = _GroupAnswers({h[2]: True, h[4]: True, h[5]: False})
-            conn._forget_missing(req, KeyAnswers([dense, {}, _GroupAnswers({h[3]: False})]))
-            assert list(conn._recent) == [*kept, other]
-        finally:
-            release_all()
+        conn._recent.clear()
+        kept, gone = [(0, h[2])], [(0, h[4]), (2, h[3]), (0, h[5])]
+        conn._recent.update(dict.fromkeys([*kept, *gone, other]))
+        dense = _GroupAnswers({h[2]: True, h[4]: True, h[5]: False})
+        conn._forget_missing(req, KeyAnswers([dense, {}, _GroupAnswers({h[3]: False})]))
+        assert list(conn._recent) == [*kept, other]
 
 
 def test_a_key_two_saves_write_is_in_flight_until_both_end(tiny_model):
@@ -197,21 +198,15 @@ def test_a_key_two_saves_write_is_in_flight_until_both_end(tiny_model):
     ``_in_flight``, counts jobs per key; planted as a set: the first job's end drops it and
     the absent key is taken as lost), then a lookup finding it absent forgets it (planted,
     the count never decremented: never forgotten)."""
-    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=16 << 20) as _holder:
-        try:
-            sched = _scheduler(WINDOW, master.address, tiny_model, "in-flight-twice")
-            conn = sched.connector._scheduler
-            req = _request("in-flight-twice")
-            key = (0, bytes(req.block_hashes[0]))
-            conn._recent[key] = None
-            conn._save_started(7, [key])
-            conn._save_started(8, [key])
-            absent = KeyAnswers([_GroupAnswers({key[1]: False}), {}, {}])
-            for job, forgotten in ((7, False), (8, True)):
-                conn.update_connector_output(
-                    KVConnectorOutput(kv_connector_worker_meta=StoreWorkerMetadata(finished_saves=Counter({job: 1}))))
-                conn._forget_missing(req, absent)
-                assert (key not in conn._recent) == forgotten, f"after job {job} ended"
-            assert not conn._save_keys and not conn._in_flight
-        finally:
-            release_all()
+    with _scheduler_on_a_fresh_master(tiny_model, "in-flight-twice") as (conn, req):
+        key = (0, bytes(req.block_hashes[0]))
+        conn._recent[key] = None
+        conn._save_started(7, [key])
+        conn._save_started(8, [key])
+        absent = KeyAnswers([_GroupAnswers({key[1]: False}), {}, {}])
+        for job, forgotten in ((7, False), (8, True)):
+            conn.update_connector_output(
+                KVConnectorOutput(kv_connector_worker_meta=StoreWorkerMetadata(finished_saves=Counter({job: 1}))))
+            conn._forget_missing(req, absent)
+            assert (key not in conn._recent) == forgotten, f"after job {job} ended"
+        assert not conn._save_keys and not conn._in_flight
