@@ -134,6 +134,9 @@ class DecodeOnlySlots:
         return release
 
 
+KEEPALIVE_EXPIRY_S = 2.0  # below the instances' keep-alive timeout (vLLM: 5 s); see build_app
+
+
 def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s: float = 600.0,
               fallback: bool = True, max_decode_only: int = 0, decode_only_wait_s: float = 0.0,
               retry_after_s: float = 1.0):
@@ -149,7 +152,12 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
     prefill_list = [u.rstrip("/") for u in prefill_urls]
     prefill_start = itertools.cycle(range(len(prefill_list)))
     decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+    # Idle connections are dropped before the instances' servers drop them (vLLM's uvicorn:
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; httpx's default expiry is the same 5 s): a request
+    # sent on a connection the server is closing at that moment fails with a ReadError
+    # (P/D soak: 3 streamed answers cut at the prefill kill, all on reused decode connections).
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
+                               limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
     counts = {"requests": 0, "decode_only_fallbacks": 0, "prefill_errors": 0, "decode_only_rejected": 0}
     slots = DecodeOnlySlots(max_decode_only, decode_only_wait_s)
 
@@ -220,17 +228,27 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
                     release()
             return JSONResponse(status_code=d.status_code, content=d.json() if d.content else {}, headers=headers)
 
+        # The decode answer's status and headers are awaited before the client's response
+        # starts: a decode instance that fails before answering is a 502 naming it, not a
+        # 200 whose stream ends early (which clients see as a truncated answer).
+        try:
+            d = await client.send(client.build_request("POST", decode + path, json=dreq), stream=True)
+        except httpx.HTTPError as e:
+            if release is not None:
+                release()
+            return _unreachable("decode", decode, e)
+
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async with client.stream("POST", decode + path, json=dreq) as d:
-                    async for chunk in d.aiter_bytes():
-                        yield chunk
+                async for chunk in d.aiter_bytes():
+                    yield chunk
             finally:
+                await d.aclose()
                 if release is not None:
                     release()
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers,
-                                 background=BackgroundTask(release) if release is not None else None)
+        return StreamingResponse(relay(), status_code=d.status_code, media_type="text/event-stream",
+                                 headers=headers, background=BackgroundTask(release) if release is not None else None)
 
     @app.get("/metrics")
     async def metrics():

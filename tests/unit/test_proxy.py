@@ -324,3 +324,67 @@ def test_requests_prefill_serves_are_not_bounded_by_the_decode_only_limit():
         proxy.close()
         decode.close()
         prefill.close()
+
+
+class _HangUp:
+    """A real TCP listener that reads a request and closes the connection without a byte of
+    answer: a decode instance whose server drops the connection (dying, or closing an idle
+    keep-alive connection the proxy reused at that moment)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                if conn.recv(65536):
+                    self.requests += 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_decode_instance_that_hangs_up_is_a_502_naming_it_not_a_truncated_answer(stream):
+    """The P/D soak's 3 failed requests: streamed answers the client saw end early
+    ("Response ended prematurely") because the proxy started its 200 before the decode
+    instance had answered, and the decode connection then failed. Now the decode's status is
+    awaited first: a 502 naming the decode instance. Planted (the stream opened inside the
+    response, as before): the streamed case answers 200 with no body and fails here."""
+    from fastapi.testclient import TestClient
+
+    from hybridkv.cli.proxy import build_app
+
+    prefill, decode = _Instance(params=PARAMS), _HangUp()
+    try:
+        client = TestClient(build_app([prefill.url], [decode.url], timeout_s=5))
+        r = client.post("/v1/completions", json={**USER, "stream": stream})
+        assert decode.requests == 1
+        assert r.status_code == 502, (r.status_code, r.content[:200])
+        assert f"decode instance {decode.url} unreachable" in r.json()["error"]["message"]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_idle_connections_expire_before_a_vllm_server_closes_them():
+    """httpx keeps idle connections 5 s by default, exactly vLLM's keep-alive timeout, so a
+    request could be written on a connection the server was closing (ReadError). The proxy
+    expires them first."""
+    import vllm.envs as envs
+
+    from hybridkv.cli.proxy import KEEPALIVE_EXPIRY_S
+
+    assert 0 < KEEPALIVE_EXPIRY_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
