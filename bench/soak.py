@@ -966,7 +966,8 @@ def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events:
            "hit_rate_after_recovery": sum(r["cached"] for r in after) / after_prompt if after_prompt else None,
            "corruption": corruption, "recompute_checks": checks,
            "rss_growth": _growth(samples, "rss_mib"), "thread_growth": _growth(samples, "threads"),
-           "rss_by_phase_end": rss_by_phase_end(samples)}
+           "rss_by_phase_end": rss_by_phase_end(samples),
+           "prefill_rss_by_phase_end": rss_by_phase_end(samples, "prefill_rss_by_proc")}
     if cfg.pd:
         pb = events.get("prefill_back")
         doc.update(pd_reads_back_after_s=_grows_after(samples, pb, "p2p_tokens"),
@@ -1065,8 +1066,10 @@ def table(doc: dict) -> str:
                      f"{_f(doc.get('rss_mib_max'), '.0f')} MiB, prefill {_f(doc.get('prefill_rss_mib_max'), '.0f')} MiB")
     else:
         lines.append(f"RSS growth {pct(rss)} %, threads {pct(thr)} % (target < 5 %)")
-    for phase_name, procs in (doc.get("rss_by_phase_end") or {}).items():
-        lines.append(f"RSS MiB at the end of {phase_name}: " + ", ".join(f"{n} {v:.0f}" for n, v in procs.items()))
+    for key, who in (("rss_by_phase_end", "decode" if pd else "server"), ("prefill_rss_by_phase_end", "prefill")):
+        for phase_name, procs in (doc.get(key) or {}).items():
+            lines.append(f"{who} RSS MiB at the end of {phase_name}: "
+                         + ", ".join(f"{n} {v:.0f}" for n, v in procs.items()))
     lines.append(f"left after shutdown: processes {doc['left_processes'] or 'none'}, dirs {doc['left_dirs'] or 'none'}")
     return "\n".join(lines) + "\n"
 

@@ -238,17 +238,23 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
                 release()
             return _unreachable("decode", decode, e)
 
+        async def done() -> None:
+            """Release the decode-only slot and the decode connection, once the stream ends
+            or, when it never starts (the client went away first), from the background task."""
+            if release is not None:
+                release()
+            await d.aclose()
+
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async for chunk in d.aiter_bytes():
                     yield chunk
             finally:
-                await d.aclose()
-                if release is not None:
-                    release()
+                await done()
 
-        return StreamingResponse(relay(), status_code=d.status_code, media_type="text/event-stream",
-                                 headers=headers, background=BackgroundTask(release) if release is not None else None)
+        return StreamingResponse(relay(), status_code=d.status_code,
+                                 media_type=d.headers.get("content-type", "text/event-stream"),
+                                 headers=headers, background=BackgroundTask(done))
 
     @app.get("/metrics")
     async def metrics():

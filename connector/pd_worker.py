@@ -62,6 +62,7 @@ from hybridkv.connector.pd_tp import (
     spec_state_splits,
 )
 from hybridkv.connector.pd_transport import PDTransport, ReadHandle, TransferError, TransferTimeout, allocation_spaces
+from hybridkv.store.cpu_affinity import unpinned
 
 # A claim can arrive before the prefill worker's next step hands it the lease (the
 # scheduler issued the params at finish): wait this long for it.
@@ -238,7 +239,12 @@ class PDWorker:
                 q = self._peer_queues[key] = queue.Queue()
                 t = threading.Thread(target=self._run_reads, args=(q, key), daemon=True,
                                      name=f"hybridkv-pd-read-{key[1]}")
-                t.start()
+                # Started from the worker's main thread, which vLLM pins to its core: a thread
+                # inherits that affinity and would queue behind the forward pass there (READs,
+                # claims and releases, and the straggler drains it starts). The gRPC, NIXL and
+                # Mooncake threads are kept off the pinned core the same way.
+                with unpinned():
+                    t.start()
                 self._read_threads = [x for x in self._read_threads if x.is_alive()] + [t]
             (q if q is not None else self._jobs).put(job)
 

@@ -616,6 +616,12 @@ def fault_in_segment(before: list[tuple[int, int]], segment_size: int) -> int:
                            "resident as objects land in it", os.strerror(ctypes.get_errno()))
             return done
         done += hi - lo
+        break  # the segment's one mapping (a range holds it whole, or none does)
+    if done < segment_size:
+        # Mooncake mapped it otherwise (in pieces, e.g. MC_MAX_MR_SIZE chunks, or as hugepages):
+        # nothing was populated, and the RSS grows as objects land, as without the setting.
+        logger.warning("hybridkv: populate_segment: no new mapping of the store segment's %d bytes was found; "
+                       "its pages become resident as objects land in it", segment_size)
     return done
 
 

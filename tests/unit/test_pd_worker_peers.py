@@ -142,3 +142,40 @@ def test_peers_are_bounded_but_never_one_with_a_read_in_flight(monkeypatch):
     finally:
         worker._transport = None
         worker.stop_reads(join_s=5)
+
+
+def test_a_peer_read_thread_is_not_pinned_to_the_core_of_the_thread_that_starts_it(monkeypatch):
+    """vLLM pins the worker's main thread (the one calling start_load_kv) to its core; a read
+    thread started there inherited that core and queued its READs, claims and releases
+    behind the forward pass (a suspect in the P/D soak's 30-50 s stalls). The read thread
+    runs on every usable CPU. Planted (started without unpinned()): it sees the one core."""
+    import os
+
+    from hybridkv.store.cpu_affinity import usable_cpus
+
+    cpus = sorted(usable_cpus())
+    if len(cpus) < 2:
+        pytest.fail(f"needs two usable CPUs to pin one, this runner has {cpus}")
+    seen: list[set[int]] = []
+
+    def fake_read(self, job):  # noqa: ANN001 - FAKE read: records the read thread's CPUs
+        seen.append(os.sched_getaffinity(0))
+        return True, None
+
+    monkeypatch.setattr(PDWorker, "_read", fake_read)
+    worker = _worker()
+    result: list[bool] = []
+
+    def pinned_caller() -> None:  # a worker main thread vLLM pinned to one core
+        os.sched_setaffinity(0, {cpus[0]})
+        worker.start_load_kv(PDConnectorMetadata(reads=[_job("a", 1000)]))
+        result.append(_done(worker, "a", 5.0))
+
+    try:
+        caller = threading.Thread(target=pinned_caller)
+        caller.start()
+        caller.join(10)
+        assert result == [True]
+        assert seen == [set(cpus)], f"the read thread ran on {seen}, not on every usable CPU {cpus}"
+    finally:
+        worker.stop_reads(join_s=5)
