@@ -588,9 +588,10 @@ def _rw_anon_ranges() -> list[tuple[int, int]]:
 def _new_ranges(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of ``after`` that no range of ``before`` covers (merged mappings split back)."""
     res = []
+    covered = sorted(before)
     for lo, hi in sorted(after):
         cur = lo
-        for blo, bhi in sorted(before):
+        for blo, bhi in covered:
             if bhi <= cur or blo >= hi:
                 continue
             if blo > cur:
