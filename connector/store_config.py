@@ -67,6 +67,11 @@ class StoreConnectorConfig:
     # objects land in the segment (e.g. a dead node's objects saved again here). false: pages
     # become resident on first write (memory committed lazily).
     populate_segment: bool = True
+    # Nice level (0-19) of the threads that wait for store reads. Mooncake 0.3.13 polls for a
+    # read's completion on the waiting thread (a busy loop for as long as the read takes), so
+    # a read from a slow peer takes a core from the forward pass and from the peer serving it;
+    # at 19 the poll only gets CPU nothing else wants. 0: normal priority.
+    read_wait_nice: int = 19
     # Bound on any one store call (seconds); a dead store costs at most this per request.
     timeout_s: float = 5.0
     # Bound on the scheduler's existence query (seconds); on expiry the lookup is a miss.
@@ -130,6 +135,13 @@ class StoreConnectorConfig:
             elif key in ("embedded_lease_ttl_ms", "max_batch_blocks"):
                 if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                     raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: expected a positive integer")
+                kw[key] = value
+            elif key == "read_wait_nice":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+                    raise ConfigError(
+                        f"kv_connector_extra_config.read_wait_nice={value!r}: expected a nice level from 0 "
+                        "(normal priority) to 19 (only CPU nothing else wants)"
+                    )
                 kw[key] = value
             elif key in ("save_decode", "pin_mooncake_listeners", "populate_segment"):
                 if not isinstance(value, bool):

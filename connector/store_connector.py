@@ -106,6 +106,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
             timeout_s=self._cfg.timeout_s,
             listen_on_host=self._cfg.pin_mooncake_listeners,
             populate_segment=self._cfg.populate_segment,
+            read_wait_nice=self._cfg.read_wait_nice,
         )
         client = shared_client(address, settings)
         self._scheduler: StoreScheduler | None = None

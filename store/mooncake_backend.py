@@ -234,6 +234,12 @@ _FIXES: dict[int, str] = {
 _UNREACHABLE_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
 # Calls that move object bytes to or from a segment owner; every other call needs the master only.
 _DATA_OPS = frozenset({"put_from", "get_into", "put_from_parts", "get_into_parts"})
+# The calls that read an object out of a segment. Mooncake 0.3.13's pip build waits for a
+# read's transfer by polling on the calling thread (TransferEngineOperationState::
+# wait_for_completion without USE_EVENT_DRIVEN_COMPLETION): measured, a get_into_parts from a
+# node SIGSTOPped for 3 s burned 2.89 s of CPU, a put_from_parts 0.00 s. They run on their own
+# threads at ``read_wait_nice`` (see MooncakeBackend).
+_READ_OPS = frozenset({"get_into", "get_into_parts", "get_bytes"})
 
 T = TypeVar("T")
 _DEFAULT = object()  # "use self.timeout_s" (None already means unbounded)
@@ -270,12 +276,17 @@ class StoreError(Exception):
 
 
 class _DaemonPool:
-    """Fixed set of daemon threads; a stuck call must never block interpreter exit."""
+    """Fixed set of daemon threads; a stuck call must never block interpreter exit.
 
-    def __init__(self, n: int, name: str) -> None:
+    ``nice`` > 0: each thread lowers its own scheduling priority to that nice level when it
+    starts (Linux: per thread; lowering needs no privilege, and a thread never raises it back,
+    which would). See ``read_wait_nice`` for why the read calls want it."""
+
+    def __init__(self, n: int, name: str, nice: int = 0) -> None:
         self._q: "queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None]" = (
             queue.SimpleQueue()
         )
+        self.nice = int(nice)
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(max(1, n))
         ]
@@ -283,6 +294,11 @@ class _DaemonPool:
             t.start()
 
     def _run(self) -> None:
+        if self.nice > 0:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError as e:  # pragma: no cover - lowering one's own priority is always allowed
+                logger.warning("hybridkv: could not lower the store read threads' priority: %s", e)
         while True:
             item = self._q.get()
             if item is None:
@@ -645,6 +661,16 @@ class MooncakeBackend:
     ``populate_segment`` (default False; the connector turns it on): make the global segment resident right after setup()
     (``fault_in_segment``) instead of page by page as objects land in it; ``segment_populated``
     is the bytes made resident.
+    ``read_wait_nice`` (0-19; default 0, the connector sets 19): the read calls (``_READ_OPS``)
+    run on their own threads at this nice level. Mooncake polls for a read's completion on
+    the calling thread, so a read from a slow peer (a node whose own CPU is busy, e.g. the
+    other engine on the same host) burns a core for as long as it waits, taking it from the
+    forward pass and from the very peer that has to serve the read: in the P/D + store soak
+    those polls took as much CPU as the prefill's forward pass and every session stalled
+    for 20-30 s at once. At nice 19 the poll only gets CPU nobody else wants (its bytes are
+    moved by Mooncake's transfer threads, which keep their priority); the cost is noticing
+    a finished read up to a scheduler period later on a saturated host. 0: one pool at
+    normal priority for every call, as before.
     """
 
     def __init__(
@@ -663,7 +689,11 @@ class MooncakeBackend:
         listen_on_host: bool = True,
         stall_bound_s: Any = _DEFAULT,
         populate_segment: bool = False,
+        read_wait_nice: int = 0,
     ) -> None:
+        if isinstance(read_wait_nice, bool) or not isinstance(read_wait_nice, int) or not 0 <= read_wait_nice <= 19:
+            raise ValueError(f"read_wait_nice={read_wait_nice!r}: expected a nice level 0-19 (0: off)")
+        self.read_wait_nice = read_wait_nice
         self.master_address = master_address
         self.max_stuck_calls = max(1, int(max_stuck_calls))
         # Stuck calls hold pool threads: keep some free so admitted calls are not queued.
@@ -683,6 +713,7 @@ class MooncakeBackend:
         self._unreachable_until = 0.0
         self._closed = False
         self._pool: _DaemonPool | None = None
+        self._read_pool: _DaemonPool | None = None  # the read calls' own threads (read_wait_nice)
 
         host, port = _parse_address(master_address)
         try:
@@ -714,12 +745,16 @@ class MooncakeBackend:
         # the creating thread's CPU affinity: keep them off the engine's pinned cores.
         with unpinned():
             self._pool = _DaemonPool(workers, name=f"mooncake-{port}")
+            if read_wait_nice:
+                self._read_pool = _DaemonPool(workers, name=f"mooncake-read-{port}", nice=read_wait_nice)
             rc = self._bounded(
                 "setup", self._store.setup, local_hostname, metadata_server, self.global_segment_size,
                 self.local_buffer_size, protocol, rdma_devices, master_address, timeout=setup_timeout,
             )
         if rc != 0:
             self._pool.shutdown()
+            if self._read_pool is not None:
+                self._read_pool.shutdown()
             self._closed = True
             raise StoreError(
                 "setup", rc,
@@ -770,7 +805,8 @@ class MooncakeBackend:
                 while_waiting(lambda: False)
             return out
         t0 = time.monotonic()
-        fut = self._pool.submit(fn, *args)
+        pool = self._read_pool if op in _READ_OPS and self._read_pool is not None else self._pool
+        fut = pool.submit(fn, *args)
         side_error: BaseException | None = None
         if while_waiting is not None:
             try:
@@ -1013,7 +1049,9 @@ class MooncakeBackend:
             if self._closed:
                 return
             self._closed = True
-        if self._pool is not None and not self._pool.shutdown(wait_s=_CLOSE_WAIT_S):
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        pools = [p for p in (self._pool, self._read_pool) if p is not None]
+        if not all([p.shutdown(wait_s=max(0.0, deadline - time.monotonic())) for p in pools]):
             # A call is still inside Mooncake: closing under it would abort the
             # process. Leave the client to the process's exit instead.
             logger.warning("hybridkv: store client %s closed with a call still in flight; "

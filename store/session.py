@@ -194,6 +194,8 @@ class ClientSettings:
     listen_on_host: bool = True
     # Make the global segment resident at start (MooncakeBackend populate_segment).
     populate_segment: bool = True
+    # Nice level of the threads waiting for store reads (MooncakeBackend read_wait_nice).
+    read_wait_nice: int = 0
 
 
 def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBackend:
@@ -212,6 +214,7 @@ def shared_client(master_address: str, settings: ClientSettings) -> MooncakeBack
                 max_stuck_calls=settings.max_stuck_calls,
                 listen_on_host=settings.listen_on_host,
                 populate_segment=settings.populate_segment,
+                read_wait_nice=settings.read_wait_nice,
             )
             _CLIENTS[master_address] = client
             _MONITORS[master_address] = _start_epoch_monitor(client)

@@ -494,3 +494,65 @@ def test_objects_landing_in_a_populated_segment_do_not_grow_rss(populate: bool) 
         assert growth < 12, f"RSS grew {growth:.1f} MiB as objects landed in a populated segment"
     else:
         assert b.segment_populated == 0 and growth >= 40, f"control: RSS grew only {growth:.1f} MiB"
+
+
+
+# --- reads wait at low priority (read_wait_nice) ---------------------------------------------
+
+
+class _NiceRecorder:
+    """The real Mooncake client, recording the nice level of the thread each call runs on."""
+
+    def __init__(self, store: object) -> None:
+        self._store = store
+        self.nice: dict[str, set[int]] = {}
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(self._store, name)
+        if not callable(fn):
+            return fn
+
+        def call(*args: object) -> object:
+            self.nice.setdefault(name, set()).add(os.getpriority(os.PRIO_PROCESS, 0))  # this thread's
+            return fn(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("nice", [19, 0])
+def test_reads_wait_on_threads_at_read_wait_nice(master: EmbeddedMaster, nice: int) -> None:
+    """Mooncake 0.3.13 waits for a read by polling on the calling thread: a read from a slow
+    peer burns a core for as long as it waits (measured with bench/read_poll_cpu.py: 2.9 s
+    of CPU for a read from a node stalled 3 s; writes 0.00 s). In the P/D + store soak the
+    prefill's reads from the busy decode's segment took as much CPU as its forward pass and
+    every session stalled 20-30 s at once. So the read verbs run on their own threads at
+    ``read_wait_nice``; writes, existence queries and the master's verbs keep normal priority
+    (they do not poll). Real master and client; the recorder only notes the calling thread's
+    nice level. 0: one pool at normal priority for everything, as before."""
+    size, n = 16 << 10, 4
+    src = np.random.default_rng(2).integers(0, 256, size * n, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    b = MooncakeBackend(master.address, global_segment_size=16 << 20, local_buffer_size=16 << 20, timeout_s=10.0,
+                        read_wait_nice=nice)
+    try:
+        rec = _NiceRecorder(b._store)
+        b._store = rec
+        b.register(src.ctypes.data, src.nbytes)
+        b.register(dst.ctypes.data, dst.nbytes)
+        keys = [_key(f"nice{i}") for i in range(n)]
+        assert b.put_from_parts(keys, [[src.ctypes.data + i * size] for i in range(n)], [[size]] * n) == [0] * n
+        assert b.exists(keys) == [True] * n
+        assert b.get_into_parts(keys, [[dst.ctypes.data + i * size] for i in range(n)], [[size]] * n) == [size] * n
+        assert b.get_into(keys[:1], [dst.ctypes.data], [size]) == [size]
+        assert b.put_bytes(_key("nice-bytes"), b"x" * 100) == 0
+        assert np.array_equal(dst, src)
+    finally:
+        b.close()
+    verbs = ("batch_put_from_multi_buffers", "batch_is_exist", "put", "batch_get_into_multi_buffers",
+             "batch_get_into")
+    assert {v: rec.nice.get(v) for v in verbs} == {
+        "batch_put_from_multi_buffers": {0}, "batch_is_exist": {0}, "put": {0},
+        "batch_get_into_multi_buffers": {nice}, "batch_get_into": {nice},
+    }, rec.nice
+    with pytest.raises(ValueError, match="read_wait_nice=20"):
+        MooncakeBackend(master.address, read_wait_nice=20)

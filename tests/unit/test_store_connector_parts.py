@@ -35,6 +35,8 @@ def test_defaults_and_sizes():
         ({"save_decode": "yes"}, "save_decode='yes'"),
         ({"pin_mooncake_listeners": 1}, "pin_mooncake_listeners=1: expected true or false"),
         ({"populate_segment": "yes"}, "populate_segment='yes': expected true or false"),
+        ({"read_wait_nice": 20}, "read_wait_nice=20: expected a nice level from 0"),
+        ({"read_wait_nice": True}, "read_wait_nice=True: expected a nice level from 0"),
         ({"max_batch_blocks": -1}, "max_batch_blocks=-1"),
         ({"max_pinned_save_fraction": 0}, "max_pinned_save_fraction=0: expected a share of the KV cache in (0, 1]"),
         ({"max_pinned_save_fraction": 1.5}, "max_pinned_save_fraction=1.5"),
