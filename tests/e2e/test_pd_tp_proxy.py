@@ -10,6 +10,15 @@ TP2 -> TP2 is covered in-process (tests/e2e/test_pd_tp.py) and through the proxy
 was covered by nothing. (Its in-process TP2 -> TP2 pair moved here: the suite does not grow
 by a pair.)
 
+gemma3 (sliding window + full attention) through the proxy across TP sizes, prefill TP2 ->
+decode TP1 and TP1 -> TP2 (``gemma3_through_the_proxy``, one stack each, float32): 3 ranks, not
+4 (a gemma3 TP2 -> TP2 stack starved on 2 cores: first requests 44-80 s, a handshake past its
+60 s bound). One unchecked request through the proxy first takes each engine's first forward
+passes and decode's handshakes; then the same 3 turns and checks as qwen3-next, the sliding
+window's blocks derived from vLLM's rule (``prefill_kept_blocks``), and the planted one-block
+shift on the last prefill rank (rank 1 of a TP2 prefill: decode's one rank reads its heads; a
+TP1 prefill's rank 0: both decode ranks read their halves of it).
+
 3 turns (600 / 908 / 1216 tokens, each prompt = previous prompt + answer + 300 tokens):
 * greedy tokens + top-5 logprobs == a recompute on the decode server under a fresh
   ``cache_salt`` (engine_harness.compare: near-ties excused only when seen from both runs);
@@ -96,6 +105,19 @@ class PDProbe:
                  "Mamba" in type(g.kv_cache_spec).__name__]
                 for g, lg in zip(w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True)]
 
+    def hkv_pd_windows(self) -> list[int]:
+        """Per KV cache group: vLLM's sliding window in tokens (its spec's), 0 for none."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return [int(getattr(g.kv_cache_spec, "sliding_window", None) or 0)
+                for g in get_kv_transfer_group()._worker._kv_cache_config.kv_cache_groups]
+
+    def hkv_module_file(self) -> list[str]:
+        """Where this worker imported hybridkv's connector from (the code under test?)."""
+        import hybridkv.connector
+
+        return [str(hybridkv.connector.__file__)]
+
     def hkv_pd_facts(self) -> list[list]:
         """Per group: [Mamba?, kernel rows per region, state splits] as this rank's handshake
         descriptor has them (what its provenance line's bytes are made of)."""
@@ -177,8 +199,28 @@ def _turn_sizes(facts: list[list], geometry: list[list]) -> list[int]:
             for (mamba, rows, splits), (_, nbytes, _) in zip(facts, geometry, strict=True)]
 
 
+def prefill_kept_blocks(geometry: list[list], windows: list[int], prompt_len: int, handover: int) -> list[list[int]]:
+    """Per group, positional: 1 where the prefill still holds the block when it finishes, from
+    vLLM's rule, not the connector's code. A prefill (``do_remote_decode``) of a model with a
+    sliding window and no recurrent state computes hand-over + 1 tokens (the whole prompt when
+    that is all of it: pd_scheduler.prefill_tokens; its exception, a + 1 that moves the window
+    across a block boundary, cannot happen when the window is a multiple of the block size and
+    the hand-over is block-aligned, as here); at finish vLLM frees each block wholly before token
+    computed - W + 1 of a window-W group (SlidingWindowManager.get_num_skipped_tokens ->
+    remove_skipped_blocks); full attention keeps every block. The control below checks this
+    against the prefill's real ``remote_block_ids``."""
+    computed = prompt_len if handover + 1 >= prompt_len else handover + 1
+    out = []
+    for (bs, _, _mamba), w in zip(geometry, windows, strict=True):
+        assert not w or w % bs == 0, (w, bs)  # the exception above cannot occur
+        n = -(-computed // bs)
+        freed = min(n, max(0, computed - w + 1) // bs) if w else 0
+        out.append([0] * freed + [1] * (n - freed))
+    return out
+
+
 def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed: int, prefill_tp: int,  # noqa: ANN001
-                decode_tp: int, label: str) -> list[tuple]:
+                decode_tp: int, label: str, turn_tokens: dict = TURN_TOKENS) -> list[tuple]:
     """``turns`` agentic turns, each one POST to the proxy. Per turn: every decode rank logged
     exactly one read line (provenance: the prefill ranks of its heads, blocks per group = what it
     lacked, bytes = those blocks of its layout); decode's external hit == hand-over - its own hit
@@ -190,10 +232,11 @@ def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed
 
     geometries = _rpc(http, stack.decode.url, "hkv_pd_geometry")
     facts = _rpc(http, stack.decode.url, "hkv_pd_facts")
+    windows = _rpc(http, stack.decode.url, "hkv_pd_windows")[0]
     assert len(geometries) == decode_tp, geometries
     align = math.lcm(*(bs for bs, _, _ in geometries[0]))
     sizes = [[(0, n, False) for n in _turn_sizes(f, g)] for f, g in zip(facts, geometries, strict=True)]
-    session = Session(seed=seed, **TURN_TOKENS)
+    session = Session(seed=seed, **turn_tokens)
     rows, prev = [], 0
     for turn in range(1, turns + 1):
         prompt = session.prompt
@@ -208,10 +251,11 @@ def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed
         local_hit = int(_counter(http, stack.decode.url, "vllm:prefix_cache_hits_total") - hits_before)
         pulled = int(_counter(http, stack.decode.url, "vllm:external_prefix_cache_hits_total") - ext_before)
         handover = (len(prompt) - 1) // align * align
-        # Full attention keeps every block of a request (none is null), so what decode lacks
-        # is each block from its own hit to the hand-over, and the GDN state block.
-        every_block = [[1] * (len(prompt) // bs + 1) for bs, _, _ in geometries[0]]
-        want = _expected_blocks(geometries[0], every_block, local_hit, handover)
+        # What decode lacks: each block the prefill still holds from decode's own hit to the
+        # hand-over (full attention: every one; a sliding window: those inside the window of
+        # the prefill's last computed token), and the GDN state block.
+        kept = prefill_kept_blocks(geometries[0], windows, len(prompt), handover)
+        want = _expected_blocks(geometries[0], kept, local_hit, handover)
         provenance(log, decode_tp, prefill_tp, want, sizes)
         assert pulled == handover - local_hit > 0, (turn, pulled, handover, local_hit)
         assert local_hit == 0 if turn == 1 else local_hit >= (prev - 1) // align * align, (turn, local_hit, prev)
@@ -308,6 +352,112 @@ def test_qwen3next_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
         "= recompute": f"provenance + bytes {len(cross)}/{len(cross)}; output not asserted"})
     print(f"boot {boot_s:.0f} s, TP2 -> TP2 part {tp2_s:.0f} s, decode replaced by TP1 in {swap_s:.0f} s, "
           f"total {time.monotonic() - t0:.0f} s")
+
+
+# gemma3 (sliding window 128 + full attention, block 128) across TP sizes through the proxy.
+# float32, as in test_pd_tp.py: KV a TP2 engine computes is not a TP1 engine's bits in bfloat16
+# (another reduction order), and a correct hand-over split from its recompute on a near-tie.
+GEMMA3_ARGS = ["--dtype", "float32"]
+# A short prompt through the proxy before the checked turns: the first request of a stack pays
+# each engine's first forward passes and decode's handshakes with the prefill ranks, which took
+# 44-80 s when 4 ranks shared the 2 cores (gemma3 TP2 -> TP2: a handshake ran past its 60 s bound).
+WARMUP_TOKENS = 300
+
+
+def _warm_up(http, stack, model: str, decode_log: "LogTail") -> str:  # noqa: ANN001
+    """One unchecked request through the proxy; returns what it took and whether decode read."""
+    from tests.e2e.engine_harness import Session
+
+    decode_log.new(0)
+    t = time.monotonic()
+    r = http.post(stack.url + "/v1/completions", timeout=300,
+                  json=_body(model, Session(seed=7, first_tokens=WARMUP_TOKENS).prompt, max_tokens=2))
+    assert r.status_code == 200, r.text
+    from tests.e2e.test_pd_tp import _TP_LINE
+
+    return f"warm-up {time.monotonic() - t:.1f} s, read lines {len(_TP_LINE.findall(decode_log.new()))}"
+
+
+def gemma3_through_the_proxy(tmp_path: Path, prefill_tp: int, decode_tp: int, seed: int) -> None:
+    """gemma3 P/D at prefill TP``prefill_tp`` -> decode TP``decode_tp`` through ``hybridkv proxy``:
+    3 turns (``proxy_turns``: provenance per decode rank, cached >= checkpoint, = salted
+    recompute), then the planted one-block shift on the last prefill rank must be read and
+    make the output differ."""
+    import requests
+
+    from hybridkv.cli.pd_stack import PDStack, pd_transfer_config
+    from tests.e2e.engine_harness import Session, compare, tiny_model
+    from tests.e2e.test_pd_tp import _FAILED, _TP_LINE, observe_pd_tp
+
+    label = f"gemma3-tp{prefill_tp}-tp{decode_tp}-proxy"
+    t0 = time.monotonic()
+    http = requests.Session()
+    worker_args = ["--worker-extension-cls", PROBE]
+    prefill_config = pd_transfer_config("kv_producer") | {"kv_connector_extra_config": {"lease_s": LEASE_S}}
+    decode_config = pd_transfer_config("kv_consumer") | {"kv_connector_extra_config": DECODE_EXTRA}
+    with PDStack(tiny_model("gemma3"), max_model_len=2048, log_dir=tmp_path, extra_args=GEMMA3_ARGS,
+                 prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_args=worker_args, decode_args=worker_args,
+                 prefill_config=prefill_config, decode_config=decode_config) as stack:
+        boot_s = time.monotonic() - t0
+        import hybridkv.connector
+
+        for url in (stack.prefill.url, stack.decode.url):  # the servers run the code under test
+            assert set(sum(_rpc(http, url, "hkv_module_file"), [])) == {hybridkv.connector.__file__}
+        model = http.get(stack.decode.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        geometry = _rpc(http, stack.decode.url, "hkv_pd_geometry")[0]
+        windows = _rpc(http, stack.decode.url, "hkv_pd_windows")[0]
+        assert [m for _, _, m in geometry] == [False, False] and windows[0] > 0 == windows[1], (geometry, windows)
+        sw, dense = 0, 1  # gemma3: group 0 sliding window, group 1 full attention
+        decode_log = LogTail(Path(stack.decode.log_path))
+        warm = _warm_up(http, stack, model, decode_log)
+        t1 = time.monotonic()
+        rows = proxy_turns(http, stack, model, decode_log, 3, seed, prefill_tp, decode_tp, label)
+        turns_s = time.monotonic() - t1
+        assert [r[7] for r in rows] == [True] * 3, rows
+        # The window's rule at work: its group read fewer blocks than full attention.
+        assert any(r[6][sw] < r[6][dense] for r in rows), rows
+
+        # Control: one full-attention block of the last prefill rank holds another block's real KV.
+        plant_rank = prefill_tp - 1
+        prompt = Session(seed=seed + 50, **TURN_TOKENS).prompt
+        r = http.post(stack.prefill.url + "/v1/completions", timeout=300,  # the proxy's first leg
+                      json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        align = math.lcm(*(bs for bs, _, _ in geometry))
+        handover = (len(prompt) - 1) // align * align
+        held = [[1 if b else 0 for b in g] for g in params["remote_block_ids"]]
+        kept = prefill_kept_blocks(geometry, windows, len(prompt), handover)
+        assert held == kept, f"the prefill's blocks at finish {held}, vLLM's rule says {kept}"
+        ids = [b for b in params["remote_block_ids"][dense] if b]
+        prefill_geometry = _rpc(http, stack.prefill.url, "hkv_pd_geometry")
+        written = [w[0] for w in _rpc(http, stack.prefill.url, "hkv_pd_shift_block", plant_rank, dense,
+                                      ids[0], ids[1])]
+        assert written == [prefill_geometry[plant_rank][dense][1] if rank == plant_rank else 0
+                           for rank in range(prefill_tp)], written  # the whole block, that rank only
+        decode_log.new(0)
+        got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                       json=_body(model, prompt, kv_transfer_params=params)))
+        log = decode_log.new()
+        ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                       json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}")))
+        cmp = compare(got, ref)
+        print(f"planted: prefill rank {plant_rank}'s block {ids[0]} = its block {ids[1]} ({written[plant_rank]} "
+              f"bytes); matches recompute: {cmp.matches} ({cmp.why})")
+        assert len(_TP_LINE.findall(log)) == decode_tp and not _FAILED.search(log), \
+            "every decode rank must have read the planted prompt's blocks"
+        assert not cmp.matches, f"prefill rank {plant_rank}'s shifted block went unnoticed: its KV is not what decode used"
+        _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
+    observe_pd_tp(label, [r[6] for r in rows])
+    print(f"{label}: boot {boot_s:.0f} s, {warm}, 3 turns {turns_s:.0f} s, total {time.monotonic() - t0:.0f} s")
+
+
+def test_gemma3_tp2_to_tp1_through_the_proxy(tmp_path):
+    gemma3_through_the_proxy(tmp_path, 2, 1, seed=61)
+
+
+def test_gemma3_tp1_to_tp2_through_the_proxy(tmp_path):
+    gemma3_through_the_proxy(tmp_path, 1, 2, seed=64)
 
 
 def test_rank_cpus_gives_each_rank_its_cores_or_unbinds():
