@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import time
 import uuid
 from pathlib import Path
@@ -364,100 +365,125 @@ GEMMA3_ARGS = ["--dtype", "float32"]
 WARMUP_TOKENS = 300
 
 
-def _warm_up(http, stack, model: str, decode_log: "LogTail") -> str:  # noqa: ANN001
+def _warm_up(http, stack, model: str, decode_log: "LogTail", seed: int) -> str:  # noqa: ANN001
     """One unchecked request through the proxy; returns what it took and whether decode read."""
     from tests.e2e.engine_harness import Session
+    from tests.e2e.test_pd_tp import _TP_LINE
 
     decode_log.new(0)
     t = time.monotonic()
     r = http.post(stack.url + "/v1/completions", timeout=300,
-                  json=_body(model, Session(seed=7, first_tokens=WARMUP_TOKENS).prompt, max_tokens=2))
+                  json=_body(model, Session(seed=seed, first_tokens=WARMUP_TOKENS).prompt, max_tokens=2))
     assert r.status_code == 200, r.text
-    from tests.e2e.test_pd_tp import _TP_LINE
-
     return f"warm-up {time.monotonic() - t:.1f} s, read lines {len(_TP_LINE.findall(decode_log.new()))}"
 
 
-def gemma3_through_the_proxy(tmp_path: Path, prefill_tp: int, decode_tp: int, seed: int) -> None:
-    """gemma3 P/D at prefill TP``prefill_tp`` -> decode TP``decode_tp`` through ``hybridkv proxy``:
-    3 turns (``proxy_turns``: provenance per decode rank, cached >= checkpoint, = salted
-    recompute), then the planted one-block shift on the last prefill rank must be read and
-    make the output differ."""
-    import requests
-
-    from hybridkv.cli.pd_stack import PDStack, pd_transfer_config
-    from tests.e2e.engine_harness import Session, compare, tiny_model
+def _gemma3_pair(http, stack, prefill_tp: int, decode_tp: int, seed: int) -> list[tuple]:  # noqa: ANN001
+    """On a running stack: warm-up, 3 turns (``proxy_turns``: provenance per decode rank, cached
+    >= checkpoint, = salted recompute), then the planted one-block shift on the last prefill rank
+    must be read by every decode rank and make the output differ."""
+    import hybridkv.connector
+    from tests.e2e.engine_harness import Session, compare
     from tests.e2e.test_pd_tp import _FAILED, _TP_LINE, observe_pd_tp
 
     label = f"gemma3-tp{prefill_tp}-tp{decode_tp}-proxy"
+    t0 = time.monotonic()
+    for url in (stack.prefill.url, stack.decode.url):  # the servers run the code under test
+        assert set(sum(_rpc(http, url, "hkv_module_file"), [])) == {hybridkv.connector.__file__}
+    model = http.get(stack.decode.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    geometry = _rpc(http, stack.decode.url, "hkv_pd_geometry")[0]
+    windows = _rpc(http, stack.decode.url, "hkv_pd_windows")[0]
+    assert [m for _, _, m in geometry] == [False, False] and windows[0] > 0 == windows[1], (geometry, windows)
+    sw, dense = 0, 1  # gemma3: group 0 sliding window, group 1 full attention
+    decode_log = LogTail(Path(stack.decode.log_path))
+    warm = _warm_up(http, stack, model, decode_log, seed + 20)
+    t1 = time.monotonic()
+    rows = proxy_turns(http, stack, model, decode_log, 3, seed, prefill_tp, decode_tp, label)
+    turns_s = time.monotonic() - t1
+    assert [r[7] for r in rows] == [True] * 3, rows
+    # The window's rule at work: its group read fewer blocks than full attention.
+    assert any(r[6][sw] < r[6][dense] for r in rows), rows
+
+    # Control: one full-attention block of the last prefill rank holds another block's real KV.
+    plant_rank = prefill_tp - 1
+    prompt = Session(seed=seed + 50, **TURN_TOKENS).prompt
+    r = http.post(stack.prefill.url + "/v1/completions", timeout=300,  # the proxy's first leg
+                  json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    align = math.lcm(*(bs for bs, _, _ in geometry))
+    handover = (len(prompt) - 1) // align * align
+    held = [[1 if b else 0 for b in g] for g in params["remote_block_ids"]]
+    kept = prefill_kept_blocks(geometry, windows, len(prompt), handover)
+    assert held == kept, f"the prefill's blocks at finish {held}, vLLM's rule says {kept}"
+    ids = [b for b in params["remote_block_ids"][dense] if b]
+    prefill_geometry = _rpc(http, stack.prefill.url, "hkv_pd_geometry")
+    written = [w[0] for w in _rpc(http, stack.prefill.url, "hkv_pd_shift_block", plant_rank, dense,
+                                  ids[0], ids[1])]
+    assert written == [prefill_geometry[plant_rank][dense][1] if rank == plant_rank else 0
+                       for rank in range(prefill_tp)], written  # the whole block, that rank only
+    decode_log.new(0)
+    got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                   json=_body(model, prompt, kv_transfer_params=params)))
+    log = decode_log.new()
+    ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                   json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}")))
+    cmp = compare(got, ref)
+    print(f"planted: prefill rank {plant_rank}'s block {ids[0]} = its block {ids[1]} ({written[plant_rank]} "
+          f"bytes); matches recompute: {cmp.matches} ({cmp.why})")
+    assert len(_TP_LINE.findall(log)) == decode_tp and not _FAILED.search(log), \
+        "every decode rank must have read the planted prompt's blocks"
+    assert not cmp.matches, f"prefill rank {plant_rank}'s shifted block went unnoticed: its KV is not what decode used"
+    _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
+    observe_pd_tp(label, [r[6] for r in rows])
+    print(f"{label}: {warm}, 3 turns {turns_s:.0f} s, pair {time.monotonic() - t0:.0f} s")
+    return rows
+
+
+def gemma3_through_the_proxy(tmp_path: Path, prefill_tp: int, decode_tps: list[int], seed: int) -> None:
+    """gemma3 P/D at prefill TP``prefill_tp`` through ``hybridkv proxy``: a stack with decode
+    TP``decode_tps[0]``, then the decode tier replaced by each next size (the prefill keeps
+    running, ``PDStack.replace_decode``); ``_gemma3_pair`` for each."""
+    import requests
+
+    from hybridkv.cli.pd_stack import PDStack, pd_transfer_config
+    from tests.e2e.engine_harness import tiny_model
+
     t0 = time.monotonic()
     http = requests.Session()
     worker_args = ["--worker-extension-cls", PROBE]
     prefill_config = pd_transfer_config("kv_producer") | {"kv_connector_extra_config": {"lease_s": LEASE_S}}
     decode_config = pd_transfer_config("kv_consumer") | {"kv_connector_extra_config": DECODE_EXTRA}
     with PDStack(tiny_model("gemma3"), max_model_len=2048, log_dir=tmp_path, extra_args=GEMMA3_ARGS,
-                 prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_args=worker_args, decode_args=worker_args,
+                 prefill_tp=prefill_tp, decode_tp=decode_tps[0], prefill_args=worker_args, decode_args=worker_args,
                  prefill_config=prefill_config, decode_config=decode_config) as stack:
-        boot_s = time.monotonic() - t0
-        import hybridkv.connector
-
-        for url in (stack.prefill.url, stack.decode.url):  # the servers run the code under test
-            assert set(sum(_rpc(http, url, "hkv_module_file"), [])) == {hybridkv.connector.__file__}
-        model = http.get(stack.decode.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        geometry = _rpc(http, stack.decode.url, "hkv_pd_geometry")[0]
-        windows = _rpc(http, stack.decode.url, "hkv_pd_windows")[0]
-        assert [m for _, _, m in geometry] == [False, False] and windows[0] > 0 == windows[1], (geometry, windows)
-        sw, dense = 0, 1  # gemma3: group 0 sliding window, group 1 full attention
-        decode_log = LogTail(Path(stack.decode.log_path))
-        warm = _warm_up(http, stack, model, decode_log)
-        t1 = time.monotonic()
-        rows = proxy_turns(http, stack, model, decode_log, 3, seed, prefill_tp, decode_tp, label)
-        turns_s = time.monotonic() - t1
-        assert [r[7] for r in rows] == [True] * 3, rows
-        # The window's rule at work: its group read fewer blocks than full attention.
-        assert any(r[6][sw] < r[6][dense] for r in rows), rows
-
-        # Control: one full-attention block of the last prefill rank holds another block's real KV.
-        plant_rank = prefill_tp - 1
-        prompt = Session(seed=seed + 50, **TURN_TOKENS).prompt
-        r = http.post(stack.prefill.url + "/v1/completions", timeout=300,  # the proxy's first leg
-                      json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
-        assert r.status_code == 200, r.text
-        params = r.json()["kv_transfer_params"]
-        align = math.lcm(*(bs for bs, _, _ in geometry))
-        handover = (len(prompt) - 1) // align * align
-        held = [[1 if b else 0 for b in g] for g in params["remote_block_ids"]]
-        kept = prefill_kept_blocks(geometry, windows, len(prompt), handover)
-        assert held == kept, f"the prefill's blocks at finish {held}, vLLM's rule says {kept}"
-        ids = [b for b in params["remote_block_ids"][dense] if b]
-        prefill_geometry = _rpc(http, stack.prefill.url, "hkv_pd_geometry")
-        written = [w[0] for w in _rpc(http, stack.prefill.url, "hkv_pd_shift_block", plant_rank, dense,
-                                      ids[0], ids[1])]
-        assert written == [prefill_geometry[plant_rank][dense][1] if rank == plant_rank else 0
-                           for rank in range(prefill_tp)], written  # the whole block, that rank only
-        decode_log.new(0)
-        got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
-                                       json=_body(model, prompt, kv_transfer_params=params)))
-        log = decode_log.new()
-        ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
-                                       json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}")))
-        cmp = compare(got, ref)
-        print(f"planted: prefill rank {plant_rank}'s block {ids[0]} = its block {ids[1]} ({written[plant_rank]} "
-              f"bytes); matches recompute: {cmp.matches} ({cmp.why})")
-        assert len(_TP_LINE.findall(log)) == decode_tp and not _FAILED.search(log), \
-            "every decode rank must have read the planted prompt's blocks"
-        assert not cmp.matches, f"prefill rank {plant_rank}'s shifted block went unnoticed: its KV is not what decode used"
-        _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
-    observe_pd_tp(label, [r[6] for r in rows])
-    print(f"{label}: boot {boot_s:.0f} s, {warm}, 3 turns {turns_s:.0f} s, total {time.monotonic() - t0:.0f} s")
+        times = [f"boot {time.monotonic() - t0:.0f} s"]
+        for i, decode_tp in enumerate(decode_tps):
+            if i:
+                t1 = time.monotonic()
+                stack.replace_decode(decode_tp, decode_config=decode_config, decode_args=worker_args)
+                times.append(f"decode replaced by TP{decode_tp} in {time.monotonic() - t1:.0f} s")
+            _gemma3_pair(http, stack, prefill_tp, decode_tp, seed + i)
+    print(f"gemma3 prefill TP{prefill_tp} -> decode {decode_tps}: {', '.join(times)}, "
+          f"total {time.monotonic() - t0:.0f} s")
 
 
 def test_gemma3_tp2_to_tp1_through_the_proxy(tmp_path):
-    gemma3_through_the_proxy(tmp_path, 2, 1, seed=61)
+    gemma3_through_the_proxy(tmp_path, 2, [1], seed=61)
 
 
 def test_gemma3_tp1_to_tp2_through_the_proxy(tmp_path):
-    gemma3_through_the_proxy(tmp_path, 1, 2, seed=64)
+    gemma3_through_the_proxy(tmp_path, 1, [2], seed=64)
+
+
+@pytest.mark.skipif(not os.environ.get("HYBRIDKV_GEMMA3_TP2_TP2_PROXY"),
+                    reason="4 ranks on 2 cores: opt-in (HYBRIDKV_GEMMA3_TP2_TP2_PROXY=1)")
+def test_gemma3_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
+    """TP2 -> TP2 (4 ranks), then the decode tier replaced by TP1. Not in CI: measured once here
+    (passed, 196 s), the TP2 -> TP2 warm-up took 50 s and the planted prompt's decode leg waited
+    61 s with its READ in progress (4 ranks + 2 engine cores + 2 API servers on 2 cores); the
+    TP2 -> TP1 part after the swap took 13 s. gemma3 TP2 -> TP2 in CI: tests/e2e/test_pd_tp.py."""
+    gemma3_through_the_proxy(tmp_path, 2, [2, 1], seed=67)
 
 
 def test_rank_cpus_gives_each_rank_its_cores_or_unbinds():
