@@ -7,10 +7,8 @@ port (``remote_ports``); each decode rank reads what its heads need:
 * TP2 -> TP2 (gemma3: sliding + full attention): decode rank r reads prefill rank r whole
   (qwen3-next's TP2 -> TP2, GDN state included, runs through the servers and the proxy:
   tests/e2e/test_pd_tp_proxy.py, which replaced its in-process twin here);
-* TP2 -> TP1 (gemma3): decode's one rank reads heads [0, H/2) of each block from prefill
-  rank 0 and [H/2, H) from rank 1 (two READs into one block);
-* TP1 -> TP2 (gemma3): each decode rank reads its half of the heads of prefill's one rank
-  (which grants one claim per decode rank and frees the blocks after both released);
+* gemma3 TP2 -> TP1 and TP1 -> TP2 run through the servers and the proxy
+  (tests/e2e/test_pd_tp_proxy.py, which replaced their in-process legs here);
 * qwen3-next across sizes (decode's ``allow_mamba_cross_tp`` on): first the GDN state a TP2
   prefill computes, assembled into TP1's layout by ``pd_tp.mamba_slices`` (conv q/k/v channel
   parts, SSM v heads), equals a TP1 engine's own state bit for bit in the first GDN layer and
@@ -29,8 +27,8 @@ Per attention-only or same-size pair, 3 turns: greedy tokens + top-5 logprobs ==
 decode under a fresh ``cache_salt``; every decode rank printed exactly one provenance line naming the prefill
 ranks it read, the blocks per group and the bytes (this rank's whole blocks). And the
 control: on prefill rank 1 only, one full-attention block is overwritten with another
-block's real KV (a one-block shift); decode (TP1, reading rank 1's heads) must then
-differ from the recompute.
+block's real KV (a one-block shift); decode (TP2: its rank 1 reads prefill rank 1's blocks)
+must then differ from the recompute.
 """
 
 from __future__ import annotations
@@ -54,7 +52,8 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 
 _CPUS = sorted(usable_cpus())
 BIND = {2: f"{_CPUS[0]}|{_CPUS[-1]}", 1: f"{_CPUS[-1]}"}
-# gemma3 pairs across TP sizes: float32, because KV a TP2 prefill computes is not the bits a
+# gemma3 (here TP2 -> TP2; across sizes through the proxy, tests/e2e/test_pd_tp_proxy.py, also in
+# float32): float32, because KV a TP2 prefill computes is not the bits a
 # TP1 engine computes (another reduction order in the row-parallel layers): in bfloat16 a
 # correct TP2 -> TP1 hand-over matched its recompute for 7 tokens, then split at a greedy
 # near-tie the check could not excuse (and the TP2 engine's own output differed from the
@@ -195,27 +194,15 @@ def _block_bytes(worker, rank: int, group: int, block: int) -> list[bytes] | Non
     return [ctypes.string_at(a, n) for a, n in zip(addrs, sizes[0], strict=True)]
 
 
-def tp2_prefill_after_tp2_pair(kind: str, capfd, seed: int):  # noqa: ANN001, ANN201
-    """Start a TP2 prefill, run the TP2 -> TP2 three turns against a TP2 decode (stopped
-    after), and return the prefill for the next pair."""
-    prefill2 = start(kind, "kv_producer", 2)
-    decode2 = start(kind, "kv_consumer", 2)
+def test_gemma3_tp2_tp2(capfd):
+    # (gemma3 TP2 -> TP1 and TP1 -> TP2, each with a planted one-block shift, run through the
+    # servers and the proxy instead, in CI: tests/e2e/test_pd_tp_proxy.py; they were legs here.)
+    prefill2 = start("gemma3", "kv_producer", 2)
+    decode2 = start("gemma3", "kv_consumer", 2)
     try:
-        three_turns(prefill2, decode2, capfd, 2, 2, seed=seed, label=f"{kind}-tp2-tp2")
-    except BaseException:
-        shutdown(prefill2)
-        raise
-    finally:
-        shutdown(decode2)
-    return prefill2
-
-
-def test_gemma3_tp2_tp2_then_tp2_tp1_then_tp1_tp2(capfd):
-    prefill2 = tp2_prefill_after_tp2_pair("gemma3", capfd, seed=41)
-    decode1 = start("gemma3", "kv_consumer", 1)
-    try:
-        three_turns(prefill2, decode1, capfd, 2, 1, seed=42, label="gemma3-tp2-tp1")
-        # Control: rank 1's copy of a full-attention block holds another block's real KV.
+        three_turns(prefill2, decode2, capfd, 2, 2, seed=41, label="gemma3-tp2-tp2")
+        # Control: rank 1's copy of a full-attention block holds another block's real KV; decode
+        # rank 1 reads prefill rank 1's blocks whole.
         session = Session(seed=43)
         params = _prefill(prefill2, session.prompt)
         dense = 1  # gemma3: group 0 sliding window, group 1 full attention
@@ -223,21 +210,15 @@ def test_gemma3_tp2_tp2_then_tp2_tp1_then_tp1_tp2(capfd):
         written = prefill2.collective_rpc(_shift_block_on_rank, args=(1, dense, ids[0], ids[1]))
         assert written[0] == 0 and written[1] > 0, written
         capfd.readouterr()
-        got = _decode(decode1, session.prompt, params)
+        got = _decode(decode2, session.prompt, params)
         log = "".join(capfd.readouterr())
-        ref = generate(decode1, session.prompt, cache_salt=f"pd-tp-planted-{uuid.uuid4()}")
+        ref = generate(decode2, session.prompt, cache_salt=f"pd-tp-planted-{uuid.uuid4()}")
         print(f"\nplanted: prefill rank 1's block {ids[0]} = its block {ids[1]} ({written[1]} bytes); "
               f"matches recompute: {matches(got, ref)}")
-        assert _TP_LINE.search(log), "the shifted blocks must have been read"
-        assert not matches(got, ref), "rank 1's shifted heads went unnoticed: its KV is not what decode used"
+        assert len(_TP_LINE.findall(log)) == 2, "both decode ranks must have read the planted prompt's blocks"
+        assert not matches(got, ref), "rank 1's shifted block went unnoticed: its KV is not what decode used"
     finally:
-        shutdown(decode1, prefill2)
-    prefill1 = start("gemma3", "kv_producer", 1)
-    decode2 = start("gemma3", "kv_consumer", 2)
-    try:
-        three_turns(prefill1, decode2, capfd, 1, 2, seed=44, label="gemma3-tp1-tp2")
-    finally:
-        shutdown(decode2, prefill1)
+        shutdown(decode2, prefill2)
 
 
 def _state_splits(worker, group: int) -> list[list[int]]:  # noqa: ANN001
