@@ -55,6 +55,32 @@ class GroupedKeys(Sequence[BlockKey]):
     def __len__(self) -> int:
         return self._len
 
+    def split(self, n: int) -> list["GroupedKeys"]:
+        """``n`` contiguous pieces (sizes differing by at most one) that concatenate to these
+        keys in order: one store query asked as concurrent parts (``MooncakeBackend.exists_parts``)."""
+        n = max(1, min(n, self._len))
+        cuts = [self._len * i // n for i in range(1, n)] + [self._len]
+        out: list[GroupedKeys] = []
+        cur: list[tuple[int, list[bytes]]] = []
+        pos = 0  # keys before the current group's start
+        cut = iter(cuts)
+        end = next(cut)
+        for gid, hashes in self.parts:
+            lo = 0
+            while pos + len(hashes) >= end and lo <= end - pos:
+                if end - pos > lo:
+                    cur.append((gid, hashes[lo : end - pos]))
+                lo = end - pos
+                out.append(GroupedKeys(cur))
+                cur = []
+                end = next(cut, None)
+                if end is None:
+                    return out
+            if lo < len(hashes):
+                cur.append((gid, hashes[lo:]))
+            pos += len(hashes)
+        return out
+
     def __iter__(self) -> Iterator[BlockKey]:
         for gid, hashes in self.parts:
             yield from zip(repeat(gid), hashes)
