@@ -304,8 +304,8 @@ class _DaemonPool:
     """Fixed set of daemon threads; a stuck call must never block interpreter exit.
 
     ``nice`` > 0: each thread lowers its own scheduling priority to that nice level when it
-    starts (Linux: per thread; lowering needs no privilege, and a thread never raises it back,
-    which would). See ``read_wait_nice`` for why the read calls want it."""
+    starts (Linux: per thread; lowering needs no privilege, raising it back would, so a thread
+    keeps it). See ``read_wait_nice`` for why the read calls want it."""
 
     def __init__(self, n: int, name: str, nice: int = 0) -> None:
         self._q: "queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None]" = (
