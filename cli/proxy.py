@@ -135,6 +135,16 @@ class DecodeOnlySlots:
 
 
 KEEPALIVE_EXPIRY_S = 2.0  # below the instances' keep-alive timeout (vLLM: 5 s); see build_app
+# How long the proxy's own server keeps a client's idle connection. uvicorn's default (5 s, as
+# vLLM's) lost a client request in the P/D soak ("Remote end closed connection without
+# response" 5.96 s after it was sent): uvloop runs expired timers before it reads sockets, so
+# when the proxy's process gets no CPU for longer than the keep-alive (2 busy engines on 2
+# cores), the keep-alive timer armed by the previous answer closes a connection whose next
+# request already sits unread in its socket. A client cannot tell that from a server that died
+# mid-request, so it must not retry a POST on it. 75 s (nginx's default) outlasts such stalls
+# and the 60 s idle timeout of common load balancers, which must close first: an idle
+# connection costs the proxy one socket (tests/unit/test_proxy.py).
+CLIENT_KEEPALIVE_S = 75
 
 
 def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s: float = 600.0,
@@ -322,6 +332,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-keep-alive-s", type=_positive_int, default=CLIENT_KEEPALIVE_S, metavar="S",
+                   help=f"close a client's idle connection after S seconds (default {CLIENT_KEEPALIVE_S}; keep it "
+                        "above a load balancer's idle timeout and above any stall of the proxy's process)")
     p.add_argument("--no-fallback", dest="fallback", action="store_false",
                    help="answer 502 when no prefill instance serves a request (default: decode computes it alone)")
     p.add_argument("--max-decode-only", type=int, default=0, metavar="N",
@@ -338,8 +351,19 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     app = build_app(args.prefill, args.decode, args.timeout_s, args.fallback, max_decode_only=args.max_decode_only,
                     decode_only_wait_s=args.decode_only_wait_s, retry_after_s=args.retry_after_s)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_keep_alive=args.timeout_keep_alive_s)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of seconds, at least 1")
+    return value
 
 
 if __name__ == "__main__":

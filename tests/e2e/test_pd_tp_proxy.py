@@ -283,13 +283,46 @@ def _no_bad_signs(*paths) -> None:  # noqa: ANN002
         assert not bad, f"{Path(path).name}: {bad}"
 
 
+def _planted_shift(http, stack, model: str, decode_log: "LogTail", prompt: list[int], dense: int,  # noqa: ANN001
+                   plant_rank: int, prefill_tp: int, decode_tp: int, check_params=None) -> None:  # noqa: ANN001
+    """The control every TP pair runs: ``prompt``'s prefill leg, then prefill rank ``plant_rank``'s
+    first full-attention block overwritten with its second block's real KV (that rank only, the
+    whole block); every decode rank must read the hand-over and the output must differ from a
+    salted recompute. ``check_params`` sees the prefill's kv_transfer_params first."""
+    from tests.e2e.engine_harness import compare
+    from tests.e2e.test_pd_tp import _FAILED, _TP_LINE
+
+    r = http.post(stack.prefill.url + "/v1/completions", timeout=300,  # the proxy's first leg
+                  json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    if check_params is not None:
+        check_params(params)
+    ids = [b for b in params["remote_block_ids"][dense] if b]
+    block_bytes = _rpc(http, stack.prefill.url, "hkv_pd_geometry")[plant_rank][dense][1]
+    written = [w[0] for w in _rpc(http, stack.prefill.url, "hkv_pd_shift_block", plant_rank, dense, ids[0], ids[1])]
+    assert written == [block_bytes if rank == plant_rank else 0 for rank in range(prefill_tp)], written
+    decode_log.new(0)
+    got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                   json=_body(model, prompt, kv_transfer_params=params)))
+    log = decode_log.new()
+    ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+                                   json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}")))
+    cmp = compare(got, ref)
+    print(f"planted: prefill rank {plant_rank}'s block {ids[0]} = its block {ids[1]} ({block_bytes} bytes); "
+          f"matches recompute: {cmp.matches} ({cmp.why})")
+    assert len(_TP_LINE.findall(log)) == decode_tp and not _FAILED.search(log), \
+        "every decode rank must have read the planted prompt's blocks"
+    assert not cmp.matches, f"prefill rank {plant_rank}'s shifted block went unnoticed: its KV is not what decode used"
+
+
 def test_qwen3next_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
     import requests
 
     from hybridkv.cli.pd_stack import PDStack, pd_transfer_config, rank_cpus
     from hybridkv.store.cpu_affinity import usable_cpus
-    from tests.e2e.engine_harness import Session, compare, tiny_model
-    from tests.e2e.test_pd_tp import _FAILED, _TP_LINE, observe_pd_tp
+    from tests.e2e.engine_harness import Session, tiny_model
+    from tests.e2e.test_pd_tp import observe_pd_tp
 
     if len(usable_cpus()) < TP:
         pytest.fail(f"TP{TP} needs {TP} usable CPUs (one per rank), this runner has {sorted(usable_cpus())}")
@@ -314,25 +347,8 @@ def test_qwen3next_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
         assert [r[7] for r in rows] == [True] * 3, rows
 
         # Control: one full-attention block of prefill rank 1 holds another block's real KV.
-        prompt = Session(seed=46, **TURN_TOKENS).prompt
-        r = http.post(stack.prefill.url + "/v1/completions", timeout=300,  # the proxy's first leg
-                      json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
-        assert r.status_code == 200, r.text
-        ids = [b for b in r.json()["kv_transfer_params"]["remote_block_ids"][dense] if b]
-        written = [w[0] for w in _rpc(http, stack.prefill.url, "hkv_pd_shift_block", 1, dense, ids[0], ids[1])]
-        assert written[0] == 0 and written[1] == geometries[1][dense][1], written  # the whole block, rank 1 only
-        decode_log.new(0)
-        got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
-                                       json=_body(model, prompt, kv_transfer_params=r.json()["kv_transfer_params"])))
-        log = decode_log.new()
-        ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
-                                       json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}")))
-        cmp = compare(got, ref)
-        print(f"planted: prefill rank 1's block {ids[0]} = its block {ids[1]} ({written[1]} bytes); "
-              f"matches recompute: {cmp.matches} ({cmp.why})")
-        assert len(_TP_LINE.findall(log)) == TP and not _FAILED.search(log), \
-            "both decode ranks must have read the planted prompt's blocks"
-        assert not cmp.matches, "prefill rank 1's shifted block went unnoticed: its KV is not what decode used"
+        _planted_shift(http, stack, model, decode_log, Session(seed=46, **TURN_TOKENS).prompt, dense,
+                       plant_rank=1, prefill_tp=TP, decode_tp=TP)
         _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
         tp2_s = time.monotonic() - t0
 
@@ -382,8 +398,8 @@ def _gemma3_pair(http, stack, prefill_tp: int, decode_tp: int, seed: int) -> lis
     >= checkpoint, = salted recompute), then the planted one-block shift on the last prefill rank
     must be read by every decode rank and make the output differ."""
     import hybridkv.connector
-    from tests.e2e.engine_harness import Session, compare
-    from tests.e2e.test_pd_tp import _FAILED, _TP_LINE, observe_pd_tp
+    from tests.e2e.engine_harness import Session
+    from tests.e2e.test_pd_tp import observe_pd_tp
 
     label = f"gemma3-tp{prefill_tp}-tp{decode_tp}-proxy"
     t0 = time.monotonic()
@@ -404,35 +420,18 @@ def _gemma3_pair(http, stack, prefill_tp: int, decode_tp: int, seed: int) -> lis
     assert any(r[6][sw] < r[6][dense] for r in rows), rows
 
     # Control: one full-attention block of the last prefill rank holds another block's real KV.
-    plant_rank = prefill_tp - 1
-    prompt = Session(seed=seed + 50, **TURN_TOKENS).prompt
-    r = http.post(stack.prefill.url + "/v1/completions", timeout=300,  # the proxy's first leg
-                  json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
-    assert r.status_code == 200, r.text
-    params = r.json()["kv_transfer_params"]
     align = math.lcm(*(bs for bs, _, _ in geometry))
-    handover = (len(prompt) - 1) // align * align
-    held = [[1 if b else 0 for b in g] for g in params["remote_block_ids"]]
-    kept = prefill_kept_blocks(geometry, windows, len(prompt), handover)
-    assert held == kept, f"the prefill's blocks at finish {held}, vLLM's rule says {kept}"
-    ids = [b for b in params["remote_block_ids"][dense] if b]
-    prefill_geometry = _rpc(http, stack.prefill.url, "hkv_pd_geometry")
-    written = [w[0] for w in _rpc(http, stack.prefill.url, "hkv_pd_shift_block", plant_rank, dense,
-                                  ids[0], ids[1])]
-    assert written == [prefill_geometry[plant_rank][dense][1] if rank == plant_rank else 0
-                       for rank in range(prefill_tp)], written  # the whole block, that rank only
-    decode_log.new(0)
-    got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
-                                   json=_body(model, prompt, kv_transfer_params=params)))
-    log = decode_log.new()
-    ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
-                                   json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}")))
-    cmp = compare(got, ref)
-    print(f"planted: prefill rank {plant_rank}'s block {ids[0]} = its block {ids[1]} ({written[plant_rank]} "
-          f"bytes); matches recompute: {cmp.matches} ({cmp.why})")
-    assert len(_TP_LINE.findall(log)) == decode_tp and not _FAILED.search(log), \
-        "every decode rank must have read the planted prompt's blocks"
-    assert not cmp.matches, f"prefill rank {plant_rank}'s shifted block went unnoticed: its KV is not what decode used"
+
+    def check_kept(params: dict) -> None:
+        prompt_len = len(prompt)
+        handover = (prompt_len - 1) // align * align
+        held = [[1 if b else 0 for b in g] for g in params["remote_block_ids"]]
+        kept = prefill_kept_blocks(geometry, windows, prompt_len, handover)
+        assert held == kept, f"the prefill's blocks at finish {held}, vLLM's rule says {kept}"
+
+    prompt = Session(seed=seed + 50, **TURN_TOKENS).prompt
+    _planted_shift(http, stack, model, decode_log, prompt, dense, plant_rank=prefill_tp - 1, prefill_tp=prefill_tp,
+                   decode_tp=decode_tp, check_params=check_kept)
     _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
     observe_pd_tp(label, [r[6] for r in rows])
     print(f"{label}: {warm}, 3 turns {turns_s:.0f} s, pair {time.monotonic() - t0:.0f} s")

@@ -388,3 +388,99 @@ def test_idle_connections_expire_before_a_vllm_server_closes_them():
     from hybridkv.cli.proxy import KEEPALIVE_EXPIRY_S
 
     assert 0 < KEEPALIVE_EXPIRY_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+
+
+UVICORN_DEFAULT_KEEPALIVE_S = 5  # uvicorn's timeout_keep_alive default, and vLLM's
+
+
+def stalled_proxy_answers(connections: int = 8, proxy_args: tuple[str, ...] = ()) -> list:
+    """Each of ``connections`` keep-alive connections to a real ``hybridkv proxy`` process gets
+    one answer; then the proxy is SIGSTOPped, each connection sends its next request, and the
+    proxy resumes ``UVICORN_DEFAULT_KEEPALIVE_S`` + 1.5 s later. Returns each second request's
+    status (or the exception's name)."""
+    import http.client
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hybridkv.cli.server import free_port
+
+    prefill, decode = _Instance(params=PARAMS), _Instance()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli.main", "proxy", "--prefill", prefill.url,
+                             "--decode", decode.url, "--port", str(port), *proxy_args],
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    body, headers = json.dumps(USER).encode(), {"content-type": "application/json"}
+    conns = []
+    try:
+        _until(lambda: _port_answers(port), timeout_s=60)
+        conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(connections)]
+        for c in conns:
+            c.request("POST", "/v1/completions", body=body, headers=headers)
+            first = c.getresponse()
+            assert first.status == 200 and first.read()
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            for c in conns:  # into the stopped proxy's socket buffers
+                c.request("POST", "/v1/completions", body=body, headers=headers)
+            time.sleep(UVICORN_DEFAULT_KEEPALIVE_S + 1.5)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        answers = []
+        for c in conns:
+            try:
+                second = c.getresponse()
+                second.read()
+                answers.append(second.status)
+            except (ConnectionError, http.client.HTTPException) as e:
+                answers.append(type(e).__name__)
+        return answers
+    finally:
+        for c in conns:
+            c.close()
+        proc.kill()
+        proc.wait(timeout=10)
+        prefill.close()
+        decode.close()
+
+
+def _port_answers(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def test_requests_sent_while_the_proxy_gets_no_cpu_past_uvicorns_keep_alive_are_answered():
+    """The P/D soak's one failed client request ("Remote end closed connection without
+    response", 5.96 s after it was sent): with uvicorn's 5 s keep-alive, a proxy process that
+    gets no CPU for longer (here SIGSTOP, in the soak 2 busy engines on 2 cores) runs the expired
+    keep-alive timer before it reads the request waiting in the socket, and closes that
+    connection. The proxy keeps idle client connections 75 s (--timeout-keep-alive-s).
+    Planted (``stalled_proxy_answers(proxy_args=("--timeout-keep-alive-s", "5"))``, by hand):
+    some of the 8 connections are closed unanswered (ConnectionResetError / RemoteDisconnected)."""
+    from hybridkv.cli.proxy import CLIENT_KEEPALIVE_S
+
+    assert CLIENT_KEEPALIVE_S > UVICORN_DEFAULT_KEEPALIVE_S + 1.5
+    assert stalled_proxy_answers() == [200] * 8
+
+
+def test_the_keep_alive_option_refuses_what_is_not_a_whole_number_of_seconds():
+    import argparse
+
+    from hybridkv.cli.proxy import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    assert p.parse_args(base).timeout_keep_alive_s == 75
+    assert p.parse_args([*base, "--timeout-keep-alive-s", "30"]).timeout_keep_alive_s == 30
+    for bad in ("0", "-3", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args([*base, "--timeout-keep-alive-s", bad])
