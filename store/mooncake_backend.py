@@ -1047,21 +1047,21 @@ class MooncakeBackend:
         self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], timeout_s: Any = _DEFAULT
     ) -> list[int]:
         """Per key 0 or a negative Mooncake code; an existing key keeps its old value."""
-        keys, addrs, sizes = self._check_batch("put_from", keys, addrs, sizes)
-        if not keys:
-            return []
-        codes = self._call("put_from", self._store.batch_put_from, keys, addrs, sizes, timeout=timeout_s)
-        self._note_codes(codes)
-        return list(codes)
+        return self._batch("put_from", "batch_put_from", keys, addrs, sizes, timeout_s)
 
     def get_into(
         self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], timeout_s: Any = _DEFAULT
     ) -> list[int]:
         """Per key bytes read (the object size, may be < the buffer) or a negative code."""
-        keys, addrs, sizes = self._check_batch("get_into", keys, addrs, sizes)
+        return self._batch("get_into", "batch_get_into", keys, addrs, sizes, timeout_s)
+
+    def _batch(self, verb: str, binding: str, keys: Sequence[str], addrs: Sequence[Any], sizes: Sequence[Any],
+               timeout_s: Any) -> list[int]:
+        """One checked, bounded batch call of the binding's method ``binding``; per key its code."""
+        keys, addrs, sizes = self._check_batch(verb, keys, addrs, sizes)
         if not keys:
             return []
-        codes = self._call("get_into", self._store.batch_get_into, keys, addrs, sizes, timeout=timeout_s)
+        codes = self._call(verb, getattr(self._store, binding), keys, addrs, sizes, timeout=timeout_s)
         self._note_codes(codes)
         return list(codes)
 
