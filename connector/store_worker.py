@@ -52,6 +52,7 @@ from hybridkv.connector.store_config import StoreConnectorConfig
 from hybridkv.connector.store_metadata import BlockBatch, LoadJob, SaveJob, StoreConnectorMetadata, StoreWorkerMetadata
 from hybridkv.connector.store_staging import StagerPool, build_stager_pools, device_fence, needs_staging
 from hybridkv.connector.store_stats import HybridStoreStats
+from hybridkv.store import malloc_trim
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import (
     CALL_TIMEOUT,
@@ -231,6 +232,7 @@ class StoreWorker:
         self._snapshots: dict[int, dict[str, StagerPool]] | None = None  # built on first use
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._on_cuda = False
+        self._trimmer = malloc_trim.start(cfg.malloc_trim_interval_s)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layout = KVLayout.from_kv_caches(self._kv_cache_config, kv_caches)
@@ -684,3 +686,9 @@ class StoreWorker:
         self._saves.wait_idle(timeout_s)
         self._loads.stop()
         self._saves.stop()
+        if self._trimmer is not None:
+            t = self._trimmer
+            logger.info("hybridkv: malloc_trim every %.0f s: %d calls, %d released memory, %.1f ms mean, "
+                        "%.1f ms max", t.interval_s, t.calls, t.released, 1e3 * t.total_s / max(1, t.calls),
+                        1e3 * t.max_s)
+            t.stop()
