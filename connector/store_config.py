@@ -109,7 +109,7 @@ class StoreConnectorConfig:
     # Seconds between glibc malloc_trim(0) calls in the worker process (one daemon thread per
     # process; store/malloc_trim.py): hands freed heap pages back to the kernel, which glibc
     # otherwise keeps (issue 14: the worker's RSS crept +5 % after warm-up without, +0.7 %
-    # with 10 s; a call took 12 ms p50, 28 ms max). 0: off. No effect without glibc.
+    # with 10 s; a call took 11 ms p50, 28 ms max). 0: off. No effect without glibc.
     malloc_trim_interval_s: float = 0.0
 
     @classmethod
