@@ -37,6 +37,8 @@ def test_defaults_and_sizes():
         ({"populate_segment": "yes"}, "populate_segment='yes': expected true or false"),
         ({"read_wait_nice": 20}, "read_wait_nice=20: expected a nice level from 0"),
         ({"read_wait_nice": True}, "read_wait_nice=True: expected a nice level from 0"),
+        ({"malloc_trim_interval_s": -1}, "malloc_trim_interval_s=-1: expected seconds >= 0"),
+        ({"malloc_trim_interval_s": "10"}, "malloc_trim_interval_s='10': expected seconds >= 0"),
         ({"max_batch_blocks": -1}, "max_batch_blocks=-1"),
         ({"max_pinned_save_fraction": 0}, "max_pinned_save_fraction=0: expected a share of the KV cache in (0, 1]"),
         ({"max_pinned_save_fraction": 1.5}, "max_pinned_save_fraction=1.5"),
