@@ -107,7 +107,7 @@ class StoreConnectorConfig:
     # Host staging memory per KV-cache group and direction (load, save) when staging.
     staging_buffer_size: int = 64 << 20
     # Seconds between glibc malloc_trim(0) calls in the worker process (one daemon thread per
-    # process; store/malloc_trim.py): hands freed heap pages back to the kernel, which glibc
+    # StoreWorker, i.e. per engine worker process; store/malloc_trim.py): hands freed heap pages back to the kernel, which glibc
     # otherwise keeps (issue 14: the worker's RSS crept +5 % after warm-up without, +0.7 %
     # with 10 s; a call took 11 ms p50, 28 ms max). 0: off. No effect without glibc.
     malloc_trim_interval_s: float = 0.0

@@ -420,16 +420,15 @@ def _gemma3_pair(http, stack, prefill_tp: int, decode_tp: int, seed: int) -> lis
     assert any(r[6][sw] < r[6][dense] for r in rows), rows
 
     # Control: one full-attention block of the last prefill rank holds another block's real KV.
+    prompt = Session(seed=seed + 50, **TURN_TOKENS).prompt
     align = math.lcm(*(bs for bs, _, _ in geometry))
+    handover = (len(prompt) - 1) // align * align
 
     def check_kept(params: dict) -> None:
-        prompt_len = len(prompt)
-        handover = (prompt_len - 1) // align * align
         held = [[1 if b else 0 for b in g] for g in params["remote_block_ids"]]
-        kept = prefill_kept_blocks(geometry, windows, prompt_len, handover)
+        kept = prefill_kept_blocks(geometry, windows, len(prompt), handover)
         assert held == kept, f"the prefill's blocks at finish {held}, vLLM's rule says {kept}"
 
-    prompt = Session(seed=seed + 50, **TURN_TOKENS).prompt
     _planted_shift(http, stack, model, decode_log, prompt, dense, plant_rank=prefill_tp - 1, prefill_tp=prefill_tp,
                    decode_tp=decode_tp, check_params=check_kept)
     _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)

@@ -407,6 +407,7 @@ def stalled_proxy_answers(connections: int = 8, proxy_args: tuple[str, ...] = ()
     import time
 
     from hybridkv.cli.server import free_port
+    from hybridkv.store.embedded_master import _port_open
 
     prefill, decode = _Instance(params=PARAMS), _Instance()
     port = free_port()
@@ -416,7 +417,7 @@ def stalled_proxy_answers(connections: int = 8, proxy_args: tuple[str, ...] = ()
     body, headers = json.dumps(USER).encode(), {"content-type": "application/json"}
     conns = []
     try:
-        _until(lambda: _port_answers(port), timeout_s=60)
+        _until(lambda: _port_open(port), timeout_s=60)
         conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(connections)]
         for c in conns:
             c.request("POST", "/v1/completions", body=body, headers=headers)
@@ -445,16 +446,6 @@ def stalled_proxy_answers(connections: int = 8, proxy_args: tuple[str, ...] = ()
         proc.wait(timeout=10)
         prefill.close()
         decode.close()
-
-
-def _port_answers(port: int) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 def test_requests_sent_while_the_proxy_gets_no_cpu_past_uvicorns_keep_alive_are_answered():
