@@ -167,6 +167,9 @@ class SoakConfig:
     # answer or running a tool). 0: back to back (the full runs so far). Bounds that wait for a
     # session's next turn include it.
     think_s: float = 0.0
+    # Added to every HybridStoreConnector's kv_connector_extra_config (validated there, as an
+    # operator's config is), e.g. {"malloc_trim_interval_s": 10}: A/B runs of a store option.
+    store_extra: dict = field(default_factory=dict)
 
 
 def faults_of(cfg: SoakConfig) -> list[str]:
@@ -360,7 +363,7 @@ def _store_config(cfg: SoakConfig, address: str, key_log: pathlib.Path, policy: 
             "kv_role": "kv_both", "kv_load_failure_policy": policy,
             "kv_connector_extra_config": {"master_address": address, "global_segment_size": segment,
                                           "timeout_s": cfg.timeout_s, "lookup_timeout_s": min(1.0, cfg.timeout_s),
-                                          "key_log_path": str(key_log)}}
+                                          "key_log_path": str(key_log)} | cfg.store_extra}
 
 
 def pd_configs(cfg: SoakConfig, address: str, key_logs: tuple[pathlib.Path, pathlib.Path],
@@ -1022,6 +1025,7 @@ def table(doc: dict) -> str:
               f"timeout_s {c['timeout_s']:g}, {c['num_gpu_blocks']} local KV blocks"
  + (" on each instance" if pd else "")
               + (f"; faults {', '.join(c['faults'])}" if c.get("faults") else "")
+              + (f"; store connector extra {json.dumps(c['store_extra'])}" if c.get("store_extra") else "")
               + (f"; PLANTED: {', '.join(c['plant'])}" if c["plant"] else "")]
     if pd:
         lines.append(f"P/D + store: hybridkv proxy -> prefill MultiConnector(HybridPDConnector, HybridStoreConnector), "
@@ -1151,6 +1155,20 @@ def render(json_path: pathlib.Path, out: pathlib.Path) -> dict:
     return doc
 
 
+def store_extra(items: list[str]) -> dict:
+    """``KEY=JSON`` items (a bare word that is not JSON is taken as a string) as one dict."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--store-extra {item!r}: expected KEY=VALUE, e.g. malloc_trim_interval_s=10")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = SoakConfig()
@@ -1177,6 +1195,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a session's pause between an answer and its next turn (default 0: back to back)")
     p.add_argument("--plant", action="append", default=[], choices=PLANTS,
                    help="a planted fault (shows a check can fail; never for results)")
+    p.add_argument("--store-extra", action="append", default=[], metavar="KEY=JSON",
+                   help="added to the store connector's kv_connector_extra_config (repeatable), "
+                        "e.g. malloc_trim_interval_s=10")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"),
                    help="writes soak.{json,md,png} (--pd: soak_pd.*) here")
     p.add_argument("--keep-log", action="store_true",
@@ -1191,7 +1212,8 @@ def main(argv: list[str] | None = None) -> int:
                      max_tokens=args.max_tokens, num_gpu_blocks=args.num_gpu_blocks, timeout_s=args.timeout_s,
                      kind=args.kind, cycle=args.cycle, corrupt_fraction=args.corrupt_fraction,
                      samples=args.samples, plant=list(args.plant), faults=list(args.faults), pd=args.pd,
-                     pd_decode_order=args.pd_decode_order, pd_burst=args.pd_burst, think_s=args.think_s)
+                     pd_decode_order=args.pd_decode_order, pd_burst=args.pd_burst, think_s=args.think_s,
+                     store_extra=store_extra(args.store_extra))
     run_soak(cfg, pathlib.Path(args.out), keep_log=args.keep_log)
     return 0
 

@@ -100,7 +100,11 @@ def provenance(log: str, decode_tp: int, prefill_tp: int, want: list[int], geome
     """One line per decode rank, each naming the prefill ranks its heads come from, the
     blocks per group and its own whole blocks' bytes; no failed or refused READ."""
     failed = [line for line in log.splitlines() if _FAILED.search(line)]
-    assert not failed, f"a READ failed or was refused: {failed}"
+    # The cause is logged on its own line before the summary (a side-channel HandshakeError,
+    # a refused job, a crash's traceback): shown with it, so a failure in CI names its cause.
+    causes = [line for line in log.splitlines()
+              if ("WARNING" in line or "ERROR" in line or "Traceback" in line) and "hybridkv" in line]
+    assert not failed, f"a READ failed or was refused: {failed}; hybridkv warnings and errors: {causes}"
     lines = _TP_LINE.findall(log)
     assert sorted(int(x[4]) for x in lines) == list(range(decode_tp)), f"one read line per decode rank: {lines}"
     for blocks, nbytes, _req, groups, rank, dtp, pranks, ptp in lines:
