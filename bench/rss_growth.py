@@ -24,6 +24,9 @@ import tempfile
 import threading
 import time
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # bench.soak (its session loop)
+    sys.path.insert(0, str(ROOT))
 HEAP_MAX = 64 << 20  # glibc non-main arena heap size (64-bit)
 
 
@@ -87,7 +90,8 @@ def main() -> None:
 
     import psutil
 
-    from hybridkv.cli.agentic_demo import Client, Trajectory
+    from bench.soak import SoakConfig, agentic_session
+    from hybridkv.cli.agentic_demo import Client
     from hybridkv.cli.server import VllmServer
     from hybridkv.cli.tiny_models import write_tiny_model
     from hybridkv.store.embedded_master import EmbeddedMaster
@@ -113,41 +117,28 @@ def main() -> None:
     try:
         srv.start()
         root = psutil.Process(srv.proc.pid)
-        kids = root.children(recursive=True)
+        kids: list = []
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # the worker (KV cache + connector worker side): VLLM::Worker
             kids = root.children(recursive=True)  # when the executor has one, else the EngineCore
             if any("Worker" in p.name() for p in kids):
                 break
             time.sleep(1)
-        named = {p.name(): p for p in kids}
         print(f"children {[(p.pid, p.name()) for p in kids]}", file=sys.stderr, flush=True)
         core = next((p for p in kids if "Worker" in p.name()), None) or next(
             (p for p in kids if "EngineCore" in p.name()), max(kids, key=lambda p: p.memory_info().rss))
         engine = next((p for p in kids if "EngineCore" in p.name()), core)
-        print(f"worker {core.pid} {core.name()}; engine core {engine.pid}; {sorted(named)}", file=sys.stderr,
+        print(f"worker {core.pid} {core.name()}; engine core {engine.pid}; {sorted(p.name() for p in kids)}", file=sys.stderr,
               flush=True)
         model_id = Client(srv.url).model_card()[0]
         t0 = time.monotonic()
 
-        def session(slot: int) -> None:
-            client = Client(srv.url, timeout_s=120)
-            gen, turn, prompt, answer = 0, 0, "", ""
-            while not stop.is_set():
-                traj = Trajectory(1000 * slot + gen % 3, 600, 120)
-                prompt = traj.prompt(turn, prompt, answer)
-                try:
-                    c = client.complete(model_id, prompt, 16)
-                    ok = bool(c.token_ids)
-                    answer = c.text
-                except Exception:  # noqa: BLE001
-                    ok = False
-                with lock:
-                    reqs["ok" if ok else "fail"] += 1
-                if not ok or turn + 1 >= 6:
-                    gen, turn, prompt, answer = gen + 1, 0, "", ""
-                else:
-                    turn += 1
+        def on_turn(slot, turn, start, prompt, c, error) -> None:  # noqa: ANN001
+            with lock:
+                reqs["ok" if c is not None else "fail"] += 1
+
+        def session(slot: int) -> None:  # the soak's sessions, its default settings (6 turns, cycle 3)
+            agentic_session(srv.url, model_id, slot, SoakConfig(), stop, on_turn)
 
         seen_tids: set[int] = set()
 

@@ -88,6 +88,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -170,6 +171,42 @@ class SoakConfig:
     # Added to every HybridStoreConnector's kv_connector_extra_config (validated there, as an
     # operator's config is), e.g. {"malloc_trim_interval_s": 10}: A/B runs of a store option.
     store_extra: dict = field(default_factory=dict)
+
+
+def agentic_session(url: str, model: str, slot: int, cfg: SoakConfig, stop: threading.Event,
+                    on_turn: "Callable[[int, int, float, str, Any, str | None], None]") -> None:
+    """One agentic session against ``url`` until ``stop`` is set (bench/soak.py's sessions and
+    bench/rss_growth.py's): ``cfg.turns`` turns of a seeded Trajectory (each prompt = the
+    previous prompt + answer + new text), ``cfg.cycle`` trajectories per slot run in turn (a
+    later one re-runs one run before: same seed, same greedy answers), ``cfg.think_s`` between
+    an answer and the next turn. After each turn ``on_turn(slot, turn, start, prompt,
+    completion or None, error or None)``; a failed turn starts the next trajectory 1 s later."""
+    from hybridkv.cli.agentic_demo import Client, Trajectory
+
+    client = Client(url, timeout_s=120)
+    gen, turn, prompt, answer = 0, 0, "", ""
+    while not stop.is_set():
+        traj = Trajectory(1000 * slot + gen % cfg.cycle + 100_000 * cfg.seed, cfg.first_tokens, cfg.growth_tokens)
+        prompt = traj.prompt(turn, prompt, answer)
+        start = time.monotonic()
+        c, error = None, None
+        try:
+            c = client.complete(model, prompt, cfg.max_tokens)
+            if not c.token_ids:
+                c = None
+            else:
+                answer = c.text
+        except Exception as e:  # noqa: BLE001 - counted as a failure
+            error = f"{type(e).__name__}: {str(e)[:200]}"
+        on_turn(slot, turn, start, prompt, c, error)
+        if c is None or turn + 1 >= cfg.turns:
+            gen, turn, prompt, answer = gen + 1, 0, "", ""
+            if c is None:
+                time.sleep(1.0)
+        else:
+            turn += 1
+        if c is not None and cfg.think_s:
+            stop.wait(cfg.think_s)
 
 
 def faults_of(cfg: SoakConfig) -> list[str]:
@@ -430,7 +467,7 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
     removed): ``soak.vllm.log``; under ``cfg.pd`` ``soak_pd.{prefill,prefill.1,decode,proxy}.log``."""
     import psutil
 
-    from hybridkv.cli.agentic_demo import DEFAULT_LOGPROB_TOL, Client, Trajectory, compare
+    from hybridkv.cli.agentic_demo import DEFAULT_LOGPROB_TOL, Client, compare
     from hybridkv.cli.server import VllmServer
     from hybridkv.cli.tiny_models import write_tiny_model
     from hybridkv.store.embedded_master import EmbeddedMaster
@@ -514,37 +551,20 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
         probe = probes["decode" if cfg.pd else "server"]
         proxy_probe = Client(front, timeout_s=10)
 
+        def on_turn(slot: int, turn: int, start: float, prompt: str, c, error: str | None) -> None:  # noqa: ANN001
+            rec = {"t": start - t0, "phase": phase["name"], "slot": slot, "turn": turn}
+            if c is not None:
+                rec.update(ok=True, ttft_ms=c.ttft_s * 1e3, prompt=c.prompt_tokens, cached=c.cached_tokens or 0)
+            else:
+                rec.update(ok=False, **({"error": error} if error else {}))
+            rec["latency_s"] = time.monotonic() - start
+            with lock:
+                records.append(rec)
+                if c is not None:
+                    completions[len(records) - 1] = (prompt, c)
+
         def session_loop(slot: int) -> None:
-            client = Client(front, timeout_s=120)
-            gen, turn, prompt, answer = 0, 0, "", ""
-            while not stop_all.is_set():
-                traj = Trajectory(1000 * slot + gen % cfg.cycle + 100_000 * cfg.seed, cfg.first_tokens,
-                                  cfg.growth_tokens)
-                prompt = traj.prompt(turn, prompt, answer)
-                start = time.monotonic()
-                rec = {"t": start - t0, "phase": phase["name"], "slot": slot, "turn": turn}
-                c = None
-                try:
-                    c = client.complete(srv_model, prompt, cfg.max_tokens)
-                    ok = bool(c.token_ids)
-                    rec.update(ok=ok, ttft_ms=c.ttft_s * 1e3, prompt=c.prompt_tokens, cached=c.cached_tokens or 0)
-                    answer = c.text
-                except Exception as e:  # noqa: BLE001 - counted as a failure
-                    ok = False
-                    rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
-                rec["latency_s"] = time.monotonic() - start
-                with lock:
-                    records.append(rec)
-                    if ok:
-                        completions[len(records) - 1] = (prompt, c)
-                if not ok or turn + 1 >= cfg.turns:
-                    gen, turn, prompt, answer = gen + 1, 0, "", ""
-                    if not ok:
-                        time.sleep(1.0)
-                else:
-                    turn += 1
-                if ok and cfg.think_s:
-                    stop_all.wait(cfg.think_s)
+            agentic_session(front, srv_model, slot, cfg, stop_all, on_turn)
 
         def tree(s) -> list:  # noqa: ANN001 - VllmServer -> psutil.Process list
             proc_ = s.proc
