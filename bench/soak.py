@@ -96,6 +96,8 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("GLOG_minloglevel", "2")
 
+from bench.stall_cpu import CpuSampler, describe, stalls  # noqa: E402 - after ROOT is on sys.path
+
 PHASES = ("warm", "stop", "after-stop", "corrupt", "after-corrupt", "node-kill", "after-node-kill",
           "kill", "after-kill")
 STORE_FAULTS = ("stop", "corrupt", "node-kill", "kill")  # in this order; each followed by "after-<fault>"
@@ -654,6 +656,15 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
                    "prefill-kill": fault_prefill_kill}
         workers = [threading.Thread(target=session_loop, args=(i,), daemon=True) for i in range(cfg.sessions)]
         workers.append(threading.Thread(target=sampler, daemon=True))
+
+        def cpu_pids() -> dict[str, list[int]]:  # read each second: restarted processes appear
+            pids = {name: [p_.pid for p_ in tree(s)] for name, s in servers.items()}
+            proxy = getattr(stack, "_proxy", None) if stack is not None else None
+            return {**pids, "master": [master.pid], "node": [node.pid],
+                    **({"proxy": [proxy.pid]} if proxy is not None else {})}
+
+        cpu = CpuSampler(t0, cpu_pids, stop_all)
+        cpu.start()
         counters["warm"] = all_counters()
         events["warm"] = 0.0
         for w in workers:
@@ -747,6 +758,8 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
 
     doc = summarize(cfg, records, samples, events, counters, checks, corruption, left_procs, left_dirs, burst)
     doc["wall_s"] = time.monotonic() - t_start
+    doc["cpu_samples"] = cpu.rows
+    doc["stalls"] = stalls(records, cpu.rows)
     doc["servers_exited"] = exited
     write_results(doc, records, out)
     return doc
@@ -1053,7 +1066,7 @@ def table(doc: dict) -> str:
                      f"one mooncake_master; P/D read_timeout_s {c['pd_read_timeout_s']:g}, "
                      f"handshake_timeout_s {c['pd_handshake_timeout_s']:g}, lease_s {c['pd_lease_s']:g}; "
                      "hit rate = the prefill's (local + store), which the decode reports")
-    lines += [f"over bound: turns longer than the slowest warm turn + 2 x timeout_s"
+    lines += ["over bound: turns longer than the slowest warm turn + 2 x timeout_s"
               + (" + P/D read + handshake timeouts" if pd else "") + f" ({_f(doc['turn_bound_s'])} s; target 0)"]
     phases = {r["phase"] for r in doc["phases"]}
     if "corrupt" in phases:
@@ -1095,6 +1108,10 @@ def table(doc: dict) -> str:
             lines.append(f"{who} RSS MiB at the end of {phase_name}: "
                          + ", ".join(f"{n} {v:.0f}" for n, v in procs.items()))
     lines.append(f"left after shutdown: processes {doc['left_processes'] or 'none'}, dirs {doc['left_dirs'] or 'none'}")
+    if doc.get("cpu_samples"):
+        lines.append(f"stalls (>= 10 s with no answered turn; CPU from /proc, bench/stall_cpu.py): "
+                     f"{len(doc.get('stalls') or [])}")
+        lines += describe(doc.get("stalls") or [])
     return "\n".join(lines) + "\n"
 
 
@@ -1171,6 +1188,8 @@ def render(json_path: pathlib.Path, out: pathlib.Path) -> dict:
     doc = summarize(SoakConfig(**d["config"]), d["records"], d["samples"], d["events"], d["counters"],
                     d["recompute_checks"], d["corruption"], d["left_processes"], d["left_dirs"], d.get("burst"))
     doc["wall_s"] = d.get("wall_s")
+    doc["cpu_samples"] = d.get("cpu_samples", [])
+    doc["stalls"] = stalls(d["records"], doc["cpu_samples"])
     write_results(doc, doc["records"], out)
     return doc
 
