@@ -133,7 +133,7 @@ def main() -> None:
         model_id = Client(srv.url).model_card()[0]
         t0 = time.monotonic()
 
-        def on_turn(slot, turn, start, prompt, c, error) -> None:  # noqa: ANN001
+        def on_turn(slot, turn, start, prompt, c, error, ctx) -> None:  # noqa: ANN001
             with lock:
                 reqs["ok" if c is not None else "fail"] += 1
 

@@ -176,13 +176,16 @@ class SoakConfig:
 
 
 def agentic_session(url: str, model: str, slot: int, cfg: SoakConfig, stop: threading.Event,
-                    on_turn: "Callable[[int, int, float, str, Any, str | None], None]") -> None:
+                    on_turn: "Callable[[int, int, float, str, Any, str | None, Any], None]",
+                    begin: "Callable[[], Any]" = lambda: None) -> None:
     """One agentic session against ``url`` until ``stop`` is set (bench/soak.py's sessions and
     bench/rss_growth.py's): ``cfg.turns`` turns of a seeded Trajectory (each prompt = the
     previous prompt + answer + new text), ``cfg.cycle`` trajectories per slot run in turn (a
     later one re-runs one run before: same seed, same greedy answers), ``cfg.think_s`` between
     an answer and the next turn. After each turn ``on_turn(slot, turn, start, prompt,
-    completion or None, error or None)``; a failed turn starts the next trajectory 1 s later."""
+    completion or None, error or None, begin())`` where ``begin()`` was read as the turn started
+    (the soak's phase: a turn belongs to the phase it started in); a failed turn starts the
+    next trajectory 1 s later."""
     from hybridkv.cli.agentic_demo import Client, Trajectory
 
     client = Client(url, timeout_s=120)
@@ -190,17 +193,17 @@ def agentic_session(url: str, model: str, slot: int, cfg: SoakConfig, stop: thre
     while not stop.is_set():
         traj = Trajectory(1000 * slot + gen % cfg.cycle + 100_000 * cfg.seed, cfg.first_tokens, cfg.growth_tokens)
         prompt = traj.prompt(turn, prompt, answer)
-        start = time.monotonic()
+        start, ctx = time.monotonic(), begin()
         c, error = None, None
         try:
             c = client.complete(model, prompt, cfg.max_tokens)
             if not c.token_ids:
-                c = None
+                c, error = None, "empty completion"
             else:
                 answer = c.text
         except Exception as e:  # noqa: BLE001 - counted as a failure
             error = f"{type(e).__name__}: {str(e)[:200]}"
-        on_turn(slot, turn, start, prompt, c, error)
+        on_turn(slot, turn, start, prompt, c, error, ctx)
         if c is None or turn + 1 >= cfg.turns:
             gen, turn, prompt, answer = gen + 1, 0, "", ""
             if c is None:
@@ -553,8 +556,9 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
         probe = probes["decode" if cfg.pd else "server"]
         proxy_probe = Client(front, timeout_s=10)
 
-        def on_turn(slot: int, turn: int, start: float, prompt: str, c, error: str | None) -> None:  # noqa: ANN001
-            rec = {"t": start - t0, "phase": phase["name"], "slot": slot, "turn": turn}
+        def on_turn(slot: int, turn: int, start: float, prompt: str, c, error: str | None,  # noqa: ANN001
+                    started_in: str) -> None:
+            rec = {"t": start - t0, "phase": started_in, "slot": slot, "turn": turn}
             if c is not None:
                 rec.update(ok=True, ttft_ms=c.ttft_s * 1e3, prompt=c.prompt_tokens, cached=c.cached_tokens or 0)
             else:
@@ -566,7 +570,7 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
                     completions[len(records) - 1] = (prompt, c)
 
         def session_loop(slot: int) -> None:
-            agentic_session(front, srv_model, slot, cfg, stop_all, on_turn)
+            agentic_session(front, srv_model, slot, cfg, stop_all, on_turn, begin=lambda: phase["name"])
 
         def tree(s) -> list:  # noqa: ANN001 - VllmServer -> psutil.Process list
             proc_ = s.proc
