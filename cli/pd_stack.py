@@ -87,6 +87,18 @@ def rank_cpus(prefill_tp: int, decode_tp: int, cpus: set[int] | None = None) -> 
 
 
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
+# The instances keep the proxy's idle connections 75 s (the proxy drops its own after 2 s), not
+# uvicorn's 5 s: an instance process starved of CPU for longer than its keep-alive closes a
+# pooled connection whose next request already waits unread (uvloop runs the expired timer
+# first), and the proxy answers the client 502 "decode instance unreachable: ReadError" (one
+# request in a P/D soak of 2026-12-02, 51 s into its warm phase). docs/config.md.
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+INSTANCE_KEEP_ALIVE_S = 75
+
+
+def keep_alive_env() -> dict[str, str]:
+    """The instances' keep-alive, unless the user set one."""
+    return {} if KEEP_ALIVE_ENV in os.environ else {KEEP_ALIVE_ENV: str(INSTANCE_KEEP_ALIVE_S)}
 
 
 def disjoint_core_envs(prefill_tp: int = 1, decode_tp: int = 1,
@@ -161,7 +173,7 @@ class PDStack:
                                   **self._common)
         self.decode = self._decode_server(decode_tp, decode_config, decode_args, allow_mamba_cross_tp)
         decode_config = self.decode.kv_transfer_config
-        for name, value in disjoint_core_envs(prefill_tp, decode_tp)[0].items():
+        for name, value in (disjoint_core_envs(prefill_tp, decode_tp)[0] | keep_alive_env()).items():
             self.prefill.extra_env.setdefault(name, value)
         # One deployment secret for the pair (signs kv_transfer_params and the side channel),
         # fresh per stack, unless the caller configured one.
@@ -193,7 +205,7 @@ class PDStack:
         server = VllmServer(self._model, port=port, kv_transfer_config=decode_config,
                             log_path=self._log_dir / "decode.log", extra_args=self._args(decode_tp, decode_args),
                             **self._common)
-        for name, value in disjoint_core_envs(self.prefill_tp, decode_tp)[1].items():
+        for name, value in (disjoint_core_envs(self.prefill_tp, decode_tp)[1] | keep_alive_env()).items():
             server.extra_env.setdefault(name, value)
         return server
 

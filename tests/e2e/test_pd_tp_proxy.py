@@ -533,6 +533,24 @@ def test_pd_stack_passes_each_side_its_tp_size_and_args(tmp_path, monkeypatch):
     assert stack.decode.command()[-2:] == ["--x", "--d"] and "--tensor-parallel-size" not in stack.decode.command()
 
 
+def test_pd_stack_instances_keep_idle_connections_75_s_unless_the_user_chose(tmp_path, monkeypatch):
+    """Both instances (and a replaced decode) get VLLM_HTTP_TIMEOUT_KEEP_ALIVE=75, not uvicorn's
+    5 s (a starved instance otherwise closes a pooled connection with a request waiting in it:
+    the proxy's 502 "decode instance unreachable: ReadError" of a soak run); a user's value stays."""
+    from hybridkv.cli import server as server_mod
+    from hybridkv.cli.pd_stack import PDStack
+
+    monkeypatch.setattr(server_mod.VllmServer, "start", lambda self: None)  # no engine boots here
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    stack = PDStack("m", log_dir=tmp_path / "a")
+    assert [s.extra_env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") for s in (stack.prefill, stack.decode)] == ["75", "75"]
+    stack.replace_decode(1)
+    assert stack.decode.extra_env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") == "75"
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "30")
+    mine = PDStack("m", log_dir=tmp_path / "b")
+    assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" not in mine.prefill.extra_env | mine.decode.extra_env  # inherited: 30
+
+
 def _extra(server) -> dict:  # noqa: ANN001 - a VllmServer -> its command line's kv_connector_extra_config
     import json
 
