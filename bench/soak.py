@@ -1198,6 +1198,9 @@ def render(json_path: pathlib.Path, out: pathlib.Path) -> dict:
     return doc
 
 
+SOAK_STORE_KEYS = ("master_address", "global_segment_size", "timeout_s", "lookup_timeout_s", "key_log_path")
+
+
 def store_extra(items: list[str]) -> dict:
     """``KEY=JSON`` items (a bare word that is not JSON is taken as a string) as one dict."""
     out = {}
@@ -1205,6 +1208,8 @@ def store_extra(items: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--store-extra {item!r}: expected KEY=VALUE, e.g. malloc_trim_interval_s=10")
+        if key in SOAK_STORE_KEYS:  # the soak's own bounds and summary rest on these
+            raise SystemExit(f"--store-extra {key}: set by the soak itself (use --timeout-s for timeout_s)")
         try:
             out[key] = json.loads(raw)
         except ValueError:

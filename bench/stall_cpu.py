@@ -1,6 +1,6 @@
 """Who had the CPU while a soak's turns stalled (issue 14).
 
-The soak's turns stall together for 20-40 s on the shared 2-core machine. Whether that is
+The soak's turns stall together for 15-50 s on the shared 2-core machine. Whether that is
 the host taking the CPU away (steal), the machine idling while something waits, or one
 process eating both cores decides what could fix it, so the soak records, once a second and
 from /proc only (no HTTP call that a starved server could hold up):
@@ -90,8 +90,14 @@ class CpuSampler:
 def stalls(records: list[dict], cpu_rows: list[dict], min_gap_s: float = 10.0, top: int = 4) -> list[dict]:
     """Windows of at least ``min_gap_s`` with no answered turn, each with the CPU seconds
     the busiest processes used in it, the machine's busy / idle / steal seconds there, and
-    the longest interval between two CPU samples inside it (the sampler's own starvation)."""
+    the longest interval between two CPU samples inside it (the sampler's own starvation).
+
+    The run's start (t = 0) and its last CPU sample bound the first and last window. A
+    process that started inside a window is charged all its CPU (from 0); one that ended
+    inside it, up to its last sample."""
     ends = sorted(r["t"] + r["latency_s"] for r in records if r.get("ok") and "latency_s" in r)
+    if cpu_rows:
+        ends = [0.0, *ends, max(cpu_rows[-1]["t"], ends[-1] if ends else 0.0)]
     out = []
     for a, b in zip(ends, ends[1:]):
         if b - a < min_gap_s:
@@ -103,7 +109,11 @@ def stalls(records: list[dict], cpu_rows: list[dict], min_gap_s: float = 10.0, t
         last = after[0] if after else (inside[-1] if inside else None)
         if first is None or last is None or first is last:
             continue
-        used = {k: last["procs"][k] - first["procs"][k] for k in last["procs"] if k in first["procs"]}
+        seen = [first, *inside, last]
+        used = {}
+        for k in {k for r in seen for k in r["procs"]}:
+            had = [r["procs"][k] for r in seen if k in r["procs"]]
+            used[k] = had[-1] - first["procs"].get(k, 0.0)
         times = [first["t"], *[r["t"] for r in inside], last["t"]]
         out.append({
             "from_s": round(a, 1), "to_s": round(b, 1), "window_s": round(last["t"] - first["t"], 1),

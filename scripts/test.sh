@@ -67,7 +67,7 @@ set +e
 # (geometries with two dense block sizes + a sparse group, hits that differ from vLLM's, ...).
 # -rsx: every skipped and every xfailed test is listed with its reason (opt-in e2e: tests/e2e/test_pd_tp_proxy.py, the P/D soak variant in tests/e2e/test_soak.py).
 # --durations=25: the slowest tests, so that keeping the suite under its time budget starts from
-# measured numbers (the e2e cases dominate: ~37 of ~40 min on the shared 2-core machine).
+# measured numbers (pass 1 took 34-37 min of a 40-43 min CI run on the shared 2-core machine).
 HYBRIDKV_EXPECT_VLLM=0.32.0 .venv/bin/python -m pytest tests -q -rsx -p no:cacheprovider --hypothesis-show-statistics \
     --durations=25 "$@"
 rc32=$?

@@ -86,8 +86,9 @@ TURN_TOKENS = {"first_tokens": 600, "growth_tokens": 300}
 # (decode recomputed: the output still right, the provenance check failed).
 # Raised again from 60 / 150 s (2026-12-02): a CI run's gemma3 TP1 -> TP2 pair logged a failed
 # READ 58 s into its warm-up turn with no TransferError, lease refusal or bad span (those log a
-# line the provenance check matches), which leaves the side channel's 60 s bound. They only bound
-# how long a starved step may take: a run where nothing stalls never waits on them.
+# line the provenance check matches): by elimination (no cause line was shown then) most likely
+# the side channel's 60 s bound. They only bound how long a starved step may take: a run where
+# nothing stalls never waits on them.
 HANDSHAKE_TIMEOUT_S = 120.0
 LEASE_S = 300.0  # outlives a READ (read_timeout_s 30 s) + claims bounded by HANDSHAKE_TIMEOUT_S
 DECODE_EXTRA = {"handshake_timeout_s": HANDSHAKE_TIMEOUT_S}

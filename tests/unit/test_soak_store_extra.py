@@ -23,6 +23,11 @@ def test_malformed_item_is_refused_with_the_form(item: str) -> None:
         main(["--store-extra", item])
 
 
+def test_keys_the_soak_sets_itself_are_refused() -> None:
+    with pytest.raises(SystemExit, match="set by the soak itself"):
+        store_extra(["timeout_s=30"])
+
+
 def test_every_store_child_gets_the_options(tmp_path: pathlib.Path) -> None:
     cfg = SoakConfig(store_extra={"malloc_trim_interval_s": 10})
     logs = (tmp_path / "p.log", tmp_path / "d.log")

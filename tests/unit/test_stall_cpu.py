@@ -29,6 +29,17 @@ def test_a_gap_is_charged_from_the_samples_around_it() -> None:
     assert "prefill/VLLM::Worker[7] 28 s" in describe([gap])[0]
 
 
+def test_a_process_restarted_inside_a_gap_keeps_its_cpu_and_edges_count() -> None:
+    records = [{"ok": True, "t": 0.0, "latency_s": 1.0}]  # then nothing is answered until the end
+    old, new = "prefill/VLLM::Worker[7]", "prefill/VLLM::Worker[9]"
+    rows = [{"t": 0.5, "busy": 1.0, "idle": 0.0, "iowait": 0.0, "steal": 0.0, "procs": {old: 1.0}},
+            {"t": 5.0, "busy": 9.0, "idle": 0.0, "iowait": 0.0, "steal": 0.0, "procs": {old: 6.0}},  # last seen
+            {"t": 20.0, "busy": 39.0, "idle": 0.0, "iowait": 0.0, "steal": 0.0, "procs": {new: 25.0}}]
+    [gap] = stalls(records, rows)
+    assert (gap["from_s"], gap["to_s"]) == (1.0, 20.0)  # the run's last sample closes the last window
+    assert dict(gap["top"]) == {new: 25.0, old: 5.0}
+
+
 def test_no_gap_under_the_threshold() -> None:
     records = [{"ok": True, "t": float(i), "latency_s": 1.0} for i in range(30)]
     assert stalls(records, [_row(float(i), i, 0.0, i, i) for i in range(31)]) == []
