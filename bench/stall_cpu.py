@@ -82,7 +82,9 @@ class CpuSampler:
                     cpu = process_cpu_s(pid)
                     if cpu is None:
                         continue
-                    name = self._names.setdefault(pid, process_name(pid))
+                    name = self._names.get(pid)
+                    if name is None:  # read once: the key must stay the same for the pid's deltas
+                        name = self._names[pid] = process_name(pid)
                     row["procs"][f"{server}/{name}[{pid}]"] = cpu
             self.rows.append(row)
 
