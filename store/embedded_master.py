@@ -108,10 +108,57 @@ def find_master_binary(name: str = "mooncake_master") -> str:
 
 def _free_port() -> int:
     # A tiny race (another process could take the port before the master binds it) is
-    # accepted: start() detects a master that exits early and reports its log.
+    # accepted: start() waits until THIS master listens on it (listener_is), so a squatter is
+    # refused, and reports a master that exits early with its log.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on TCP ``port`` (any address), from /proc/net/tcp{,6}; None
+    where the kernel does not expose them (not Linux)."""
+    found: set[str] = set()
+    seen_any = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)  # the header
+                seen_any = True
+                for line in f:
+                    cols = line.split()
+                    # local_address is HEXADDR:HEXPORT; state 0A is LISTEN; inode is column 9
+                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        found.add(cols[9])
+        except OSError:
+            continue
+    return found if seen_any else None
+
+
+def listener_is(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` itself holds the socket listening on ``port``.
+
+    Why: "the port accepts connections" is not "OUR master is up". Between ``_free_port``
+    choosing a port and the master binding it, any other process (another test's server, or
+    another local user squatting the port) may take it; the master then fails to bind while
+    start() would see the port open and hand clients a foreign listener (the suspected cause
+    of a unit test whose SIGSTOPped master still answered). None where /proc cannot tell
+    (not Linux): callers fall back to the open port alone."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return None
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # unreadable (or gone: the caller's poll() sees an exit): cannot tell
+        return None
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
 
 
 def _port_open(port: int, timeout_s: float = 0.2) -> bool:
@@ -235,13 +282,20 @@ class EmbeddedMaster:
                         f"mooncake_master exited with code {rc} during start "
                         f"(cmd: {' '.join(cmd)}){hint}\n--- tail of {self.log_path} ---\n{tail}"
                     )
+                foreign = False
                 if _port_open(self.rpc_port):
-                    return self
+                    ours = listener_is(self._proc.pid, self.rpc_port)
+                    if ours is not False:  # True, or /proc cannot tell
+                        return self
+                    foreign = True  # another process holds the port; ours has not bound (yet)
                 if time.monotonic() > deadline:
                     tail = self.log_tail()
+                    why = (f"another process listens on port {self.rpc_port}, not this master (pid "
+                           f"{self._proc.pid}); choose a free rpc_port" if foreign else "")
                     self._kill_locked(timeout_s=2.0)
                     raise MasterError(
-                        f"mooncake_master did not listen on {self.address} within {self.start_timeout_s:.1f}s "
+                        f"mooncake_master did not listen on {self.address} within {self.start_timeout_s:.1f}s"
+                        f"{': ' + why if why else ''} "
                         f"(cmd: {' '.join(cmd)})\n--- tail of {self.log_path} ---\n{tail}"
                     )
                 time.sleep(0.02)
