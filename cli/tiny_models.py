@@ -47,6 +47,7 @@ Usage: ``python -m hybridkv.cli.tiny_models KIND OUT_DIR [--seed N]``.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -540,6 +541,17 @@ def write_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pa
     out = pathlib.Path(out_dir)
     if _is_current(out, kind, seed):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One writer at a time (the test suite's two lanes, two engines of a demo): without the
+    # lock two processes share model.safetensors.tmp and the second os.replace finds it gone.
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_current(out, kind, seed):  # another process may have written it meanwhile
+            _write(out, kind, seed, builders)
+    return out
+
+
+def _write(out: pathlib.Path, kind: str, seed: int, builders: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / _STAMP).unlink(missing_ok=True)
 
@@ -557,7 +569,6 @@ def write_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pa
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_tiny_tokenizer(out, config["vocab_size"])
     (out / _STAMP).write_text(json.dumps(_stamp_for(kind, seed)) + "\n")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
