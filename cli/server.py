@@ -23,9 +23,12 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from types import TracebackType
+
+from hybridkv.store.embedded_master import listener_is
 
 __all__ = [
     "DEFAULT_KV_TRANSFER_CONFIG",
@@ -94,8 +97,29 @@ def check_kv_connector_importable(cfg: dict | None) -> None:
         )
 
 
+def held_by_tree(pid: int, port: int) -> bool | None:
+    """Whether ``pid`` or one of its descendants holds the socket listening on ``port``.
+
+    Why: "/health answers 200" is not "OUR server is up". ``free_port`` picks a port and
+    the server binds it only after 10-30 s of imports; any other local process (another
+    run's server, another user) that takes it meanwhile would answer, and the proxy would
+    then send clients' prompts to it. None where /proc cannot tell (not Linux)."""
+    import psutil
+
+    try:
+        pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return None
+    answers = [listener_is(p, port) for p in pids]
+    if any(a is True for a in answers):
+        return True
+    return None if all(a is None for a in answers) else False
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
-    """Poll ``url``/health until 200: None, or why not (the process exited, or the time ran out)."""
+    """Poll ``url``/health until 200 from ``proc``'s own listener: None, or why not (the
+    process exited, another process holds the port, or the time ran out)."""
+    port = urllib.parse.urlsplit(url).port
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         code = proc.poll()
@@ -104,6 +128,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> str | No
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:
+                    if port is not None and held_by_tree(proc.pid, port) is False:
+                        return (f"another process listens on port {port}, not this server (pid {proc.pid}): "
+                                "pick another port")
                     return None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
