@@ -175,12 +175,17 @@ class EmbeddedMaster:
     ``default_kv_lease_ttl_ms`` is the time an object stays unremovable/unevictable after a
     read or exists lookup (Mooncake's default is 10 s). Tests lower it so remove() works
     without long sleeps.
+
+    ``start_timeout_s`` bounds how long start() waits for the rpc port: 30 s, because a host
+    whose cores are all busy (engines importing vLLM) was seen to need more than 10 s to exec
+    and link mooncake_master (CI 2026-12-03: nothing logged yet after 10 s; it takes ~1.2 s on
+    an idle box). A master that exits fails start() at once, whatever this bound.
     """
 
     def __init__(
         self,
         default_kv_lease_ttl_ms: int = 10_000,
-        start_timeout_s: float = 10.0,
+        start_timeout_s: float = 30.0,
         extra_args: list[str] | None = None,
         binary: str | None = None,
         log_dir: str | None = None,
