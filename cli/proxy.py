@@ -168,7 +168,24 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
     # (P/D soak: 3 streamed answers cut at the prefill kill, all on reused decode connections).
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
                                limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
-    counts = {"requests": 0, "decode_only_fallbacks": 0, "prefill_errors": 0, "decode_only_rejected": 0}
+    counts = {"requests": 0, "decode_only_fallbacks": 0, "prefill_errors": 0, "decode_only_rejected": 0,
+              "decode_retries": 0}
+    # The decode leg is sent once more when the decode instance's connection fails before any
+    # answer (read/write error, or the server closed it): the P/D soak of 2026-12-03 lost 2 of
+    # 2882 requests to such a ReadError with both instances at a 75 s keep-alive. Safe to
+    # repeat: a hand-over already read is refused as a replay and decode recomputes (same
+    # greedy answer), and vLLM aborts a request whose client went away. A refused connection
+    # (decode down) is not retried; a stream that has started is never re-sent.
+    retry_errors = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+    async def send_decode(url: str, dreq: dict[str, Any], stream: bool) -> "httpx.Response":
+        try:
+            return await client.send(client.build_request("POST", url, json=dreq), stream=stream)
+        except retry_errors as e:
+            counts["decode_retries"] += 1
+            logger.warning("hybridkv proxy: decode %s dropped the connection before answering (%s: %s); "
+                           "sending the request once more", url, type(e).__name__, e)
+            return await client.send(client.build_request("POST", url, json=dreq), stream=stream)
     slots = DecodeOnlySlots(max_decode_only, decode_only_wait_s)
 
     async def prefill_leg(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -230,7 +247,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
                            "prompt itself (--no-fallback answers 502 instead)", decode)
         if not body.get("stream"):
             try:
-                d = await client.post(decode + path, json=dreq)
+                d = await send_decode(decode + path, dreq, stream=False)
             except httpx.HTTPError as e:
                 return _unreachable("decode", decode, e)
             finally:
@@ -242,7 +259,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         # starts: a decode instance that fails before answering is a 502 naming it, not a
         # 200 whose stream ends early (which clients see as a truncated answer).
         try:
-            d = await client.send(client.build_request("POST", decode + path, json=dreq), stream=True)
+            d = await send_decode(decode + path, dreq, stream=True)
         except httpx.HTTPError as e:
             if release is not None:
                 release()
@@ -272,7 +289,9 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
                      "decode_only_fallbacks": "Requests decode computed alone: no prefill instance served them",
                      "prefill_errors": "Prefill instance attempts that failed (unreachable, 5xx, no transfer parameters)",
                      "decode_only_rejected": "Requests answered 503: no prefill instance served them and "
-                                             "--max-decode-only decode-only requests were running"}
+                                             "--max-decode-only decode-only requests were running",
+                     "decode_retries": "Decode legs sent once more: the decode instance's connection failed "
+                                       "before it answered"}
         lines = []
         for name, value in counts.items():
             lines += [f"# HELP hybridkv_proxy_{name}_total {help_text[name]}",

@@ -331,7 +331,9 @@ class _HangUp:
     answer: a decode instance whose server drops the connection (dying, or closing an idle
     keep-alive connection the proxy reused at that moment)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hang_ups: int | None = None, answer: bytes = b"") -> None:
+        """``hang_ups``: how many requests are dropped (None: all); later ones get ``answer``
+        (raw HTTP/1.1 bytes) and the connection is closed."""
         import socket
         import threading
 
@@ -340,6 +342,7 @@ class _HangUp:
         self.sock.listen(8)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.requests = 0
+        self.hang_ups, self.answer = hang_ups, answer
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -351,6 +354,8 @@ class _HangUp:
             with conn:
                 if conn.recv(65536):
                     self.requests += 1
+                    if self.hang_ups is not None and self.requests > self.hang_ups:
+                        conn.sendall(self.answer)
 
     def close(self) -> None:
         self.sock.close()
@@ -371,9 +376,42 @@ def test_a_decode_instance_that_hangs_up_is_a_502_naming_it_not_a_truncated_answ
     try:
         client = TestClient(build_app([prefill.url], [decode.url], timeout_s=5))
         r = client.post("/v1/completions", json={**USER, "stream": stream})
-        assert decode.requests == 1
+        assert decode.requests == 2  # the leg and its one retry (test below), both dropped
         assert r.status_code == 502, (r.status_code, r.content[:200])
         assert f"decode instance {decode.url} unreachable" in r.json()["error"]["message"]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_decode_connection_dropped_before_the_answer_is_sent_once_more(stream):
+    """The P/D soak of 2026-12-03: 2 of 2882 requests failed with the proxy's 502 "decode
+    instance ... unreachable: ReadError" while both instances kept idle connections 75 s. The
+    decode leg is now sent once more when its connection fails before any answer (a replayed
+    hand-over is refused by decode and recomputed; tests/e2e/test_pd_hostile_client.py): the
+    client gets the decode's answer, and the retry is counted. Without the retry: 502, fails."""
+    import json as _json
+
+    from fastapi.testclient import TestClient
+
+    from hybridkv.cli.proxy import build_app
+
+    body = (b'data: {"choices":[{"text":"ok"}]}\n\n' if stream
+            else _json.dumps({"choices": [{"text": "ok"}]}).encode())
+    ctype = b"text/event-stream" if stream else b"application/json"
+    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\ncontent-length: "
+              + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+    prefill, decode = _Instance(params=PARAMS), _HangUp(hang_ups=1, answer=answer)
+    try:
+        app = build_app([prefill.url], [decode.url], timeout_s=5)
+        client = TestClient(app)
+        r = client.post("/v1/completions", json={**USER, "stream": stream})
+        assert r.status_code == 200
+        assert (r.content == body) if stream else (r.json() == _json.loads(body))
+        assert decode.requests == 2
+        metrics = client.get("/metrics").text
+        assert "hybridkv_proxy_decode_retries_total 1" in metrics, metrics
     finally:
         prefill.close()
         decode.close()
