@@ -106,6 +106,13 @@ def find_master_binary(name: str = "mooncake_master") -> str:
     raise MasterError(f"`{name}` not found next to {sys.executable} nor on PATH: {INSTALL_HINT}")
 
 
+PORT_ATTEMPTS = 3  # start(): how many times self-chosen ports are chosen again when one was taken
+
+
+class _PortInUse(Exception):
+    """The master exited at start because its rpc or metrics port was taken (its log says so)."""
+
+
 def _free_port() -> int:
     # A tiny race (another process could take the port before the master binds it) is
     # accepted: start() waits until THIS master listens on it (listener_is), so a squatter is
@@ -231,79 +238,105 @@ class EmbeddedMaster:
         return "\n".join(lines[-n_lines:])
 
     def start(self) -> "EmbeddedMaster":
+        """Start the master and wait until it listens on its rpc port.
+
+        Ports this master chose itself are chosen again (up to ``PORT_ATTEMPTS`` times) when
+        the master exits because one was taken meanwhile: ``_free_port`` releases a port
+        before the master binds it, and on a busy host another process (an outgoing
+        connection's ephemeral port included) can take it. Fixed ports are not changed:
+        clients already hold the address."""
         with self._lock:
             if self.is_running():
                 return self
-            binary = self._binary or find_master_binary()
-            if self._log_dir_arg:
-                log_dir = Path(self._log_dir_arg)
-            else:
-                log_dir = self._tmp_dir = Path(tempfile.mkdtemp(prefix="hybridkv-mooncake-master-"))
-            log_dir.mkdir(parents=True, exist_ok=True)
-            if not self._fixed_ports:
-                self.rpc_port, self.metrics_port = _free_port(), _free_port()
-            if self.metrics_port is None or self.metrics_port == self.rpc_port:
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                try:
+                    return self._start_locked()
+                except _PortInUse as e:
+                    if self._fixed_ports or attempt == PORT_ATTEMPTS:
+                        raise MasterError(str(e)) from None
+                    logger.warning("hybridkv: mooncake_master could not bind port %s or %s (taken since it "
+                                   "was chosen); choosing new ports (attempt %d of %d)",
+                                   self.rpc_port, self.metrics_port, attempt + 1, PORT_ATTEMPTS)
+            raise AssertionError("unreachable")
+
+    def _start_locked(self) -> "EmbeddedMaster":
+        """One start with the ports chosen now (``self._lock`` held)."""
+        binary = self._binary or find_master_binary()
+        if self._log_dir_arg:
+            log_dir = Path(self._log_dir_arg)
+        else:
+            log_dir = self._tmp_dir = Path(tempfile.mkdtemp(prefix="hybridkv-mooncake-master-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if not self._fixed_ports:
+            self.rpc_port, self.metrics_port = _free_port(), _free_port()
+        if self.metrics_port is None or self.metrics_port == self.rpc_port:
+            self.metrics_port = _free_port()
+            while self.metrics_port == self.rpc_port:
                 self.metrics_port = _free_port()
-                while self.metrics_port == self.rpc_port:
-                    self.metrics_port = _free_port()
-            self.log_path = log_dir / f"mooncake_master.{self.rpc_port}.log"
-            cmd = [
-                binary,
-                "--rpc_address=127.0.0.1",
-                f"--rpc_port={self.rpc_port}",
-                "--metrics_host=127.0.0.1",
-                f"--metrics_port={self.metrics_port}",
-                f"--default_kv_lease_ttl={self.default_kv_lease_ttl_ms}",
-                *self.extra_args,
-            ]
-            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-            try:
-                # Own process group: a Ctrl-C in the terminal must not kill the master before
-                # the clients that still reference it are closed.
-                # Unpinned: started from a vLLM CPU worker it would inherit the core the
-                # forward pass spins on and starve (see cpu_affinity).
-                with unpinned():
-                    self._proc = subprocess.Popen(
-                        cmd,
-                        stdin=subprocess.DEVNULL,
-                        stdout=self._log_file,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-            except OSError as e:
-                self._close_log()
-                raise MasterError(f"could not execute {binary}: {e}; {INSTALL_HINT}") from e
-            with _LIVE_LOCK:
-                _LIVE.add(self._proc)
-            self._start_watchdog()
-            deadline = time.monotonic() + self.start_timeout_s
-            while True:
-                if self._proc.poll() is not None:
-                    rc = self._proc.returncode
-                    tail = self.log_tail()  # before _reap: the watchdog removes the temp dir
-                    self._reap()
-                    hint = f"; {INSTALL_HINT}" if "cannot open shared object" in tail else ""
-                    raise MasterError(
-                        f"mooncake_master exited with code {rc} during start "
-                        f"(cmd: {' '.join(cmd)}){hint}\n--- tail of {self.log_path} ---\n{tail}"
-                    )
-                foreign = False
-                if _port_open(self.rpc_port):
-                    ours = listener_is(self._proc.pid, self.rpc_port)
-                    if ours is not False:  # True, or /proc cannot tell
-                        return self
-                    foreign = True  # another process holds the port; ours has not bound (yet)
-                if time.monotonic() > deadline:
-                    tail = self.log_tail()
-                    why = (f"another process listens on port {self.rpc_port}, not this master (pid "
-                           f"{self._proc.pid}); choose a free rpc_port" if foreign else "")
-                    self._kill_locked(timeout_s=2.0)
-                    raise MasterError(
-                        f"mooncake_master did not listen on {self.address} within {self.start_timeout_s:.1f}s"
-                        f"{': ' + why if why else ''} "
-                        f"(cmd: {' '.join(cmd)})\n--- tail of {self.log_path} ---\n{tail}"
-                    )
-                time.sleep(0.02)
+        self.log_path = log_dir / f"mooncake_master.{self.rpc_port}.log"
+        cmd = [
+            binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={self.rpc_port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={self.default_kv_lease_ttl_ms}",
+            *self.extra_args,
+        ]
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        try:
+            # Own process group: a Ctrl-C in the terminal must not kill the master before
+            # the clients that still reference it are closed.
+            # Unpinned: started from a vLLM CPU worker it would inherit the core the
+            # forward pass spins on and starve (see cpu_affinity).
+            with unpinned():
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=self._log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except OSError as e:
+            self._close_log()
+            raise MasterError(f"could not execute {binary}: {e}; {INSTALL_HINT}") from e
+        with _LIVE_LOCK:
+            _LIVE.add(self._proc)
+        self._start_watchdog()
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                rc = self._proc.returncode
+                tail = self.log_tail()  # before _reap: the watchdog removes the temp dir
+                self._reap()
+                hint = f"; {INSTALL_HINT}" if "cannot open shared object" in tail else ""
+                # (an rpc port taken is not logged: the master just exits 1; it has exited, so
+                # whoever listens on one of its ports now is another process)
+                held = [p for p in (self.rpc_port, self.metrics_port) if p and _listening_inodes(p)]
+                taken = "Address already in use" in tail or bool(held)
+                error = _PortInUse if taken else MasterError
+                why = "".join(f": another process listens on port {p}" for p in held)
+                raise error(
+                    f"mooncake_master exited with code {rc} during start{why} "
+                    f"(cmd: {' '.join(cmd)}){hint}\n--- tail of {self.log_path} ---\n{tail}"
+                )
+            foreign = False
+            if _port_open(self.rpc_port):
+                ours = listener_is(self._proc.pid, self.rpc_port)
+                if ours is not False:  # True, or /proc cannot tell
+                    return self
+                foreign = True  # another process holds the port; ours has not bound (yet)
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                why = (f"another process listens on port {self.rpc_port}, not this master (pid "
+                       f"{self._proc.pid}); choose a free rpc_port" if foreign else "")
+                self._kill_locked(timeout_s=2.0)
+                raise MasterError(
+                    f"mooncake_master did not listen on {self.address} within {self.start_timeout_s:.1f}s"
+                    f"{': ' + why if why else ''} "
+                    f"(cmd: {' '.join(cmd)})\n--- tail of {self.log_path} ---\n{tail}"
+                )
+            time.sleep(0.02)
 
     def restart(self) -> "EmbeddedMaster":
         """Start again on the same ports (after a crash): clients keep their address."""

@@ -45,3 +45,22 @@ def test_a_foreign_listener_on_the_rpc_port_is_refused_not_served() -> None:
         # and start() saw another process on the port; both name what went wrong.
         assert f"another process listens on port {port}" in text or "exited with code" in text, text
         assert not m.is_running()
+
+
+def test_ports_it_chose_are_chosen_again_when_one_was_taken_meanwhile(monkeypatch) -> None:
+    """``_free_port`` releases a port before the master binds it; on a busy host another
+    process can take it (CI 2026-12-03 ran the unit tests beside the engines). A master that
+    chose its ports itself and exits with "Address already in use" is started again on new
+    ports. Planted: the first port handed out (the rpc port) is held by a listener of this
+    process; without the re-choice start() raises "exited with code 1"."""
+    import hybridkv.store.embedded_master as em
+
+    with _listener() as squatter:
+        taken = squatter.getsockname()[1]
+        handed = iter([taken])
+        real = em._free_port
+        monkeypatch.setattr(em, "_free_port", lambda: next(handed, None) or real())
+        with EmbeddedMaster(default_kv_lease_ttl_ms=1_000) as m:
+            assert m.rpc_port != taken and m.pid is not None
+            assert listener_is(m.pid, m.rpc_port) is True
+            assert listener_is(os.getpid(), taken) is True  # the squatter kept its port
