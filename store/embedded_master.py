@@ -110,7 +110,8 @@ PORT_ATTEMPTS = 3  # start(): how many times self-chosen ports are chosen again 
 
 
 class _PortInUse(Exception):
-    """The master exited at start because its rpc or metrics port was taken (its log says so)."""
+    """The master exited at start because its rpc or metrics port was taken (its log says so, or
+    another process listens on one of them now)."""
 
 
 def _free_port() -> int:
