@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from hybridkv.store.embedded_master import listener_is
+from hybridkv.store.embedded_master import listener_among
 
 __all__ = [
     "DEFAULT_KV_TRANSFER_CONFIG",
@@ -110,10 +110,7 @@ def held_by_tree(pid: int, port: int) -> bool | None:
         pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return None
-    answers = [listener_is(p, port) for p in pids]
-    if any(a is True for a in answers):
-        return True
-    return None if all(a is None for a in answers) else False
+    return listener_among(pids, port)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:

@@ -152,21 +152,31 @@ def listener_is(pid: int, port: int) -> bool | None:
     start() would see the port open and hand clients a foreign listener (the suspected cause
     of a unit test whose SIGSTOPped master still answered). None where /proc cannot tell
     (not Linux): callers fall back to the open port alone."""
+    return listener_among([pid], port)
+
+
+def listener_among(pids: list[int], port: int) -> bool | None:
+    """Whether one of ``pids`` holds the socket listening on ``port`` (a server's process
+    tree: cli/server.py). /proc/net/tcp{,6} is read once for all of them. None where /proc
+    cannot tell: not Linux, or no pid's descriptors could be read."""
     inodes = _listening_inodes(port)
     if inodes is None:
         return None
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:  # unreadable (or gone: the caller's poll() sees an exit): cannot tell
-        return None
-    for fd in fds:
+    readable = False
+    for pid in pids:
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # unreadable (or gone: the caller's poll() sees an exit): cannot tell
             continue
-        if target.startswith("socket:[") and target[8:-1] in inodes:
-            return True
-    return False
+        readable = True
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                return True
+    return False if readable else None
 
 
 def _port_open(port: int, timeout_s: float = 0.2) -> bool:
