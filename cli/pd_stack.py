@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 from types import TracebackType
 
-from hybridkv.cli.server import HOST, ServerStartError, VllmServer, free_port, wait_healthy
+from hybridkv.cli.server import (HOST, PORT_ATTEMPTS, ServerStartError, VllmServer, exited_on_taken_port, free_port,
+                                 wait_healthy)
 from hybridkv.connector.pd_auth import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
 from hybridkv.store.cpu_affinity import format_cpu_list, usable_cpus
 
@@ -242,13 +243,21 @@ class PDStack:
         for server in (self.prefill, self.decode):
             server.wait_started()
         self.proxy_log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.proxy_log, "wb") as log:
-            self._proxy = subprocess.Popen(self.proxy_command(), stdin=subprocess.DEVNULL, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
-        problem = wait_healthy(self.url, self._proxy, 60)
-        if problem:
-            raise ServerStartError(f"hybridkv proxy {problem}; log: {self.proxy_log}\n"
-                                   + self.proxy_log.read_text()[-3000:])
+        # The proxy's port was chosen when the stack was built, a minute before it binds it
+        # (both engines boot first): one taken meanwhile is chosen again (PORT_ATTEMPTS).
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            with open(self.proxy_log, "wb") as log:
+                self._proxy = subprocess.Popen(self.proxy_command(), stdin=subprocess.DEVNULL, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True)
+            problem = wait_healthy(self.url, self._proxy, 60)
+            if not problem:
+                return
+            if attempt == PORT_ATTEMPTS or not exited_on_taken_port(self._proxy, self.proxy_log):
+                raise ServerStartError(f"hybridkv proxy {problem}; log: {self.proxy_log}\n"
+                                       + self.proxy_log.read_text()[-3000:])
+            taken, self.proxy_port = self.proxy_port, free_port()
+            print(f"hybridkv: proxy port {taken} was taken before it bound; starting it again on "
+                  f"{self.proxy_port} (attempt {attempt + 1} of {PORT_ATTEMPTS})", file=sys.stderr)
 
     def kill_prefill(self) -> None:
         """SIGKILL the prefill server's whole process group (API server, engine core, workers:

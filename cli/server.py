@@ -17,7 +17,6 @@ import os
 import pathlib
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from hybridkv.store.embedded_master import listener_among
+from hybridkv.store.local_ports import free_port as local_free_port
 
 __all__ = [
     "DEFAULT_KV_TRANSFER_CONFIG",
@@ -135,11 +135,24 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> str | No
     return f"not healthy after {timeout_s:.0f} s"
 
 
+PORT_ATTEMPTS = 3  # a server on a port it chose itself is started again on a new one when it was taken
+
+
+def exited_on_taken_port(proc: subprocess.Popen, log_path: pathlib.Path | None) -> bool:
+    """Whether ``proc`` has exited and its log says a port it wanted was taken (uvicorn:
+    "[Errno 98] error while attempting to bind ... address already in use"; vLLM's own
+    socket: "Address already in use"). Why: a self-chosen port is released before the server
+    binds it, seconds later; on a busy host another process can take it meanwhile, and that
+    is worth a new port, not a failed start."""
+    if proc.poll() is None or log_path is None:
+        return False
+    return "address already in use" in _tail(log_path, 200).lower()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free right now, outside the ephemeral range
+    (:func:`hybridkv.store.local_ports.free_port` says why)."""
+    return local_free_port(HOST)
 
 
 def _tail(path: pathlib.Path, max_lines: int = 60) -> str:
@@ -174,6 +187,7 @@ class VllmServer:
     ) -> None:
         self.model = str(model)
         self.port = port or free_port()
+        self._own_port = port is None  # chosen here: may be chosen again if taken (PORT_ATTEMPTS)
         self.max_model_len = max_model_len
         self.kv_transfer_config = kv_transfer_config
         self.extra_args = list(extra_args)
@@ -245,10 +259,23 @@ class VllmServer:
             )
 
     def _wait_healthy(self) -> None:
-        assert self.proc is not None
-        problem = wait_healthy(self.url, self.proc, self.startup_timeout_s)
-        if problem:
-            raise self._start_error(problem)
+        """Wait for health; a server that exited because the port IT chose was taken meanwhile
+        is started again on a new port (up to ``PORT_ATTEMPTS`` starts). A port given by the
+        caller, or one this server has been healthy on, is kept: others (a proxy, clients)
+        already hold the address."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            assert self.proc is not None
+            problem = wait_healthy(self.url, self.proc, self.startup_timeout_s)
+            if not problem:
+                self._own_port = False  # from now on others hold the address: a restart keeps it
+                return
+            if not (self._own_port and attempt < PORT_ATTEMPTS and exited_on_taken_port(self.proc, self.log_path)):
+                raise self._start_error(problem)
+            taken, self.port = self.port, free_port()
+            print(f"hybridkv: vLLM server port {taken} was taken before it bound; starting it again on "
+                  f"{self.port} (attempt {attempt + 1} of {PORT_ATTEMPTS})", file=sys.stderr)
+            self.stop()
+            self.start_async()
 
     def _start_error(self, what: str) -> ServerStartError:
         cmd = shlex.join(self.command())

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from hybridkv.store.cpu_affinity import unpinned
+from hybridkv.store.local_ports import free_port
 
 __all__ = ["EmbeddedMaster", "MasterError", "MasterSupervisor", "find_master_binary", "INSTALL_HINT"]
 
@@ -115,12 +116,10 @@ class _PortInUse(Exception):
 
 
 def _free_port() -> int:
-    # A tiny race (another process could take the port before the master binds it) is
-    # accepted: start() waits until THIS master listens on it (listener_is), so a squatter is
-    # refused, and reports a master that exits early with its log.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    # Outside the ephemeral range (local_ports). A race stays (another process could bind the
+    # port before the master does): start() chooses again when the master exits on a taken
+    # port, waits until THIS master listens on it (listener_is), so a squatter is refused.
+    return free_port("127.0.0.1")
 
 
 def _listening_inodes(port: int) -> set[str] | None:
