@@ -112,6 +112,7 @@ DATA_FAULT_SAMPLES = 3
 # (their table says so when re-rendered); prefill_kill_mid_read now waits for evidence instead.
 OLD_KILL_AFTER_POST_S = 0.05
 POLL_S = 0.05  # prefill_kill_mid_read polls the decode's p2p admissions this often while the prefill is frozen
+BURST_HANDOVER_WAIT_S = 60.0  # a burst prefill leg answered without a hand-over (lease budget full) is asked again this long
 SAMPLE_S = 2.0  # the sampler's period (RSS, threads, loaded blocks)
 KILL_GAP_S = 3.0  # master SIGKILLed -> new master started
 # Measured facts of Mooncake 0.3.13.post1 the recovery bound rests on (store/mooncake_backend.py):
@@ -813,9 +814,19 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
         rec = {"t": start - t0, "phase": "prefill-kill", "slot": -1, "turn": 0}
         try:
             with requests.Session() as http:
-                r = http.post(stack.prefill.url + "/v1/completions", json=prefill_request(body), timeout=120)
-                r.raise_for_status()
-                params = r.json().get("kv_transfer_params") or {}
+                # Under 16 sessions the prefill's lease budget (max_lease_fraction) is often full:
+                # it then answers without a hand-over. That is its policy, not a fault: ask again
+                # until it hands one over (the full run of 2026-12-03 10:43 lost its mid-READ kill
+                # to one such leg).
+                deadline = time.monotonic() + BURST_HANDOVER_WAIT_S
+                for attempt in range(1, 1000):
+                    r = http.post(stack.prefill.url + "/v1/completions", json=prefill_request(body), timeout=120)
+                    r.raise_for_status()
+                    params = r.json().get("kv_transfer_params") or {}
+                    if params.get("remote_block_ids") or time.monotonic() >= deadline:
+                        break
+                    time.sleep(1.0)
+                res["prefill_attempts"] = attempt
                 res["handover_blocks"] = sum(len(g) for g in params.get("remote_block_ids") or [])
                 res["handover_tokens"] = int(params.get("remote_num_tokens") or 0)
                 res["prefill_request_id"] = params.get("remote_request_id")
