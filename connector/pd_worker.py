@@ -155,6 +155,10 @@ class PDWorker:
         self._local: LayoutDescriptor | None = None
         # (host, port) -> NIXL name, layout; least recently used first
         self._peers: OrderedDict[tuple[str, int], tuple[str, LayoutDescriptor]] = OrderedDict()
+        # Per-peer read threads look peers up, add them, forget idle ones and drop failed ones
+        # at once: unlocked, one thread's KeyError could end a read with another rank's READ
+        # posted and untracked (its blocks freed while it may still write).
+        self._peers_lock = threading.Lock()
         self._lock = threading.Lock()
         self._lease_known = threading.Condition(self._lock)
         self._recv_done: set[str] = set()
@@ -430,8 +434,9 @@ class PDWorker:
         except TransferError as e:
             warn_once(logger, f"pd_read:{type(e).__name__}", "read of %s from %s failed: %s",
                       job.req_id, failed_address, e)
-            for port in job.remote_ports:
-                self._peers.pop((job.remote_host, port), None)  # re-handshake next time
+            with self._peers_lock:
+                for port in job.remote_ports:
+                    self._peers.pop((job.remote_host, port), None)  # re-handshake next time
             return False, self._open_reads(handles)
 
     def _open_reads(self, handles: list[ReadHandle]) -> list[ReadHandle] | None:
@@ -448,10 +453,11 @@ class PDWorker:
 
     def _peer(self, job: ReadJob, prefill_rank: int) -> tuple[str, LayoutDescriptor]:
         key = (job.remote_host, job.remote_ports[prefill_rank])
-        peer = self._peers.get(key)
-        if peer is not None:
-            self._peers.move_to_end(key)
-        else:
+        with self._peers_lock:
+            peer = self._peers.get(key)
+            if peer is not None:
+                self._peers.move_to_end(key)
+        if peer is None:  # the handshake runs outside the lock: a stalled peer holds up only its own reads
             info = fetch_agent_info(
                 f"{job.remote_host}:{key[1]}", self._local, engine_id=self._s.engine_id,
                 tp_rank=self._s.tp_rank, timeout_s=self._s.handshake_timeout_s,
@@ -460,13 +466,14 @@ class PDWorker:
             name = self._transport.add_peer(info.agent_metadata, info.layout.group_layouts(),
                                             info.layout.memory_spaces())
             peer = (name, info.layout)
-            self._peers[key] = peer
-            self._forget_idle_peers()
+            with self._peers_lock:
+                self._peers[key] = peer
+                self._forget_idle_peers()
         return peer
 
     def _forget_idle_peers(self) -> None:
         """Past MAX_PEERS, remove the least recently used peers that have no READ in flight
-        (removing one with a READ open would not stop its writes)."""
+        (removing one with a READ open would not stop its writes). ``_peers_lock`` held."""
         assert self._transport is not None
         for key in list(self._peers):
             if len(self._peers) <= MAX_PEERS:

@@ -179,3 +179,48 @@ def test_a_peer_read_thread_is_not_pinned_to_the_core_of_the_thread_that_starts_
         assert seen == [set(cpus)], f"the read thread ran on {seen}, not on every usable CPU {cpus}"
     finally:
         worker.stop_reads(join_s=5)
+
+
+def test_peers_looked_up_added_and_forgotten_by_many_read_threads_at_once(monkeypatch):
+    """Per-peer read threads share ``_peers``: one thread forgetting an idle peer while another
+    moves it to the end raised KeyError, which ended a read after another rank's READ was
+    posted (then untracked: its blocks freed while it could still write). FAKE handshake and
+    transport: only the bookkeeping is under test."""
+    import sys
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(pd_worker, "MAX_PEERS", 2)
+    layout = SimpleNamespace(group_layouts=lambda: (), memory_spaces=lambda: ())
+    monkeypatch.setattr(pd_worker, "fetch_agent_info",
+                        lambda address, *a, **k: SimpleNamespace(agent_metadata=address, layout=layout))
+
+    class Transport(_FakeTransport):
+        def add_peer(self, metadata, groups, spaces):  # noqa: ANN001
+            return f"agent-{metadata}"
+
+    worker = _worker()
+    worker._transport = Transport(busy=set())
+    errors: list[BaseException] = []
+
+    def hammer(seed: int) -> None:
+        for i in range(3000):
+            try:
+                worker._peer(_job("r", 1000 + (seed * 7 + i) % 6), 0)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=hammer, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+        worker._transport = None
+        worker.stop_reads(join_s=5)
+    assert errors == []
+    assert len(worker._peers) <= 2
