@@ -55,11 +55,11 @@ def _kernel_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def free_port(host: str = "127.0.0.1", *, rng: random.Random | None = None) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that is free now, outside the ephemeral range where the host allows
     (see the module docstring); the kernel's choice (port 0) where it does not. Random, so that
     concurrent callers rarely pick the same one."""
-    pick = rng or random.SystemRandom()
+    pick = random.SystemRandom()
     ranges = candidate_ranges(ephemeral_range())
     if ranges:
         weights = [len(r) for r in ranges]
