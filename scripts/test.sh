@@ -68,13 +68,18 @@ export HYBRIDKV_E2E_OBSERVED
 # -rsx: every skipped and every xfailed test is listed with its reason.
 # --durations=25: the slowest tests, so that keeping the suite under its time budget starts from
 # measured numbers.
-PYTEST32=(.venv/bin/python -m pytest -q -rsx -p no:cacheprovider --hypothesis-show-statistics --durations=25)
+# --tb=short and -rfE: CI shows only the head and the tail of this output; a failure's traceback
+# through requests/urllib3 filled the head with library source and the exception itself was cut
+# (stop 30's landing). Short frames keep the failure in the head, and the summary at the tail names
+# each failure with its exception (COLUMNS: pytest cuts that line to the terminal's width).
+export COLUMNS="${COLUMNS:-250}"
+PYTEST32=(.venv/bin/python -m pytest -q -rfEsx --tb=short -p no:cacheprovider --hypothesis-show-statistics --durations=25)
 
 pass33() {
     local start=$SECONDS rc
     echo "== vLLM 0.33 pass: ${#VLLM033_TESTS[@]} path(s) -m 'not needs_engine' with PYTHONPATH=$VLLM033"
     PYTHONPATH="$VLLM033${PYTHONPATH:+:$PYTHONPATH}" HYBRIDKV_EXPECT_VLLM=0.33.0 VLLM_TARGET_DEVICE=cpu \
-        .venv/bin/python -m pytest "${VLLM033_TESTS[@]}" -m "not needs_engine" -q -p no:cacheprovider
+        .venv/bin/python -m pytest "${VLLM033_TESTS[@]}" -m "not needs_engine" -q -rfEsx --tb=short -p no:cacheprovider
     rc=$?
     echo "== vLLM 0.33 pass took $((SECONDS - start)) s (exit $rc)"
     return "$rc"

@@ -12,3 +12,33 @@ def master():
     """A real mooncake_master per test module; a short KV lease so tests can remove objects."""
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as m:
         yield m
+
+
+LOG_TAIL_LINES = 12
+LOG_TAIL_FILES = 6
+LOG_LINE_CHARS = 240
+
+
+def _log_tails(root) -> str:  # noqa: ANN001
+    """The last lines of each server / proxy log the test wrote under its tmp_path."""
+    logs = sorted((p for p in root.rglob("*.log") if p.is_file()), key=lambda p: p.stat().st_mtime)
+    parts = []
+    for path in logs[-LOG_TAIL_FILES:]:
+        lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        parts.append(f"--- {path.relative_to(root)} (last {len(lines)} lines) ---\n"
+                     + "\n".join(line[:LOG_LINE_CHARS] for line in lines))
+    return "\n".join(parts)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ANN001
+    """A failed e2e test shows the tails of the logs its servers wrote. Why: CI shows only part of
+    its output, and an HTTP error (a reset, a timeout) does not say which process stopped answering
+    or why; the servers' own last lines do."""
+    report = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and call.when == "call" and tmp is not None:
+        tails = _log_tails(tmp)
+        if tails:
+            report.sections.append(("server logs", tails))
+    return report
