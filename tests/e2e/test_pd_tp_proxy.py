@@ -91,6 +91,10 @@ HANDSHAKE_TIMEOUT_S = 120.0
 LEASE_S = 300.0  # outlives a READ (read_timeout_s 30 s) + claims bounded by HANDSHAKE_TIMEOUT_S
 DECODE_EXTRA = {"handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
 PROBE = f"{__name__}.PDProbe"
+# A request's bound: the proxy's own (--timeout-s, 600 s). A client that gives up first turns a
+# starved turn into a failure the proxy itself would not have made (stop 30's landing: one proxy
+# POST of this file failed in urllib3, cause cut from the log; 300 s before).
+REQUEST_TIMEOUT_S = 600
 BAD_SIGNS = ("pd_lease_expired", "pd_read_outlived_lease", "[pd_read:", "[pd_refused]", "[pd_release:",
              "P/D handshake with")
 
@@ -154,6 +158,18 @@ class PDProbe:
             ctypes.memmove(d, s, n)
             written += n
         return [written]
+
+
+def _http_session():  # noqa: ANN202 - a requests.Session
+    """One TCP connection per request (``Connection: close``). A pooled connection that the
+    server closes for idleness (75 s here: the stack's instances and the proxy) just as the next
+    POST goes out is reset (the planted control and a decode swap leave the proxy's idle that long), and requests does not retry a POST: a failure of the client's pool, not
+    of the stack under test. A loopback connect costs nothing next to a turn."""
+    import requests
+
+    http = requests.Session()
+    http.headers["Connection"] = "close"
+    return http
 
 
 def _rpc(http, url: str, method: str, *args: object) -> list:  # noqa: ANN001
@@ -248,7 +264,7 @@ def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed
         decode_log.new(0)
         t = time.monotonic()
         got, prefill_hit = _completion(http.post(stack.url + "/v1/completions", json=_body(model, prompt),
-                                                 timeout=300))
+                                                 timeout=REQUEST_TIMEOUT_S))
         leg_s = time.monotonic() - t
         log = decode_log.new()
         local_hit = int(_counter(http, stack.decode.url, "vllm:prefix_cache_hits_total") - hits_before)
@@ -263,7 +279,7 @@ def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed
         assert pulled == handover - local_hit > 0, (turn, pulled, handover, local_hit)
         assert local_hit == 0 if turn == 1 else local_hit >= (prev - 1) // align * align, (turn, local_hit, prev)
         t = time.monotonic()
-        ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+        ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
                                        json=_body(model, prompt, cache_salt=f"pd-tp-proxy-{label}-{uuid.uuid4()}")))
         cmp = compare(got, ref)
         rows.append((turn, len(prompt), handover, prefill_hit, local_hit, pulled, want, cmp.matches,
@@ -295,7 +311,7 @@ def _planted_shift(http, stack, model: str, decode_log: "LogTail", prompt: list[
     from tests.e2e.engine_harness import compare
     from tests.e2e.test_pd_tp import _FAILED, _TP_LINE
 
-    r = http.post(stack.prefill.url + "/v1/completions", timeout=300,  # the proxy's first leg
+    r = http.post(stack.prefill.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,  # the proxy's first leg
                   json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
@@ -306,10 +322,10 @@ def _planted_shift(http, stack, model: str, decode_log: "LogTail", prompt: list[
     written = [w[0] for w in _rpc(http, stack.prefill.url, "hkv_pd_shift_block", plant_rank, dense, ids[0], ids[1])]
     assert written == [block_bytes if rank == plant_rank else 0 for rank in range(prefill_tp)], written
     decode_log.new(0)
-    got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+    got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
                                    json=_body(model, prompt, kv_transfer_params=params)))
     log = decode_log.new()
-    ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=300,
+    ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
                                    json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}")))
     cmp = compare(got, ref)
     print(f"planted: prefill rank {plant_rank}'s block {ids[0]} = its block {ids[1]} ({block_bytes} bytes); "
@@ -320,8 +336,6 @@ def _planted_shift(http, stack, model: str, decode_log: "LogTail", prompt: list[
 
 
 def test_qwen3next_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
-    import requests
-
     from hybridkv.cli.pd_stack import PDStack, pd_transfer_config, rank_cpus
     from hybridkv.store.cpu_affinity import usable_cpus
     from tests.e2e.engine_harness import Session, tiny_model
@@ -330,7 +344,7 @@ def test_qwen3next_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
     if len(usable_cpus()) < TP:
         pytest.fail(f"TP{TP} needs {TP} usable CPUs (one per rank), this runner has {sorted(usable_cpus())}")
     t0 = time.monotonic()
-    http = requests.Session()
+    http = _http_session()
     worker_args = [*SERVER_ARGS, "--worker-extension-cls", PROBE]
     prefill_config = pd_transfer_config("kv_producer") | {"kv_connector_extra_config": {"lease_s": LEASE_S}}
     decode_config = pd_transfer_config("kv_consumer") | {"kv_connector_extra_config": DECODE_EXTRA}
@@ -390,7 +404,7 @@ def _warm_up(http, stack, model: str, decode_log: "LogTail", seed: int) -> str: 
 
     decode_log.new(0)
     t = time.monotonic()
-    r = http.post(stack.url + "/v1/completions", timeout=300,
+    r = http.post(stack.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
                   json=_body(model, Session(seed=seed, first_tokens=WARMUP_TOKENS).prompt, max_tokens=2))
     assert r.status_code == 200, r.text
     return f"warm-up {time.monotonic() - t:.1f} s, read lines {len(_TP_LINE.findall(decode_log.new()))}"
@@ -444,13 +458,11 @@ def gemma3_through_the_proxy(tmp_path: Path, prefill_tp: int, decode_tps: list[i
     """gemma3 P/D at prefill TP``prefill_tp`` through ``hybridkv proxy``: a stack with decode
     TP``decode_tps[0]``, then the decode tier replaced by each next size (the prefill keeps
     running, ``PDStack.replace_decode``); ``_gemma3_pair`` for each."""
-    import requests
-
     from hybridkv.cli.pd_stack import PDStack, pd_transfer_config
     from tests.e2e.engine_harness import tiny_model
 
     t0 = time.monotonic()
-    http = requests.Session()
+    http = _http_session()
     worker_args = ["--worker-extension-cls", PROBE]
     prefill_config = pd_transfer_config("kv_producer") | {"kv_connector_extra_config": {"lease_s": LEASE_S}}
     decode_config = pd_transfer_config("kv_consumer") | {"kv_connector_extra_config": DECODE_EXTRA}
