@@ -88,9 +88,11 @@ call (exists, small objects, remove: the master alone answers those) is stuck, s
 master is hung; a data call (put_from / get_into, which also reach a segment owner) while
 ``max_stuck_calls`` data calls are stuck (default 1; more lets requests served by healthy nodes
 go on while one node hangs). The backend heals by itself when the abandoned calls return.
-A call that answers RPC_FAIL/RPC_TIMEOUT opens a short circuit (``retry_after_s``): calls fail
+A call that answers RPC_FAIL/RPC_TIMEOUT opens a circuit (``retry_after_s``): calls fail
 fast with ``MASTER_UNREACHABLE`` instead of each paying the ~4.4 s the binding needs to
-rediscover that the master is dead; after it one call is let through to probe again.
+rediscover that the master is dead; after it ONE call is let through to probe again while the
+others still fail fast (half-open), and each failed probe doubles the window up to
+``max_retry_after_s`` (store/circuit.py).
 An existence query asked as concurrent parts (``exists_parts``) has one bound for all of
 them; on expiry every part still running counts as a stuck metadata call until it returns.
 The hand-off costs about 25-30 us per call on the 2-core test machine (batch_is_exist of 1 key:
@@ -137,6 +139,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
+from hybridkv.store.circuit import Circuit
 from hybridkv.store.cpu_affinity import unpinned
 
 __all__ = [
@@ -233,7 +236,8 @@ _FIXES: dict[int, str] = {
     CLIENT_STUCK: "an earlier call is still blocked in Mooncake after its timeout; the backend "
     "recovers when it returns (check the master)",
     MASTER_UNREACHABLE: "a recent call found the master unreachable; calls fail fast for "
-    "retry_after_s, then one is let through to probe again",
+    "retry_after_s (doubled per failed probe, at most max_retry_after_s), then one is let "
+    "through to probe again",
     NOT_INSTALLED: "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 and "
     "apt-get install -y libibverbs1 librdmacm1",
 }
@@ -558,6 +562,15 @@ def pin_listeners(local_hostname: str | None) -> list[str]:
         return sorted(_patched_libs)
 
 
+# The circuit's longest window, as a multiple of retry_after_s (1 s: 1, 2, 4, 4, ... s between
+# probes while the master stays down): a master that comes back is noticed within 4 s (+ Mooncake's
+# own ~1 s reconnect), well inside the soak's 30 s recovery target, while a master that stays down
+# costs one probe per 4 s instead of one per caller per second.
+MAX_RETRY_FACTOR = 4.0
+# How long a probe's slot is held when calls are unbounded (timeout_s None) and none reported.
+PROBE_TTL_UNBOUNDED_S = 30.0
+
+
 # Mooncake's own waits that decide how long a call we gave up on stays inside the binding
 # (see the module docstring): TCP transfer progress and status (seconds), master RPCs (ms).
 STALL_ENV_S = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
@@ -708,6 +721,7 @@ class MooncakeBackend:
         timeout_s: float | None = 5.0,
         retry_after_s: float = 1.0,
         workers: int = 4,
+        max_retry_after_s: float | None = None,
         rdma_devices: str = "",
         metadata_server: str = "P2PHANDSHAKE",
         max_stuck_calls: int = 1,
@@ -728,6 +742,11 @@ class MooncakeBackend:
         self._marker_stored = False
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         self.retry_after_s = float(retry_after_s)
+        # A probe's call is bounded by timeout_s; its slot is freed after that if no verb reported.
+        self._circuit = Circuit(self.retry_after_s,
+                                MAX_RETRY_FACTOR * self.retry_after_s if max_retry_after_s is None
+                                else float(max_retry_after_s),
+                                probe_ttl_s=(self.timeout_s or PROBE_TTL_UNBOUNDED_S) + self.retry_after_s + 1.0)
         self.global_segment_size = int(global_segment_size)
         self.local_buffer_size = int(local_buffer_size)
         self._regions: dict[int, int] = {}
@@ -735,7 +754,6 @@ class MooncakeBackend:
         self._stuck = 0
         self._stuck_meta = 0  # of which metadata calls (the master alone answers them)
         self._stuck_op = ""
-        self._unreachable_until = 0.0
         self._closed = False
         self._pool: _DaemonPool | None = None
         self._read_pool: _DaemonPool | None = None  # the read calls' own threads (read_wait_nice)
@@ -798,14 +816,22 @@ class MooncakeBackend:
         """Calls abandoned after ``timeout_s`` that are still blocked inside Mooncake."""
         return self._stuck
 
-    def _admit(self, op: str) -> None:
+    @property
+    def circuit_open(self) -> bool:
+        """True while a recent call found the master unreachable and none has answered since."""
+        return self._circuit.is_open
+
+    def _admit(self, op: str) -> bool:
+        """Raise if the call may not go now; True when it goes as the circuit's probe."""
         if self._closed:
             raise StoreError(op, CLIENT_CLOSED)
         if self._stuck_meta or (op in _DATA_OPS and self._stuck - self._stuck_meta >= self.max_stuck_calls):
             raise StoreError(op, CLIENT_STUCK, f"{self._stuck} abandoned call(s), last: {self._stuck_op}")
-        left = self._unreachable_until - time.monotonic()
-        if left > 0:
-            raise StoreError(op, MASTER_UNREACHABLE, f"{self.master_address}; next probe in {left:.2f}s")
+        admitted, x = self._circuit.admit()
+        if not admitted:
+            raise StoreError(op, MASTER_UNREACHABLE, f"{self.master_address}; "
+                             + (f"next probe in {x:.2f}s" if x > 0 else "a probe call is in flight"))
+        return bool(x)
 
     def _bounded(
         self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
@@ -863,8 +889,13 @@ class MooncakeBackend:
         self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
         while_waiting: Callable[[Callable[[], bool]], None] | None = None,
     ) -> T:
-        self._admit(op)
-        return self._bounded(op, fn, *args, timeout=timeout, while_waiting=while_waiting)
+        probe = self._admit(op)
+        try:
+            return self._bounded(op, fn, *args, timeout=timeout, while_waiting=while_waiting)
+        except BaseException:
+            if probe:  # no answer to read: the master is not back yet
+                self._circuit.failure()
+            raise
 
     def _call_concurrent(self, op: str, fn: Callable[..., T], arg_lists: Iterable[tuple[Any, ...]],
                          timeout: Any = _DEFAULT) -> tuple[list[tuple[Any, ...]], list[T]]:
@@ -878,7 +909,16 @@ class MooncakeBackend:
         (``StoreError(CALL_TIMEOUT)``; its ``pending`` ends once all have). A call that raises
         is re-raised once every call has returned (the first failing one in order); so is an
         error from the iterable, after the calls already submitted have returned (or timed out)."""
-        self._admit(op)
+        probe = self._admit(op)
+        try:
+            return self._concurrent(fn, arg_lists, op, timeout)
+        except BaseException:
+            if probe:
+                self._circuit.failure()
+            raise
+
+    def _concurrent(self, fn: Callable[..., T], arg_lists: Iterable[tuple[Any, ...]], op: str,
+                    timeout: Any) -> tuple[list[tuple[Any, ...]], list[T]]:
         wait = self.timeout_s if timeout is _DEFAULT else timeout
         if wait is not None and wait <= 0:
             wait = None
@@ -914,9 +954,9 @@ class MooncakeBackend:
 
     def _note_codes(self, codes: Sequence[int]) -> None:
         if any(c in _UNREACHABLE_CODES for c in codes):
-            self._unreachable_until = time.monotonic() + self.retry_after_s
-        elif self._unreachable_until:
-            self._unreachable_until = 0.0
+            self._circuit.failure()
+        else:
+            self._circuit.success()
 
     # --- master state -------------------------------------------------------------------------
 
@@ -1008,7 +1048,7 @@ class MooncakeBackend:
             self._note_codes(codes)
             bad = [c for c in codes if c < 0]
             raise StoreError("exists", bad[0], f"{len(bad)} of {n_keys} lookups failed")
-        self._unreachable_until = 0.0  # what _note_codes does for codes with no failure
+        self._circuit.success()  # what _note_codes does for codes with no failure
         return list(map((1).__eq__, codes))
 
     def register(self, addr: int, size: int) -> None:
