@@ -52,6 +52,7 @@ from hybridkv.connector.pd_handshake import (
     fetch_agent_info,
     release_blocks,
 )
+from hybridkv.connector.pd_stragglers import StragglerDrain
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
 from hybridkv.connector.pd_tp import (
     RankRead,
@@ -61,7 +62,7 @@ from hybridkv.connector.pd_tp import (
     readers_of,
     spec_state_splits,
 )
-from hybridkv.connector.pd_transport import PDTransport, ReadHandle, TransferError, TransferTimeout, allocation_spaces
+from hybridkv.connector.pd_transport import PDTransport, ReadHandle, TransferError, allocation_spaces
 from hybridkv.store.cpu_affinity import unpinned
 
 # A claim can arrive before the prefill worker's next step hands it the lease (the
@@ -167,6 +168,8 @@ class PDWorker:
         self._ended: OrderedDict[str, str] = OrderedDict()  # req id -> why its lease ended
         self._decode_released: OrderedDict[str, None] = OrderedDict()  # bounded: ENDED_LEASES_KEPT
         self._released: set[str] = set()  # reads whose target blocks nothing writes into anymore
+        # Timed-out READs that may still write: one thread for all, their blocks kept meanwhile.
+        self._stragglers = StragglerDrain(self._poll_straggler, self._release_straggler, self._release)
         self._jobs: queue.Queue[ReadJob | None] = queue.Queue()  # overflow: peers past MAX_PEER_THREADS
         self._peer_queues: dict[tuple[str, int], queue.Queue[ReadJob | None]] = {}
         self._read_threads: list[threading.Thread] = []
@@ -284,8 +287,7 @@ class PDWorker:
             if straggler is None:
                 self._release(job.req_id)
             else:
-                threading.Thread(target=self._drain, args=(job.req_id, straggler), daemon=True,
-                                 name="hybridkv-pd-straggler").start()
+                self._stragglers.add(job.req_id, straggler, blocks=sum(len(ids) for ids in job.local_block_ids))
 
     def _plan(self, job: ReadJob) -> list[RankRead]:
         """The prefill ranks (and head ranges) this decode rank reads for ``job``."""
@@ -356,22 +358,17 @@ class PDWorker:
         with self._lock:
             self._released.add(req_id)
 
-    def _drain(self, req_id: str, handles: list[ReadHandle]) -> None:
-        """A timed-out READ may still write into its target blocks (NIXL cannot cancel
-        it): keep them pinned until every READ completes or fails, then release them."""
-        for handle in handles:
-            while True:
-                try:
-                    if self._transport is None or self._transport.poll(handle) == "DONE":
-                        break
-                except TransferError:
-                    break
-                time.sleep(0.05)
-            try:
-                self._transport.release(handle)
-            except TransferError:
-                pass
-        self._release(req_id)
+    def _poll_straggler(self, handle: ReadHandle) -> str:
+        transport = self._transport
+        return "DONE" if transport is None else transport.poll(handle)
+
+    def _release_straggler(self, handle: ReadHandle) -> None:
+        if self._transport is not None:
+            self._transport.release(handle)
+
+    def unsettled_reads(self) -> int:
+        """Requests whose timed-out READs may still write (their blocks kept out of use)."""
+        return self._stragglers.pending()
 
     def _slices(self, part: RankRead, peer_layout: LayoutDescriptor, job: ReadJob) -> list | None:
         """Per group: the spans to move from ``part``'s prefill rank (None: whole blocks)."""
@@ -531,6 +528,7 @@ class PDWorker:
 
     def shutdown(self) -> None:
         self.stop_reads()
+        self._stragglers.stop()
         if self._server is not None:
             self._server.stop()
         if self._transport is not None:
