@@ -79,17 +79,17 @@ def test_each_request_is_freed_once_all_its_reads_settled_and_not_before() -> No
         drain.stop()
 
 
-def test_a_read_stuck_for_good_is_reported_once_and_keeps_its_blocks(caplog) -> None:
+def test_a_read_stuck_for_good_is_reported_once_and_keeps_its_blocks(vllm_caplog) -> None:
     transport, settled = FakeTransport(), []
     stuck = FakeRead(10**9)
     drain = StragglerDrain(transport.poll, transport.release, settled.append, warn_after_s=0.3, max_pause_s=0.05)
     try:
-        with caplog.at_level(logging.WARNING, logger="vllm.hybridkv.connector.pd_stragglers"):
+        with vllm_caplog.at_level(logging.WARNING, logger="vllm.hybridkv.connector.pd_stragglers"):
             drain.add("stuck", [stuck], blocks=7)
             drain.add("quick", [FakeRead(1)], blocks=2)
             assert _until(lambda: settled == ["quick"], 5.0), settled
             time.sleep(0.6)
-        warned = [r.getMessage() for r in caplog.records if "still in flight" in r.getMessage()]
+        warned = [r.getMessage() for r in vllm_caplog.records if "still in flight" in r.getMessage()]
         assert len(warned) == 1 and "stuck" in warned[0] and "its 7 destination blocks" in warned[0], warned
         assert drain.pending() == 1 and settled == ["quick"] and not stuck.released
         stuck.polls = 0  # the peer is killed or resumes: the READ settles
