@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.pd_transport import TransferError
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
@@ -62,7 +63,7 @@ class StragglerDrain:
                 self._pending[req_id] = _Straggler(list(handles), blocks, self._clock())
             else:  # cannot happen today (one job per request), but must not drop handles
                 entry.handles.extend(handles)
-            if self._thread is None and not self._stopped:
+            if (self._thread is None or not self._thread.is_alive()) and not self._stopped:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="hybridkv-pd-stragglers")
                 self._thread.start()
             self._cond.notify()
@@ -78,7 +79,9 @@ class StragglerDrain:
             self._cond.notify()
 
     def _settle(self, handles: list[Any]) -> list[Any]:
-        """Poll each handle; release the settled ones; return those still in flight."""
+        """Poll each handle; release the settled ones; return those still in flight. An error
+        that is not a transfer's own failure says nothing about the READ: it stays in flight
+        (its blocks kept), and the thread goes on serving the others."""
         still = []
         for handle in handles:
             try:
@@ -87,10 +90,15 @@ class StragglerDrain:
                     continue
             except TransferError:
                 pass  # failed: it writes nothing more
+            except Exception as e:  # noqa: BLE001 - one odd handle must not stop the drain of all
+                warn_once(logger, "pd_straggler_poll", "polling a timed-out READ failed (%r); its blocks "
+                          "stay out of use", e)
+                still.append(handle)
+                continue
             try:
                 self._release(handle)
-            except TransferError:
-                pass
+            except Exception as e:  # noqa: BLE001 - settled: nothing writes its blocks any more
+                warn_once(logger, "pd_straggler_release", "releasing a settled READ failed: %r", e)
         return still
 
     def _run(self) -> None:

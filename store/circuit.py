@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 
 class Circuit:
-    """``admit()`` before a call, then ``failure()`` (the master was unreachable) or
+    """``admit()`` before a call, then ``failure(probe)`` (the master was unreachable) or
     ``success()`` (it answered) after it."""
 
     def __init__(self, base_s: float, max_s: float, probe_ttl_s: float,
@@ -60,9 +60,14 @@ class Circuit:
             self._probe_until = now + self.probe_ttl_s
             return True, True
 
-    def failure(self) -> None:
-        """The master was unreachable (or a probe ended without an answer): open, or open longer."""
+    def failure(self, probe: bool) -> None:
+        """The master was unreachable (or a probe ended without an answer): open, or, for the
+        probe, open longer. A non-probe call failing while the circuit is open was admitted
+        before it opened (they all fail together when a master dies): the window stands, and
+        the probe in flight keeps its slot, so one master outage doubles it once per probe."""
         with self._lock:
+            if self._failures and not probe:
+                return
             self._failures += 1
             self._open_until = self._clock() + self.window_s
             self._probe_until = 0.0

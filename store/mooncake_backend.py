@@ -755,6 +755,7 @@ class MooncakeBackend:
         self._stuck_meta = 0  # of which metadata calls (the master alone answers them)
         self._stuck_op = ""
         self._closed = False
+        self._probe_call = threading.local()  # .probe: this thread's last call went as the circuit's probe
         self._pool: _DaemonPool | None = None
         self._read_pool: _DaemonPool | None = None  # the read calls' own threads (read_wait_nice)
 
@@ -889,12 +890,13 @@ class MooncakeBackend:
         self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
         while_waiting: Callable[[Callable[[], bool]], None] | None = None,
     ) -> T:
-        probe = self._admit(op)
+        probe = self._probe_call.probe = self._admit(op)
         try:
             return self._bounded(op, fn, *args, timeout=timeout, while_waiting=while_waiting)
         except BaseException:
+            self._probe_call.probe = False
             if probe:  # no answer to read: the master is not back yet
-                self._circuit.failure()
+                self._circuit.failure(probe=True)
             raise
 
     def _call_concurrent(self, op: str, fn: Callable[..., T], arg_lists: Iterable[tuple[Any, ...]],
@@ -909,12 +911,13 @@ class MooncakeBackend:
         (``StoreError(CALL_TIMEOUT)``; its ``pending`` ends once all have). A call that raises
         is re-raised once every call has returned (the first failing one in order); so is an
         error from the iterable, after the calls already submitted have returned (or timed out)."""
-        probe = self._admit(op)
+        probe = self._probe_call.probe = self._admit(op)
         try:
             return self._concurrent(fn, arg_lists, op, timeout)
         except BaseException:
+            self._probe_call.probe = False
             if probe:
-                self._circuit.failure()
+                self._circuit.failure(probe=True)
             raise
 
     def _concurrent(self, fn: Callable[..., T], arg_lists: Iterable[tuple[Any, ...]], op: str,
@@ -953,8 +956,9 @@ class MooncakeBackend:
         return args_out, [fut.result() for fut in futs]
 
     def _note_codes(self, codes: Sequence[int]) -> None:
+        probe, self._probe_call.probe = getattr(self._probe_call, "probe", False), False
         if any(c in _UNREACHABLE_CODES for c in codes):
-            self._circuit.failure()
+            self._circuit.failure(probe)
         else:
             self._circuit.success()
 
@@ -1048,7 +1052,9 @@ class MooncakeBackend:
             self._note_codes(codes)
             bad = [c for c in codes if c < 0]
             raise StoreError("exists", bad[0], f"{len(bad)} of {n_keys} lookups failed")
-        self._circuit.success()  # what _note_codes does for codes with no failure
+        self._probe_call.probe = False
+        if n_keys:  # what _note_codes does for codes with no failure (no keys: no call answered)
+            self._circuit.success()
         return list(map((1).__eq__, codes))
 
     def register(self, addr: int, size: int) -> None:
@@ -1167,15 +1173,18 @@ class MooncakeBackend:
         ``get`` answers b"" both for a missing key and a dead master; empty objects cannot be
         stored (-600), so an empty answer is classified with one ``get_size`` round trip.
         """
-        data = self._call("get_bytes", self._store.get, key)
+        data, size = self._call("get_bytes", self._get_or_size, key)  # one admission: a probe's verdict is one
         if data:
             self._note_codes([0])
             return bytes(data)
-        size = self._call("get_bytes", self._store.get_size, key)
         self._note_codes([size])
         if size == OBJECT_NOT_FOUND or size > 0:  # > 0: removed/replaced in between; report missing
             return None
         raise StoreError("get_bytes", size if size < 0 else INTERNAL_ERROR, f"key={key!r}")
+
+    def _get_or_size(self, key: str) -> tuple[Any, int]:
+        data = self._store.get(key)
+        return (data, 0) if data else (data, self._store.get_size(key))
 
     def remove(self, key: str, force: bool = False) -> int:
         """0, -704 missing, -706 while the object's lease runs (``force`` skips the check)."""

@@ -17,6 +17,14 @@ def master():
 LOG_TAIL_LINES = 12
 LOG_TAIL_FILES = 6
 LOG_LINE_CHARS = 240
+LOG_TAIL_BYTES = 64 << 10  # read from each log's end only: an engine's log can be large
+
+
+def _tail_lines(path, n: int) -> list[str]:  # noqa: ANN001
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+        return f.read().decode(errors="replace").splitlines()[-n:]
 
 
 def _log_tails(root) -> str:  # noqa: ANN001
@@ -24,7 +32,7 @@ def _log_tails(root) -> str:  # noqa: ANN001
     logs = sorted((p for p in root.rglob("*.log") if p.is_file()), key=lambda p: p.stat().st_mtime)
     parts = []
     for path in logs[-LOG_TAIL_FILES:]:
-        lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        lines = _tail_lines(path, LOG_TAIL_LINES)
         parts.append(f"--- {path.relative_to(root)} (last {len(lines)} lines) ---\n"
                      + "\n".join(line[:LOG_LINE_CHARS] for line in lines))
     return "\n".join(parts)
@@ -32,13 +40,17 @@ def _log_tails(root) -> str:  # noqa: ANN001
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):  # noqa: ANN001
-    """A failed e2e test shows the tails of the logs its servers wrote. Why: CI shows only part of
-    its output, and an HTTP error (a reset, a timeout) does not say which process stopped answering
-    or why; the servers' own last lines do."""
+    """A failed e2e test (or its setup: a server that did not start) shows the tails of the
+    logs its servers wrote. Why: CI shows only part of its output, and an HTTP error (a reset, a
+    timeout) does not say which process stopped answering or why; the servers' own last lines
+    do. Never raises: an error here would be pytest's INTERNALERROR and end the whole run."""
     report = yield
-    tmp = getattr(item, "funcargs", {}).get("tmp_path")
-    if report.failed and call.when == "call" and tmp is not None:
-        tails = _log_tails(tmp)
-        if tails:
-            report.sections.append(("server logs", tails))
+    try:
+        tmp = getattr(item, "funcargs", {}).get("tmp_path")
+        if report.failed and call.when in ("setup", "call") and tmp is not None:
+            tails = _log_tails(tmp)
+            if tails:
+                report.sections.append(("server logs", tails))
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        report.sections.append(("server logs", f"(could not read them: {e!r})"))
     return report

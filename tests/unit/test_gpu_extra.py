@@ -127,25 +127,51 @@ def _pip_common() -> list[str]:
     )
 
 
-def _niced(level: int):  # noqa: ANN202 - a preexec_fn or None
-    return (lambda: os.nice(level)) if level else None
+class Spawner:
+    """Starts the resolution's processes (at ``nice``), each remembered as it starts, so that
+    ``stop()`` ends every one, and none starts after it (the early resolution's thread may still
+    be starting them when the session ends)."""
+
+    def __init__(self, nice: int = 0) -> None:
+        self.nice, self._procs, self._stopped = nice, [], False
+        self._lock = threading.Lock()
+
+    def popen(self, cmd: list[str]) -> subprocess.Popen[str]:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the gpu extra's resolution was stopped")
+            proc = subprocess.Popen((["nice", "-n", str(self.nice)] if self.nice else []) + cmd,
+                                    env=clean_pip_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self._procs.append(proc)
+            return proc
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            procs = list(self._procs)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
-def fetch_pip(dest: Path, nice: int = 0) -> Path:
+def fetch_pip(dest: Path, spawner: Spawner | None = None) -> Path:
     """pip PIP_VERSION's wheel, to run pip from (python pip.whl/pip): the resolver is pinned."""
-    done = subprocess.run(
+    proc = (spawner or Spawner()).popen(
         [sys.executable, "-m", "pip", "download", *_pip_common(), "--no-deps", "--only-binary=:all:",
-         "-d", str(dest), f"pip=={PIP_VERSION}"],
-        env=clean_pip_env(), capture_output=True, text=True, timeout=120 if not nice else 600,
-        preexec_fn=_niced(nice),
-    )
-    assert done.returncode == 0, f"could not fetch pip {PIP_VERSION}:\n{done.stdout}{done.stderr}"
+         "-d", str(dest), f"pip=={PIP_VERSION}"])
+    try:
+        out, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    assert proc.returncode == 0, f"could not fetch pip {PIP_VERSION}:\n{out}"
     (wheel,) = dest.glob(f"pip-{PIP_VERSION}-*.whl")
     return wheel
 
 
 def start_resolution(pip_wheel: Path, requirements: list[str], arch: str,
-                     python: tuple[int, int], work: Path, nice: int = 0) -> subprocess.Popen[str]:
+                     python: tuple[int, int], work: Path, spawner: Spawner) -> subprocess.Popen[str]:
     """pip's dry-run resolution of `requirements` for manylinux `arch`; writes work/report.json."""
     work.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(pip_wheel / "pip"), "install", *_pip_common(),
@@ -157,19 +183,15 @@ def start_resolution(pip_wheel: Path, requirements: list[str], arch: str,
            # installs nothing anyway.
            "--target", str(work / "target"), "--report", str(work / "report.json"),
            *requirements]
-    return subprocess.Popen(cmd, env=clean_pip_env(), text=True, preexec_fn=_niced(nice),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return spawner.popen(cmd)
 
 
-def resolve_all(requirements: list[str], python: tuple[int, int], work: Path, nice: int = 0,
-                timeout_s: float = RESOLVE_TIMEOUT_S,
-                procs_out: list[subprocess.Popen[str]] | None = None) -> dict[str, dict[str, Any]]:
-    """Resolve for every arch at once (the time is network round trips, not CPU).
-    ``procs_out`` gets the pip processes as they start (``stop_early`` kills them)."""
-    pip_wheel = fetch_pip(work / "pip", nice)
-    procs = {a: start_resolution(pip_wheel, requirements, a, python, work / a, nice) for a in ARCHES}
-    if procs_out is not None:
-        procs_out.extend(procs.values())
+def resolve_all(requirements: list[str], python: tuple[int, int], work: Path,
+                timeout_s: float = RESOLVE_TIMEOUT_S, spawner: Spawner | None = None) -> dict[str, dict[str, Any]]:
+    """Resolve for every arch at once (the time is network round trips, not CPU)."""
+    spawner = spawner or Spawner()
+    pip_wheel = fetch_pip(work / "pip", spawner)
+    procs = {a: start_resolution(pip_wheel, requirements, a, python, work / a, spawner) for a in ARCHES}
     out: dict[str, dict[str, Any]] = {}
     for arch, proc in procs.items():
         try:
@@ -248,7 +270,7 @@ class _Early:
     """The resolution started at collection (``start_early``), and what it gave."""
 
     thread: threading.Thread | None = None
-    procs: list[subprocess.Popen[str]] = []
+    spawner = Spawner(EARLY_NICE)
     result: dict[str, dict[str, Any]] | None = None
     error: BaseException | None = None
     started = 0.0
@@ -260,8 +282,8 @@ def start_early(work: Path) -> None:
 
     def run() -> None:
         try:
-            _Early.result = resolve_all(read_requirements("gpu"), GPU_PYTHON, work, nice=EARLY_NICE,
-                                        timeout_s=EARLY_RESOLVE_TIMEOUT_S, procs_out=_Early.procs)
+            _Early.result = resolve_all(read_requirements("gpu"), GPU_PYTHON, work,
+                                        timeout_s=EARLY_RESOLVE_TIMEOUT_S, spawner=_Early.spawner)
         except BaseException as e:  # noqa: BLE001 - re-raised by the fixture, in the test
             _Early.error = e
 
@@ -272,10 +294,7 @@ def start_early(work: Path) -> None:
 
 def stop_early() -> None:
     """At the session's end: no pip process outlives pytest (a run stopped early, -x)."""
-    for proc in _Early.procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+    _Early.spawner.stop()
 
 
 @pytest.fixture(scope="module")
@@ -286,9 +305,10 @@ def gpu_resolution(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[s
 
     _Early.thread.join(RESOLVE_TIMEOUT_S)
     took = time.monotonic() - _Early.started
-    assert not _Early.thread.is_alive(), (
-        f"the gpu extra's resolution, started at collection at nice {EARLY_NICE}, still runs after {took:.0f} s "
-        "(HYBRIDKV_GPU_EXTRA_EARLY=0 resolves in the test instead)")
+    if _Early.thread.is_alive():  # starved at nice 19 (both cores busy): resolve at normal priority
+        stop_early()
+        print(f"\ngpu extra: the early resolution still ran after {took:.0f} s at nice {EARLY_NICE}; resolving again")
+        return resolve_all(read_requirements("gpu"), GPU_PYTHON, tmp_path_factory.mktemp("gpu-extra"))
     if _Early.error is not None:
         raise _Early.error
     print(f"\ngpu extra resolved beside the tests before it (started {took:.0f} s ago, at collection)")

@@ -107,11 +107,12 @@ def test_worker_keeps_timed_out_reads_blocks_until_they_settle_on_one_thread(mon
     worker = PDWorker(PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 1.0, 1.0), None)
     worker._transport = FakeTransport()
     released: set[str] = set()
+    before = set(_drain_threads())  # another test's drain may still be ending
     try:
         jobs = [ReadJob(r, f"p-{r}", "prefill", "10.0.0.1", 1000, [[1]], [[2]], lease_id="0" * 32) for r in handles]
         worker.start_load_kv(PDConnectorMetadata(reads=jobs))
         assert _until(lambda: worker.unsettled_reads() == 16, 5.0), worker.unsettled_reads()
-        assert len(_drain_threads()) == 1, [t.name for t in _drain_threads()]
+        assert len(set(_drain_threads()) - before) == 1, [t.name for t in _drain_threads()]
         deadline = time.monotonic() + 10.0
         while len(released) < 16 and time.monotonic() < deadline:
             got = worker.take_released()
@@ -121,3 +122,27 @@ def test_worker_keeps_timed_out_reads_blocks_until_they_settle_on_one_thread(mon
         assert released == set(handles) and worker.unsettled_reads() == 0
     finally:
         worker.shutdown()
+
+
+def test_an_unexpected_error_on_one_read_keeps_its_blocks_and_the_others_drain(vllm_caplog) -> None:
+    """A poll that raises something other than a transfer failure (a NIXL error type not mapped,
+    a bug) says nothing about that READ: its blocks stay kept, and the one drain thread goes on
+    freeing the other requests' blocks."""
+    transport, settled = FakeTransport(), []
+
+    def poll(handle: FakeRead) -> str:
+        if handle.fails:
+            raise RuntimeError("FAKE: an unmapped error")
+        return transport.poll(handle)
+
+    drain = StragglerDrain(poll, transport.release, settled.append, max_pause_s=0.05)
+    try:
+        odd = FakeRead(0, fails=True)
+        drain.add("odd", [odd], blocks=3)
+        drain.add("fine", [FakeRead(2)], blocks=3)
+        assert _until(lambda: settled == ["fine"], 5.0), settled
+        assert drain.pending() == 1 and not odd.released
+        odd.fails = False  # the READ reports DONE at last
+        assert _until(lambda: settled == ["fine", "odd"], 5.0) and odd.released
+    finally:
+        drain.stop()

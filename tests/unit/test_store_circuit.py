@@ -33,7 +33,7 @@ def test_closed_circuit_admits_every_call_and_none_is_a_probe() -> None:
 def test_windows_double_per_failed_probe_up_to_the_cap_and_one_probe_at_a_time() -> None:
     clock = Clock()
     c = Circuit(1.0, 4.0, probe_ttl_s=10.0, clock=clock)
-    c.failure()
+    c.failure(probe=False)  # the first failure, circuit closed: opens it
     windows = []
     for _ in range(5):
         refused, left = c.admit()
@@ -42,18 +42,18 @@ def test_windows_double_per_failed_probe_up_to_the_cap_and_one_probe_at_a_time()
         clock.t += left
         assert c.admit() == (True, True)  # the window is over: this call probes
         assert c.admit() == (False, 0.0)  # ... and the others wait for its verdict
-        c.failure()  # the probe found the master still down
+        c.failure(probe=True)  # the probe found the master still down
     assert windows == [1.0, 2.0, 4.0, 4.0, 4.0]
     c.success()
     assert c.admit() == (True, False) and not c.is_open
-    c.failure()  # a new outage starts again from the base window
+    c.failure(probe=False)  # a new outage starts again from the base window
     assert c.admit() == (False, 1.0)
 
 
 def test_a_probe_that_never_reports_frees_its_slot_after_its_ttl() -> None:
     clock = Clock()
     c = Circuit(1.0, 4.0, probe_ttl_s=3.0, clock=clock)
-    c.failure()
+    c.failure(probe=False)
     clock.t += 1.0
     assert c.admit() == (True, True)
     clock.t += 2.9
@@ -65,7 +65,7 @@ def test_a_probe_that_never_reports_frees_its_slot_after_its_ttl() -> None:
 def test_concurrent_callers_at_the_end_of_a_window_admit_exactly_one_probe() -> None:
     clock = Clock()
     c = Circuit(1.0, 4.0, probe_ttl_s=10.0, clock=clock)
-    c.failure()
+    c.failure(probe=False)
     clock.t += 1.0
     start, got = threading.Barrier(16), []
 
@@ -79,6 +79,24 @@ def test_concurrent_callers_at_the_end_of_a_window_admit_exactly_one_probe() -> 
     for t in threads:
         t.join()
     assert sorted(got) == [(False, 0.0)] * 15 + [(True, True)]
+
+
+def test_calls_in_flight_when_the_master_died_do_not_stretch_the_window_or_free_the_probe_slot() -> None:
+    """A dying master fails every call in flight together (each ~4.4 s later): only the first
+    opens the circuit; the stragglers' failures neither double the window nor let a second
+    probe through while the probe runs."""
+    clock = Clock()
+    c = Circuit(1.0, 4.0, probe_ttl_s=10.0, clock=clock)
+    c.failure(probe=False)
+    c.failure(probe=False)
+    c.failure(probe=False)
+    assert c.admit() == (False, 1.0)
+    clock.t += 1.0
+    assert c.admit() == (True, True)
+    c.failure(probe=False)  # a call from before the outage fails while the probe runs
+    assert c.admit() == (False, 0.0)  # the probe still holds its slot
+    c.failure(probe=True)
+    assert c.admit() == (False, 2.0)
 
 
 def test_bad_settings_are_refused_with_the_fields_named() -> None:
@@ -130,13 +148,18 @@ def test_killed_master_one_probe_per_window_windows_double_restart_closes_it() -
         time.sleep(1.2)  # past the first window's length: the second (2 s) still holds
         assert _code_and_seconds(lambda: b.exists(["circuit/k"]))[0] == MASTER_UNREACHABLE
         m.restart()
-        deadline, answer = time.monotonic() + 15.0, None
-        while time.monotonic() < deadline and answer is None:
+        # The probe is a get_bytes of the key the new master does not hold: get answers b"" and
+        # get_size says "missing", both under the probe's one admission (as two calls the second
+        # was refused while the first held the probe slot, and no verdict ever came).
+        deadline, answered = time.monotonic() + 15.0, False
+        while time.monotonic() < deadline and not answered:
             try:
-                answer = b.exists(["circuit/k"])  # the restarted master lost the object
+                assert b.get_bytes("circuit/k") is None
+                answered = True
             except StoreError:
                 time.sleep(0.1)
-        assert answer == [False] and not b.circuit_open
+        assert answered and not b.circuit_open
+        assert b.exists(["circuit/k"]) == [False]
     finally:
         b.close()
         m.stop()
