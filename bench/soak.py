@@ -246,12 +246,14 @@ def pd_recovery_bound_s(cfg: SoakConfig, turn_s: float) -> float:
     return max(1.0, cfg.think_s) + cfg.pd_read_timeout_s + cfg.pd_handshake_timeout_s + 2 * turn_s + SAMPLE_S
 
 
-def retry_after_s() -> float:
-    """The client's circuit (MASTER_UNREACHABLE) period: MooncakeBackend's default, which the
-    connector's shared client uses."""
-    from hybridkv.store.mooncake_backend import MooncakeBackend
+def circuit_window_s() -> float:
+    """The client's longest circuit window (MASTER_UNREACHABLE): MooncakeBackend's default
+    ``retry_after_s`` doubled per failed probe up to ``MAX_RETRY_FACTOR`` times it (store/circuit.py),
+    which the connector's shared client uses."""
+    from hybridkv.store.mooncake_backend import MAX_RETRY_FACTOR, MooncakeBackend
 
-    return float(inspect.signature(MooncakeBackend.__init__).parameters["retry_after_s"].default)
+    base = float(inspect.signature(MooncakeBackend.__init__).parameters["retry_after_s"].default)
+    return MAX_RETRY_FACTOR * base
 
 
 def recovery_bound_s(cfg: SoakConfig, turn_s: float) -> float:
@@ -259,17 +261,17 @@ def recovery_bound_s(cfg: SoakConfig, turn_s: float) -> float:
 
     ``turn_s``: the longest turn of the healthy (warm) phase. The chain, each term a bound:
     a call issued on the dead master returns (``DEAD_MASTER_CALL_S``; abandoned after
-    ``timeout_s``, it still refuses data calls until it returns) + the client's circuit
-    (``retry_after_s``) + reconnect (``RECONNECT_S``) + the epoch monitor notices the empty
+    ``timeout_s``, it still refuses data calls until it returns) + the client's circuit at its
+    longest window (``retry_after_s`` x ``MAX_RETRY_FACTOR``) + reconnect (``RECONNECT_S``) + the epoch monitor notices the empty
     master and the scheduler drops its recently-saved keys (``EPOCH_CHECK_S`` + its check's
     bound ``min(timeout_s, 1)``) + one turn that saves a session's prefix and the next turn
     that loads it (2 x ``turn_s``) + the sampler's period (``SAMPLE_S``)::
 
-        bound = 4.5 + retry_after_s + 1.0 + EPOCH_CHECK_S + min(timeout_s, 1) + 2 turn_s + 2.0
+        bound = 4.5 + 4 x retry_after_s + 1.0 + EPOCH_CHECK_S + min(timeout_s, 1) + 2 turn_s + 2.0
     """
     from hybridkv.store.session import EPOCH_CHECK_S
 
-    return (DEAD_MASTER_CALL_S + retry_after_s() + RECONNECT_S + EPOCH_CHECK_S + min(cfg.timeout_s, 1.0)
+    return (DEAD_MASTER_CALL_S + circuit_window_s() + RECONNECT_S + EPOCH_CHECK_S + min(cfg.timeout_s, 1.0)
             + 2 * turn_s + SAMPLE_S)
 
 
