@@ -419,3 +419,35 @@ def test_a_failed_load_of_another_connector_does_not_stop_store_hits(store):
                                                    failed_recving={req.request_id}))
     assert len(conn._failed_loads) == 0  # not marked: the store's own loads only
     assert conn.get_num_new_matched_tokens(req, 0) == (288, True)
+
+
+def test_a_new_master_epoch_offers_every_saved_block_again(store):
+    """The master lost its objects (the epoch marker this client wrote is gone: a restart, or
+    its segment owner died). Keys saved before are not in the store any more, so they must
+    stop counting as saved recently: the next step drops them all (``recent_saves_dropped``
+    once) and later prefills save them again. Control in the same run: another request's
+    prefill with no epoch change keeps the first request's keys (a different prompt, so its
+    lookups never find them missing). Last in this file: the master's client is shared."""
+    sched = _scheduler(WINDOW, store[0], store[3], "epoch")
+    conn = sched.connector._scheduler
+    client = conn._client
+    first = _run_to_completion(sched, _request("epoch-a"))
+    assert first and first <= set(conn._recent)
+    second = _run_to_completion(sched, _request("epoch-b", random.Random(8).choices(range(3, 30000), k=1000)))
+    assert first | second <= set(conn._recent)  # control: nothing dropped without a new epoch
+    dropped: Counter = Counter()
+    take = conn.take_stats  # vLLM's scheduler takes the stats each step: count what it takes
+
+    def take_and_count():
+        stats = take()
+        dropped.update({k: v for k, v in (stats.data if stats else {}).items() if k == "recent_saves_dropped"})
+        return stats
+
+    conn.take_stats = take_and_count
+    epoch = client.check_master_epoch()
+    assert client.remove(client._marker, force=True) == 0  # what a master restart does to it
+    assert client.check_master_epoch() > epoch  # (the session's epoch monitor may be the one that saw it)
+    third = _run_to_completion(sched, _request("epoch-c", random.Random(9).choices(range(3, 30000), k=1000)))
+    assert not (first | second) & set(conn._recent) and third <= set(conn._recent)
+    conn.take_stats()
+    assert dropped == {"recent_saves_dropped": 1}
