@@ -22,9 +22,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -44,23 +41,6 @@ if _expected and vllm.__version__ != _expected:
         f"HYBRIDKV_EXPECT_VLLM={_expected} but vllm {vllm.__version__} was imported from "
         f"{vllm.__file__}: check PYTHONPATH"
     )
-
-
-GPU_EXTRA_TEST = "tests/unit/test_gpu_extra.py::test_gpu_extra_resolves_to_one_cuda13_set"
-
-
-def pytest_collection_finish(session) -> None:  # noqa: ANN001 - pytest hook
-    """Start the gpu extra's network-bound resolution as soon as it is known to be needed, so
-    that it runs beside the tests before it (tests/unit/test_gpu_extra.py says why)."""
-    if os.environ.get("HYBRIDKV_GPU_EXTRA_EARLY", "1") == "0" or session.config.option.collectonly:
-        return
-    if any(item.nodeid.startswith(GPU_EXTRA_TEST) for item in session.items):
-        from tests.unit import test_gpu_extra
-
-        work = Path(tempfile.mkdtemp(prefix="hybridkv-gpu-extra-"))
-        session.config.add_cleanup(lambda: shutil.rmtree(work, ignore_errors=True))
-        session.config.add_cleanup(test_gpu_extra.stop_early)  # cleanups run last-in first-out
-        test_gpu_extra.start_early(work)
 
 
 @pytest.fixture

@@ -18,13 +18,6 @@ both run at once.
 
 The resolver is pip 26.3, fetched as a wheel (~1.8 MB) and run from it, not the venv's pip:
 pip 23.2 (the venv's) took 94 s (x86_64) and 141 s (aarch64) for the same resolution.
-
-Started early (``start_early``, from tests/unit/conftest.py when this module's resolution test
-is selected): the resolution begins when pytest has collected, at nice 19, and runs beside the
-tests before it (the e2e tests in a full run); the fixture then only waits for what is left. Why:
-in CI it was the suite's fourth slowest item (175 s of fixture setup, 2026-12-03), all of it
-waiting on the network, in a suite over its time budget. At nice 19 it takes only CPU the tests
-leave idle. HYBRIDKV_GPU_EXTRA_EARLY=0 resolves in the fixture, as before.
 """
 
 from __future__ import annotations
@@ -35,7 +28,6 @@ import re
 import ssl
 import subprocess
 import sys
-import threading
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -60,10 +52,6 @@ GPU_PYTHON = (3, 12)
 GLIBC_MINOR = 35
 CUDA_MAJOR = 13
 RESOLVE_TIMEOUT_S = 240
-# An early resolution runs at nice 19 beside the tests: its own bound is long (a loaded machine
-# gives it little CPU), and the fixture then waits at most RESOLVE_TIMEOUT_S for what is left.
-EARLY_NICE = 19
-EARLY_RESOLVE_TIMEOUT_S = 3600
 
 _CUDA_SUFFIX = re.compile(r"-cu(?:da)?(\d+)$")
 
@@ -127,51 +115,20 @@ def _pip_common() -> list[str]:
     )
 
 
-class Spawner:
-    """Starts the resolution's processes (at ``nice``), each remembered as it starts, so that
-    ``stop()`` ends every one, and none starts after it (the early resolution's thread may still
-    be starting them when the session ends)."""
-
-    def __init__(self, nice: int = 0) -> None:
-        self.nice, self._procs, self._stopped = nice, [], False
-        self._lock = threading.Lock()
-
-    def popen(self, cmd: list[str]) -> subprocess.Popen[str]:
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError("the gpu extra's resolution was stopped")
-            proc = subprocess.Popen((["nice", "-n", str(self.nice)] if self.nice else []) + cmd,
-                                    env=clean_pip_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            self._procs.append(proc)
-            return proc
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            procs = list(self._procs)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-
-
-def fetch_pip(dest: Path, spawner: Spawner | None = None) -> Path:
+def fetch_pip(dest: Path) -> Path:
     """pip PIP_VERSION's wheel, to run pip from (python pip.whl/pip): the resolver is pinned."""
-    proc = (spawner or Spawner()).popen(
+    done = subprocess.run(
         [sys.executable, "-m", "pip", "download", *_pip_common(), "--no-deps", "--only-binary=:all:",
-         "-d", str(dest), f"pip=={PIP_VERSION}"])
-    try:
-        out, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    assert proc.returncode == 0, f"could not fetch pip {PIP_VERSION}:\n{out}"
+         "-d", str(dest), f"pip=={PIP_VERSION}"],
+        env=clean_pip_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, f"could not fetch pip {PIP_VERSION}:\n{done.stdout}{done.stderr}"
     (wheel,) = dest.glob(f"pip-{PIP_VERSION}-*.whl")
     return wheel
 
 
 def start_resolution(pip_wheel: Path, requirements: list[str], arch: str,
-                     python: tuple[int, int], work: Path, spawner: Spawner) -> subprocess.Popen[str]:
+                     python: tuple[int, int], work: Path) -> subprocess.Popen[str]:
     """pip's dry-run resolution of `requirements` for manylinux `arch`; writes work/report.json."""
     work.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(pip_wheel / "pip"), "install", *_pip_common(),
@@ -183,19 +140,18 @@ def start_resolution(pip_wheel: Path, requirements: list[str], arch: str,
            # installs nothing anyway.
            "--target", str(work / "target"), "--report", str(work / "report.json"),
            *requirements]
-    return spawner.popen(cmd)
+    return subprocess.Popen(cmd, env=clean_pip_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def resolve_all(requirements: list[str], python: tuple[int, int], work: Path,
-                timeout_s: float = RESOLVE_TIMEOUT_S, spawner: Spawner | None = None) -> dict[str, dict[str, Any]]:
+def resolve_all(requirements: list[str], python: tuple[int, int], work: Path) -> dict[str, dict[str, Any]]:
     """Resolve for every arch at once (the time is network round trips, not CPU)."""
-    spawner = spawner or Spawner()
-    pip_wheel = fetch_pip(work / "pip", spawner)
-    procs = {a: start_resolution(pip_wheel, requirements, a, python, work / a, spawner) for a in ARCHES}
+    pip_wheel = fetch_pip(work / "pip")
+    procs = {a: start_resolution(pip_wheel, requirements, a, python, work / a) for a in ARCHES}
     out: dict[str, dict[str, Any]] = {}
     for arch, proc in procs.items():
         try:
-            log, _ = proc.communicate(timeout=timeout_s)
+            log, _ = proc.communicate(timeout=RESOLVE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             log, _ = proc.communicate()
@@ -266,54 +222,9 @@ def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
     assert wheel(f"mooncake-transfer-engine-cuda{CUDA_MAJOR}").endswith(f"_{arch}.whl")
 
 
-class _Early:
-    """The resolution started at collection (``start_early``), and what it gave."""
-
-    thread: threading.Thread | None = None
-    spawner = Spawner(EARLY_NICE)
-    result: dict[str, dict[str, Any]] | None = None
-    error: BaseException | None = None
-    started = 0.0
-
-
-def start_early(work: Path) -> None:
-    """Begin the resolution into ``work`` now, on a thread, its processes at nice EARLY_NICE."""
-    import time
-
-    def run() -> None:
-        try:
-            _Early.result = resolve_all(read_requirements("gpu"), GPU_PYTHON, work,
-                                        timeout_s=EARLY_RESOLVE_TIMEOUT_S, spawner=_Early.spawner)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the fixture, in the test
-            _Early.error = e
-
-    _Early.started = time.monotonic()
-    _Early.thread = threading.Thread(target=run, daemon=True, name="hybridkv-gpu-extra-resolution")
-    _Early.thread.start()
-
-
-def stop_early() -> None:
-    """At the session's end: no pip process outlives pytest (a run stopped early, -x)."""
-    _Early.spawner.stop()
-
-
 @pytest.fixture(scope="module")
 def gpu_resolution(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    if _Early.thread is None:
-        return resolve_all(read_requirements("gpu"), GPU_PYTHON, tmp_path_factory.mktemp("gpu-extra"))
-    import time
-
-    _Early.thread.join(RESOLVE_TIMEOUT_S)
-    took = time.monotonic() - _Early.started
-    if _Early.thread.is_alive():  # starved at nice 19 (both cores busy): resolve at normal priority
-        stop_early()
-        print(f"\ngpu extra: the early resolution still ran after {took:.0f} s at nice {EARLY_NICE}; resolving again")
-        return resolve_all(read_requirements("gpu"), GPU_PYTHON, tmp_path_factory.mktemp("gpu-extra"))
-    if _Early.error is not None:
-        raise _Early.error
-    print(f"\ngpu extra resolved beside the tests before it (started {took:.0f} s ago, at collection)")
-    assert _Early.result is not None
-    return _Early.result
+    return resolve_all(read_requirements("gpu"), GPU_PYTHON, tmp_path_factory.mktemp("gpu-extra"))
 
 
 def test_requires_python_admits_the_gpu_python() -> None:
