@@ -146,7 +146,7 @@ def exited_on_taken_port(proc: subprocess.Popen, log_path: pathlib.Path | None) 
     is worth a new port, not a failed start."""
     if proc.poll() is None or log_path is None:
         return False
-    return "address already in use" in _tail(log_path, 200).lower()
+    return "address already in use" in log_tail(log_path, 200).lower()
 
 
 def free_port() -> int:
@@ -155,9 +155,14 @@ def free_port() -> int:
     return local_free_port(HOST)
 
 
-def _tail(path: pathlib.Path, max_lines: int = 60) -> str:
+def log_tail(path: pathlib.Path, max_lines: int = 60, max_bytes: int | None = None) -> str:
+    """The last ``max_lines`` lines of a log, read from its last ``max_bytes`` (None: all of it)."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        with open(path, "rb") as f:
+            if max_bytes is not None:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - max_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError as e:
         return f"<no log: {e}>"
     return "\n".join(lines[-max_lines:])
@@ -281,7 +286,7 @@ class VllmServer:
         cmd = shlex.join(self.command())
         return ServerStartError(
             f"vLLM server {what}.\ncommand: {cmd}\nlog: {self.log_path}\n"
-            f"--- last lines of the log ---\n{_tail(self.log_path)}"
+            f"--- last lines of the log ---\n{log_tail(self.log_path)}"
         )
 
     def stop(self, timeout_s: float = 30.0) -> None:

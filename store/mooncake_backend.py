@@ -92,7 +92,7 @@ A call that answers RPC_FAIL/RPC_TIMEOUT opens a circuit (``retry_after_s``): ca
 fast with ``MASTER_UNREACHABLE`` instead of each paying the ~4.4 s the binding needs to
 rediscover that the master is dead; after it ONE call is let through to probe again while the
 others still fail fast (half-open), and each failed probe doubles the window up to
-``max_retry_after_s`` (store/circuit.py).
+``MAX_RETRY_FACTOR`` x ``retry_after_s`` (store/circuit.py).
 An existence query asked as concurrent parts (``exists_parts``) has one bound for all of
 them; on expiry every part still running counts as a stuck metadata call until it returns.
 The hand-off costs about 25-30 us per call on the 2-core test machine (batch_is_exist of 1 key:
@@ -125,6 +125,7 @@ transfers make progress continuously, so the bound only shortens stalls.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -137,7 +138,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from hybridkv.store.circuit import Circuit
 from hybridkv.store.cpu_affinity import unpinned
@@ -236,7 +237,7 @@ _FIXES: dict[int, str] = {
     CLIENT_STUCK: "an earlier call is still blocked in Mooncake after its timeout; the backend "
     "recovers when it returns (check the master)",
     MASTER_UNREACHABLE: "a recent call found the master unreachable; calls fail fast for "
-    "retry_after_s (doubled per failed probe, at most max_retry_after_s), then one is let "
+    "retry_after_s (doubled per failed probe, at most 4 x retry_after_s), then one is let "
     "through to probe again",
     NOT_INSTALLED: "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 and "
     "apt-get install -y libibverbs1 librdmacm1",
@@ -721,7 +722,6 @@ class MooncakeBackend:
         timeout_s: float | None = 5.0,
         retry_after_s: float = 1.0,
         workers: int = 4,
-        max_retry_after_s: float | None = None,
         rdma_devices: str = "",
         metadata_server: str = "P2PHANDSHAKE",
         max_stuck_calls: int = 1,
@@ -743,9 +743,7 @@ class MooncakeBackend:
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         self.retry_after_s = float(retry_after_s)
         # A probe's call is bounded by timeout_s; its slot is freed after that if no verb reported.
-        self._circuit = Circuit(self.retry_after_s,
-                                MAX_RETRY_FACTOR * self.retry_after_s if max_retry_after_s is None
-                                else float(max_retry_after_s),
+        self._circuit = Circuit(self.retry_after_s, MAX_RETRY_FACTOR * self.retry_after_s,
                                 probe_ttl_s=(self.timeout_s or PROBE_TTL_UNBOUNDED_S) + self.retry_after_s + 1.0)
         self.global_segment_size = int(global_segment_size)
         self.local_buffer_size = int(local_buffer_size)
@@ -890,9 +888,16 @@ class MooncakeBackend:
         self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
         while_waiting: Callable[[Callable[[], bool]], None] | None = None,
     ) -> T:
+        with self._admitted(op):
+            return self._bounded(op, fn, *args, timeout=timeout, while_waiting=while_waiting)
+
+    @contextlib.contextmanager
+    def _admitted(self, op: str) -> Iterator[None]:
+        """Admit one call (``_admit``) and remember, for this thread's ``_note_codes``, whether
+        it went as the circuit's probe; a probe that raises instead of answering is a failure."""
         probe = self._probe_call.probe = self._admit(op)
         try:
-            return self._bounded(op, fn, *args, timeout=timeout, while_waiting=while_waiting)
+            yield
         except BaseException:
             self._probe_call.probe = False
             if probe:  # no answer to read: the master is not back yet
@@ -911,14 +916,8 @@ class MooncakeBackend:
         (``StoreError(CALL_TIMEOUT)``; its ``pending`` ends once all have). A call that raises
         is re-raised once every call has returned (the first failing one in order); so is an
         error from the iterable, after the calls already submitted have returned (or timed out)."""
-        probe = self._probe_call.probe = self._admit(op)
-        try:
+        with self._admitted(op):
             return self._concurrent(fn, arg_lists, op, timeout)
-        except BaseException:
-            self._probe_call.probe = False
-            if probe:
-                self._circuit.failure(probe=True)
-            raise
 
     def _concurrent(self, fn: Callable[..., T], arg_lists: Iterable[tuple[Any, ...]], op: str,
                     timeout: Any) -> tuple[list[tuple[Any, ...]], list[T]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hybridkv.cli.server import log_tail
 from hybridkv.store.embedded_master import EmbeddedMaster
 
 
@@ -20,19 +21,12 @@ LOG_LINE_CHARS = 240
 LOG_TAIL_BYTES = 64 << 10  # read from each log's end only: an engine's log can be large
 
 
-def _tail_lines(path, n: int) -> list[str]:  # noqa: ANN001
-    with open(path, "rb") as f:
-        f.seek(0, 2)
-        f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
-        return f.read().decode(errors="replace").splitlines()[-n:]
-
-
 def _log_tails(root) -> str:  # noqa: ANN001
     """The last lines of each server / proxy log the test wrote under its tmp_path."""
     logs = sorted((p for p in root.rglob("*.log") if p.is_file()), key=lambda p: p.stat().st_mtime)
     parts = []
     for path in logs[-LOG_TAIL_FILES:]:
-        lines = _tail_lines(path, LOG_TAIL_LINES)
+        lines = log_tail(path, LOG_TAIL_LINES, LOG_TAIL_BYTES).splitlines()
         parts.append(f"--- {path.relative_to(root)} (last {len(lines)} lines) ---\n"
                      + "\n".join(line[:LOG_LINE_CHARS] for line in lines))
     return "\n".join(parts)
