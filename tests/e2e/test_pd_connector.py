@@ -21,6 +21,7 @@ import pytest
 
 from hybridkv.connector.pd_auth import write_secret_file
 from tests.docs_tables import observe
+from tests.freeze import freeze
 from tests.e2e.engine_harness import (
     TOP_LOGPROBS,
     Completion,
@@ -253,7 +254,7 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
     session.extend(first.token_ids)
 
     params = _prefill(prefill, session.prompt)
-    _signal_all(prefill_pids, _signal.SIGSTOP)
+    freeze(*prefill_pids)
     result: dict = {}
 
     def run_decode(llm) -> None:  # noqa: ANN001

@@ -17,6 +17,7 @@ import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
 from hybridkv.store.embedded_master import EmbeddedMaster
+from tests.freeze import freeze
 from tests.e2e.engine_harness import (
     Completion,
     Session,
@@ -237,7 +238,7 @@ def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_b
             session.extend(generate(llm, session.prompt).token_ids)
             _, base_s = timed_generate(llm, session.prompt, cache_salt="hung-baseline")
             reset_local_cache(llm)
-            holder.send_signal(signal.SIGSTOP)
+            freeze(holder.pid)
             try:
                 failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
                 got, elapsed = timed_generate(llm, session.prompt)

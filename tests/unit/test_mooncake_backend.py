@@ -18,6 +18,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
+from tests.freeze import freeze
 from hybridkv.store.embedded_master import INSTALL_HINT, EmbeddedMaster, MasterError, find_master_binary
 from hybridkv.store.mooncake_backend import (
     CALL_TIMEOUT,
@@ -317,7 +318,7 @@ def test_hung_master_call_times_out_and_backend_recovers() -> None:
         k = _key("hung")
         assert b.put_bytes(k, b"v") == 0
         assert m.pid is not None
-        os.kill(m.pid, signal.SIGSTOP)
+        freeze(m.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(StoreError) as ei:

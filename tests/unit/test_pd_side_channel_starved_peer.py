@@ -25,6 +25,7 @@ from pathlib import Path
 
 
 from hybridkv.connector.pd_handshake import release_blocks
+from tests.freeze import freeze
 
 STALL_S = 21.0  # just past gRPC's 20 s connect default: the shortest stall that shows the bug
 
@@ -44,7 +45,7 @@ def test_a_call_outlives_a_stalled_peer_within_its_own_bound():
     resume = threading.Timer(STALL_S, lambda: os.kill(srv.pid, signal.SIGCONT))
     try:
         port = int(srv.stdout.readline())
-        os.kill(srv.pid, signal.SIGSTOP)
+        freeze(srv.pid)
         resume.start()
         t = time.monotonic()
         release_blocks(f"127.0.0.1:{port}", ["req"], 60.0)  # raised HandshakeError at 20.1 s before

@@ -82,6 +82,7 @@ from hybridkv.connector.pd_handshake import (
 )
 from hybridkv.connector.pd_transport import PDTransport, TransferError, TransferTimeout
 from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
+from tests.freeze import freeze
 
 POISON = 0xA5
 SEED = 1234
@@ -540,7 +541,7 @@ def _decode_vs_stalled_peer(conn, address: str, victim_pid: int) -> None:
     remote, local = _big_read(kv)
     transport.wait(transport.read_blocks(peer, [[], [0], [], []], [[], [1], [], []]), WAIT_S)  # connected
     # Stop first: over tcp a post can finish a whole READ inline, so stopping after it races.
-    os.kill(victim_pid, signal.SIGSTOP)
+    freeze(victim_pid)
     handle = transport.read_blocks(peer, remote, local)
     report = {"post": handle.state}
     try:

@@ -12,6 +12,7 @@ import pytest
 from fastapi import Request  # module level: FastAPI resolves the test servers' string annotations here
 
 from hybridkv.cli.proxy import decode_request, prefill_request
+from tests.freeze import freeze
 
 
 def test_prefill_leg_is_one_token_without_streaming_and_marks_remote_decode():
@@ -461,7 +462,7 @@ def stalled_proxy_answers(connections: int = 8, proxy_args: tuple[str, ...] = ()
             c.request("POST", "/v1/completions", body=body, headers=headers)
             first = c.getresponse()
             assert first.status == 200 and first.read()
-        os.kill(proc.pid, signal.SIGSTOP)
+        freeze(proc.pid)
         try:
             for c in conns:  # into the stopped proxy's socket buffers
                 c.request("POST", "/v1/completions", body=body, headers=headers)

@@ -35,6 +35,7 @@ from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from hybridkv.store.object_trailer import seal
+from tests.freeze import freeze
 
 NUM_BLOCKS = 16
 SLACK_S = 0.75  # scheduling noise on the shared 2-core machine
@@ -64,7 +65,7 @@ class Holder:
     name: str
 
     def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        freeze(self.proc.pid)
 
     def cont(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
@@ -386,7 +387,7 @@ def test_a_call_stuck_on_one_node_leaves_lookups_alone_a_hung_master_refuses_all
         assert time.monotonic() - t0 < 0.5
         node.cont()
         assert _wait(lambda: client.stuck_calls == 0, 40.0)
-        os.kill(master.pid, signal.SIGSTOP)
+        freeze(master.pid)
         try:
             with pytest.raises(StoreError) as ei:
                 client.exists(["faults/on-node"], timeout_s=0.5)
@@ -481,7 +482,7 @@ def test_hung_master_costs_a_load_and_a_save_at_most_the_bound(master, holders) 
         save = BlockBatch()
         for b in (4, 5):
             save.add(0, _hash("m-save", b), b)
-        os.kill(master.pid, signal.SIGSTOP)
+        freeze(master.pid)
         try:
             t0 = time.monotonic()
             rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("L", "m", [1, 2, 3], [9, 10, 11], 51)]))

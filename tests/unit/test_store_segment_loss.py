@@ -44,6 +44,7 @@ from hybridkv.store.mirror import KeyAnswers, _GroupAnswers
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from hybridkv.store.session import release_all
 from tests.unit.test_real_scheduler import WINDOW, _TINY_LLAMA, _request, _run_to_completion, _scheduler
+from tests.freeze import freeze
 
 CLIENT_TTL_S = 2  # the master's --client_ttl: how long a silent client keeps its segment
 
@@ -108,7 +109,7 @@ def test_keys_of_a_dropped_segment_are_saved_again(tiny_model):
 
             # The node stops answering pings: the master expires it and drops its segment.
             t0 = time.monotonic()
-            os.kill(node.pid, signal.SIGSTOP)
+            freeze(node.pid)
             try:
                 while any(keeper.exists(names)) and time.monotonic() - t0 < CLIENT_TTL_S + 8:
                     time.sleep(0.2)
