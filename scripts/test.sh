@@ -119,8 +119,10 @@ if [ "$#" -eq 0 ] && [ "${HYBRIDKV_TEST_LANES:-1}" = "2" ]; then
     check "$rc32u" "vLLM 0.32 unit lane"; rc32u=$?
     rc32=$((rc32e || rc32u))
 else
-    HYBRIDKV_EXPECT_VLLM=0.32.0 "${PYTEST32[@]}" tests "$@"
+    junit32="$(mktemp --suffix=.xml)"
+    HYBRIDKV_EXPECT_VLLM=0.32.0 "${PYTEST32[@]}" --junitxml="$junit32" tests "$@"
     rc32=$?
+    .venv/bin/python -m tests.durations "$junit32" || true  # information only (issue 15)
     pass33
     rc33=$?
 fi

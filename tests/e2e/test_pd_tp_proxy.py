@@ -87,9 +87,14 @@ TURN_TOKENS = {"first_tokens": 600, "growth_tokens": 300}
 # line the provenance check matches): by elimination (no cause line was shown then) most likely
 # the side channel's 60 s bound. They only bound how long a starved step may take: a run where
 # nothing stalls never waits on them.
+# The READ's bound too (default 30 s, raised 2026-12-03): the next landing CI's gemma3 TP2 -> TP2
+# pair logged "[pd_read:TransferTimeout] READ of 393216 bytes ... not done after 30 s" on decode
+# rank 1 (then recomputed: output right, provenance failed). A READ needs the prefill rank's
+# progress thread, and these runs starve whole worker processes for 15-60 s (above).
 HANDSHAKE_TIMEOUT_S = 120.0
-LEASE_S = 300.0  # outlives a READ (read_timeout_s 30 s) + claims bounded by HANDSHAKE_TIMEOUT_S
-DECODE_EXTRA = {"handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
+READ_TIMEOUT_S = 120.0
+LEASE_S = 300.0  # outlives a READ (READ_TIMEOUT_S) + claims bounded by HANDSHAKE_TIMEOUT_S
+DECODE_EXTRA = {"handshake_timeout_s": HANDSHAKE_TIMEOUT_S, "read_timeout_s": READ_TIMEOUT_S}
 PROBE = f"{__name__}.PDProbe"
 # A request's bound: the proxy's own (--timeout-s, 600 s). A client that gives up first turns a
 # starved turn into a failure the proxy itself would not have made (stop 30's landing: one proxy
