@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from hybridkv.store.embedded_master import listener_among
-from hybridkv.store.local_ports import free_port as local_free_port
+from hybridkv.store.local_ports import free_port as local_free_port, reports_port_in_use
 
 __all__ = [
     "DEFAULT_KV_TRANSFER_CONFIG",
@@ -146,7 +146,7 @@ def exited_on_taken_port(proc: subprocess.Popen, log_path: pathlib.Path | None) 
     is worth a new port, not a failed start."""
     if proc.poll() is None or log_path is None:
         return False
-    return "address already in use" in log_tail(log_path, 200).lower()
+    return reports_port_in_use(log_tail(log_path, 200))
 
 
 def free_port() -> int:

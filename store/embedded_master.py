@@ -40,7 +40,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from hybridkv.store.cpu_affinity import unpinned
-from hybridkv.store.local_ports import free_port
+from hybridkv.store.local_ports import free_port, reports_port_in_use
 
 __all__ = ["EmbeddedMaster", "MasterError", "MasterSupervisor", "find_master_binary", "INSTALL_HINT"]
 
@@ -323,7 +323,7 @@ class EmbeddedMaster:
                 # (an rpc port taken is not logged: the master just exits 1; it has exited, so
                 # whoever listens on one of its ports now is another process)
                 held = [p for p in (self.rpc_port, self.metrics_port) if p and _listening_inodes(p)]
-                taken = "Address already in use" in tail or bool(held)
+                taken = reports_port_in_use(tail) or bool(held)
                 error = _PortInUse if taken else MasterError
                 why = "".join(f": another process listens on port {p}" for p in held)
                 raise error(

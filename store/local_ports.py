@@ -68,3 +68,11 @@ def free_port(host: str = "127.0.0.1") -> int:
             if _bindable(host, port):
                 return port
     return _kernel_port(host)
+
+
+def reports_port_in_use(log_text: str) -> bool:
+    """Whether a server's log says a port it wanted was taken, in any of the spellings seen:
+    uvicorn's "[Errno 98] error while attempting to bind ... address already in use", the
+    kernel's / vLLM's "Address already in use". One check, case-insensitive, for every server
+    this package starts on a port it chose (the chosen port is free when chosen, not when bound)."""
+    return "address already in use" in log_text.lower()
