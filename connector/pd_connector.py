@@ -29,6 +29,7 @@ from hybridkv.connector.cpu_amx import allow_amx
 from hybridkv.connector.pd_auth import load_key
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
+from hybridkv.connector.pd_stats import HybridPDPromMetrics, HybridPDStats
 from hybridkv.connector.pd_tp import MAMBA_TP_CROSS_SWITCH, MAMBA_TP_NOT_ENABLED
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings, mamba_reslice_problem
 from hybridkv.store.cpu_affinity import unpinned
@@ -276,6 +277,20 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending, r.finished_recving
+
+    # ------------------------------------------------------------------ metrics
+    def get_kv_connector_stats(self) -> HybridPDStats | None:
+        # Workers only (the scheduler side counts nothing): each TP rank its own reads and
+        # leases, summed by vLLM over the ranks (pd_stats: reads is once per rank per request).
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HybridPDStats:
+        return HybridPDStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):  # noqa: ANN001, ANN206
+        return HybridPDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

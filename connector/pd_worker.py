@@ -52,6 +52,7 @@ from hybridkv.connector.pd_handshake import (
     fetch_agent_info,
     release_blocks,
 )
+from hybridkv.connector.pd_stats import HybridPDStats
 from hybridkv.connector.pd_stragglers import StragglerDrain
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
 from hybridkv.connector.pd_tp import (
@@ -62,7 +63,13 @@ from hybridkv.connector.pd_tp import (
     readers_of,
     spec_state_splits,
 )
-from hybridkv.connector.pd_transport import PDTransport, ReadHandle, TransferError, allocation_spaces
+from hybridkv.connector.pd_transport import (
+    PDTransport,
+    ReadHandle,
+    TransferError,
+    TransferTimeout,
+    allocation_spaces,
+)
 from hybridkv.store.cpu_affinity import unpinned
 
 # A claim can arrive before the prefill worker's next step hands it the lease (the
@@ -168,6 +175,7 @@ class PDWorker:
         self._ended: OrderedDict[str, str] = OrderedDict()  # req id -> why its lease ended
         self._decode_released: OrderedDict[str, None] = OrderedDict()  # bounded: ENDED_LEASES_KEPT
         self._released: set[str] = set()  # reads whose target blocks nothing writes into anymore
+        self._stats = HybridPDStats()  # this rank's counters (pd_stats), swapped out by take_stats
         # Timed-out READs that may still write: one thread for all, their blocks kept meanwhile.
         self._stragglers = StragglerDrain(self._poll_straggler, self._release_straggler, self._release)
         self._jobs: queue.Queue[ReadJob | None] = queue.Queue()  # overflow: peers past MAX_PEER_THREADS
@@ -233,6 +241,7 @@ class PDWorker:
             with self._lock:
                 for lease in meta.leases:
                     self._leases[lease.req_id] = _Lease(lease.lease_id, now + lease.ttl_s)
+                self._stats.add("leases", len(meta.leases))
                 self._lease_known.notify_all()
 
     def _route(self, job: ReadJob) -> None:
@@ -277,6 +286,7 @@ class PDWorker:
                 ok, straggler = self._read(job)
             except Exception:  # noqa: BLE001 - reported as a failed load, never a crash
                 logger.exception("hybridkv P/D: read for %s crashed", job.req_id)
+                self._failed("crash")
             if not ok:  # every time (the cause may be a warn_once): provenance checks look for it
                 logger.warning("hybridkv P/D: READ for %s from %s:%d failed or was refused; no KV used, "
                                "kv_load_failure_policy applies", job.req_id, job.remote_host, job.remote_port)
@@ -284,6 +294,7 @@ class PDWorker:
                 self._recv_done.add(job.req_id)
                 if not ok:
                     self._recv_failed.add(job.req_id)
+                    self._stats.add("failed_reads")
             if straggler is None:
                 self._release(job.req_id)
             else:
@@ -385,8 +396,10 @@ class PDWorker:
         every one is claimed: the bytes count only if every claim is granted."""
         if job.refused:
             warn_once(logger, "pd_refused", "request %s cannot be read: %s", job.req_id, job.refused)
+            self._failed("refused")
             return False, None
         assert self._transport is not None and self._local is not None
+        t0 = time.perf_counter()
         handles: list[ReadHandle] = []
         failed_address = None
         try:
@@ -413,28 +426,54 @@ class PDWorker:
             # and operators match it; a failed or discarded READ never prints it).
             per_group = [len(ids) for ids in job.remote_block_ids]
             ranks = [part.prefill_rank for part in plan]
+            self._count_read(sum(per_group), sum(h.nbytes for h in handles), time.perf_counter() - t0)
             logger.info("hybridkv P/D: read %d blocks (%d bytes) for %s from %s at %s:%d (per group %s) "
                         "rank %d/%d <- prefill ranks %s/%d",
                         sum(per_group), sum(h.nbytes for h in handles), job.req_id, job.remote_engine_id,
                         job.remote_host, job.remote_port, per_group, self._s.tp_rank, self._s.tp_size, ranks,
                         prefill_tp)
             return True, None
+        # Each failure's cause is counted last, just before it returns: an error on the way
+        # (in _open_reads) is counted once, as a crash.
         except LeaseRefused as e:
             logger.warning("hybridkv P/D: read of request %s discarded, recomputing: %s", job.req_id, e)
+            self._failed("LeaseRefused")
             return False, None
         except HandshakeError as e:
             logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters
-            return False, self._open_reads(handles)
+            still = self._open_reads(handles)
+            self._failed("HandshakeError")
+            return False, still
         except ValueError as e:  # a TP plan or span the layouts cannot serve
             logger.error("hybridkv P/D: read of %s from %s refused: %s", job.req_id, failed_address, e)
-            return False, self._open_reads(handles)
+            still = self._open_reads(handles)
+            self._failed("plan")
+            return False, still
         except TransferError as e:
             warn_once(logger, f"pd_read:{type(e).__name__}", "read of %s from %s failed: %s",
                       job.req_id, failed_address, e)
             with self._peers_lock:
                 for port in job.remote_ports:
                     self._peers.pop((job.remote_host, port), None)  # re-handshake next time
-            return False, self._open_reads(handles)
+            still = self._open_reads(handles)
+            self._failed("TransferTimeout" if isinstance(e, TransferTimeout) else "TransferError")
+            return False, still
+
+    def _count_read(self, blocks: int, nbytes: int, seconds: float) -> None:
+        """A request's read on this rank succeeded (its KV is used): the provenance line's numbers."""
+        with self._lock:
+            self._stats.add("reads")
+            self._stats.add("read_blocks", blocks)
+            self._stats.add("read_bytes", nbytes)
+            self._stats.add("read_seconds", seconds)
+            self._stats.add_latency("read", seconds)
+
+    def _failed(self, cause: str) -> None:
+        """Why a read failed (``failed_reads`` itself is counted by the read loop, once per job)."""
+        with self._lock:
+            self._stats.add(f"fail.{cause}")
+            if cause == "TransferTimeout":
+                self._stats.add("timed_out_reads")
 
     def _open_reads(self, handles: list[ReadHandle]) -> list[ReadHandle] | None:
         """The READs of a failed job that may still write (kept pinned until they settle)."""
@@ -493,15 +532,25 @@ class PDWorker:
                         warn_once(logger, "pd_lease_expired", "lease of %s expired before the decode side read it",
                                   req_id)
                         self._ended[req_id] = "the lease on its blocks has expired"
+                        self._stats.add("leases_expired")
                     else:
                         self._ended[req_id] = ("the lease was released already (a lease is read once: n > 1 or "
                                                "a replayed request recomputes)")
+                        self._stats.add("leases_released")
                     while len(self._ended) > ENDED_LEASES_KEPT:
                         self._ended.popitem(last=False)
                     sending.add(req_id)
                     del self._leases[req_id]
                     self._decode_released.pop(req_id, None)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)
+
+    def take_stats(self) -> HybridPDStats | None:
+        """This rank's counters since the last call (None: nothing counted)."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, HybridPDStats()
+        return stats
 
     def take_released(self) -> set[str]:
         with self._lock:

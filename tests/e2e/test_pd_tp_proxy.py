@@ -192,6 +192,35 @@ def _counter(http, url: str, name: str) -> float:  # noqa: ANN001
     return total
 
 
+PD_READ_COUNTERS = ("reads", "read_blocks", "read_bytes", "failed_reads")
+
+
+def _pd_reads(http, url: str) -> dict[str, int]:  # noqa: ANN001
+    """The decode's ``vllm:hybridkv_pd_*`` read counters (summed over its ranks by vLLM; a
+    series not yet incremented is absent from /metrics: 0)."""
+    return {n: int(_counter(http, url, f"vllm:hybridkv_pd_{n}_total")) for n in PD_READ_COUNTERS}
+
+
+def assert_pd_metrics(http, url: str, before: dict[str, int], decode_tp: int, want: list[int],  # noqa: ANN001
+                      sizes: list[list[tuple]], wait_s: float = 30.0) -> dict[str, int]:
+    """/metrics agrees with the provenance lines of one turn, exactly: one read per decode rank,
+    the blocks each logged (``want`` per group, every rank) and each rank's bytes (its block
+    sizes), no failed read. The workers' stats reach /metrics with a later engine step, so the
+    read count is waited for (bounded); the rest is asserted at once after it."""
+    expected = {"reads": decode_tp, "read_blocks": decode_tp * sum(want),
+                "read_bytes": sum(sum(n * b for n, (_, b, _) in zip(want, rank, strict=True)) for rank in sizes),
+                "failed_reads": 0}
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = _pd_reads(http, url)
+        delta = {n: now[n] - before[n] for n in PD_READ_COUNTERS}
+        if delta["reads"] >= decode_tp or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    assert delta == expected, f"vllm:hybridkv_pd_* on {url}/metrics: {delta}, the provenance lines say {expected}"
+    return now
+
+
 def _body(model: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
     from tests.e2e.engine_harness import TOP_LOGPROBS
 
@@ -266,6 +295,7 @@ def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed
         prompt = session.prompt
         hits_before = _counter(http, stack.decode.url, "vllm:prefix_cache_hits_total")
         ext_before = _counter(http, stack.decode.url, "vllm:external_prefix_cache_hits_total")
+        pd_before = _pd_reads(http, stack.decode.url)
         decode_log.new(0)
         t = time.monotonic()
         got, prefill_hit = _completion(http.post(stack.url + "/v1/completions", json=_body(model, prompt),
@@ -281,6 +311,7 @@ def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed
         kept = prefill_kept_blocks(geometries[0], windows, len(prompt), handover)
         want = _expected_blocks(geometries[0], kept, local_hit, handover)
         provenance(log, decode_tp, prefill_tp, want, sizes)
+        assert_pd_metrics(http, stack.decode.url, pd_before, decode_tp, want, sizes)
         assert pulled == handover - local_hit > 0, (turn, pulled, handover, local_hit)
         assert local_hit == 0 if turn == 1 else local_hit >= (prev - 1) // align * align, (turn, local_hit, prev)
         t = time.monotonic()

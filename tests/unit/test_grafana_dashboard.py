@@ -1,9 +1,9 @@
 """The Grafana dashboard names exactly the series /metrics exposes, and the committed file is current.
 
 Why: a panel over a misspelled series is an empty graph, found when an operator needs
-it. The hybridkv series are taken from a real ``HybridStorePromMetrics`` in a private
-Prometheus registry after one observe() of every counter, cause, group and latency
-(the exact sample names: ``..._total``, ``..._bucket``); vLLM's from the installed
+it. The hybridkv series are taken from a real ``HybridStorePromMetrics`` and
+``HybridPDPromMetrics`` in a private Prometheus registry after one observe() of every
+counter, cause, group and latency (the exact sample names: ``..._total``, ``..._bucket``); vLLM's from the installed
 vLLM's own ``vllm/v1/metrics/loggers.py`` (the pass under 0.33's Python checks 0.33's).
 Shown to fail: a counter renamed in the dashboard only (``saved_bytes`` ->
 ``saved_byte``) fails the series check; a counter added to COUNTERS without
@@ -21,6 +21,7 @@ import vllm
 from vllm.config import VllmConfig
 
 from hybridkv.cli import grafana
+from hybridkv.connector import pd_stats
 from hybridkv.connector.store_stats import COUNTERS, LATENCIES, HybridStorePromMetrics
 
 COMMITTED = pathlib.Path(__file__).parents[2] / "docs" / "grafana" / "hybridkv.json"
@@ -38,6 +39,9 @@ def _exposed_hybridkv_samples() -> set[str]:
     data = {name: 1 for name in COUNTERS} | {"fail.timeout": 1, "hit_tokens.g0": 1}
     data |= {f"lat.{kind}": [0.01] for kind in LATENCIES}
     prom.observe(data, 0)
+    pd = pd_stats.HybridPDPromMetrics(VllmConfig(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    pd_data = {name: 1 for name in pd_stats.COUNTERS} | {f"fail.{cause}": 1 for cause in pd_stats.FAILURE_CAUSES}
+    pd.observe(pd_data | {f"lat.{kind}": [0.01] for kind in pd_stats.LATENCIES}, 0)
     return {s.name for metric in registry.collect() for s in metric.samples}
 
 
@@ -57,7 +61,7 @@ def test_every_series_the_dashboard_reads_is_exposed():
     unknown = []
     for expr in _expressions(grafana.dashboard()):
         for series in SERIES.findall(expr):
-            if series.startswith(grafana.STORE):
+            if series.startswith((grafana.STORE, grafana.PD)):
                 ok = series in exposed
             else:  # vLLM's: a counter is read as <name>_total, a histogram as <name>_bucket
                 ok = re.sub(r"_(total|bucket)$", "", series) in grafana.VLLM_SERIES
@@ -75,6 +79,12 @@ def test_every_counter_and_latency_has_a_panel_with_its_description():
     text = " ".join(_expressions(doc))
     for kind in LATENCIES:
         assert f"{grafana.STORE}{kind}_latency_seconds_bucket" in text
+    for name, description in pd_stats.COUNTERS.items():
+        assert by_title[f"P/D {name}"]["description"] == description
+        assert f"{grafana.PD}{name}_total" in by_title[f"P/D {name}"]["targets"][0]["expr"]
+    for kind in pd_stats.LATENCIES:
+        assert f"{grafana.PD}{kind}_latency_seconds_bucket" in text
+    assert f"{grafana.PD}failures_total" in text
     ids = [p["id"] for p in doc["panels"]]
     assert ids == list(range(1, len(ids) + 1))
     for p in doc["panels"]:  # inside the 24-column grid, no two panels on the same cells

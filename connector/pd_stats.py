@@ -1,0 +1,148 @@
+"""HybridPDConnector's counters, in vLLM's connector-stats pipeline.
+
+Without them a P/D deployment showed nothing on ``/metrics`` about its hand-overs: how many
+requests really got their KV over NIXL, how many fell back to recompute and why, how long
+the reads took; the provenance log lines were the only record. Shaped like
+:mod:`hybridkv.connector.store_stats`: the workers count (the scheduler side counts
+nothing), vLLM sums every worker's stats per interval, logs ``reduce()`` and feeds
+``observe()`` of the Prometheus class, so they show as ``vllm:hybridkv_pd_*``.
+
+Counted per TP rank: each decode rank reads its own share of a request, so with
+``--tensor-parallel-size`` > 1 ``reads`` (and ``failed_reads``) count once per rank per
+request, and ``read_blocks`` / ``read_bytes`` are each rank's blocks and bytes (a rank
+reading several prefill ranks counts each of its blocks once, its bytes from all of them).
+Prefill ranks count their leases (one per request handed over, on every rank) the same way.
+Decode side: ``reads`` + ``failed_reads`` = the read jobs this rank ran (release-only jobs,
+where decode reads nothing, count in neither); a failed one is counted once, with its cause
+in ``fail.<cause>`` (so the causes sum to ``failed_reads``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from hybridkv.connector.store_stats import _percentile
+
+# Every counter is a plain sum; names are the Prometheus suffixes.
+COUNTERS: dict[str, str] = {
+    "reads": "Decode: requests whose KV this rank read and used (READs done, every lease claim granted; "
+             "once per TP rank per request)",
+    "read_blocks": "Decode: blocks this rank read for the requests counted in reads, summed over KV cache groups",
+    "read_bytes": "Decode: bytes this rank's READs moved for the requests counted in reads",
+    "read_seconds": "Decode: seconds the reads counted in reads took on their read thread (handshake with a "
+                    "new peer, READs, lease claims, release)",
+    "failed_reads": "Decode: requests whose read on this rank failed, timed out, was refused or discarded "
+                    "(no KV used: the request recomputes or fails per kv_load_failure_policy)",
+    "timed_out_reads": "Decode: reads counted in failed_reads whose READs did not finish within read_timeout_s",
+    "leases": "Prefill: requests this rank holds blocks for until the decode side reads them (one lease each)",
+    "leases_released": "Prefill: leases ended because every decode rank reading this rank released them "
+                       "(their blocks freed)",
+    "leases_expired": "Prefill: leases that expired (lease_s) before every decode rank reading this rank "
+                      "released them: read never came, failed, or its release was lost (their blocks freed)",
+}
+
+# Why a read failed (``fail.<cause>``, the ``cause`` label); each is also counted in ``failed_reads``.
+FAILURE_CAUSES: dict[str, str] = {
+    "TransferTimeout": "the READs did not finish within read_timeout_s; also counted in timed_out_reads",
+    "TransferError": "a READ could not be posted or failed",
+    "LeaseRefused": "the prefill side refused the lease claim after the READ: expired, claimed before or "
+                    "unknown; the bytes are discarded",
+    "HandshakeError": "the side channel failed: no or a bad answer to the handshake or lease claim, or the "
+                      "handshake refused the peer's layout",
+    "plan": "a TP plan or span the two layouts cannot serve",
+    "refused": "the scheduler refused the request's hand-over: kv_transfer_params or KV cache groups",
+    "crash": "an unexpected error in the read",
+}
+FAILURES_HELP = "Failed P/D reads by cause (each counted in failed_reads too)"
+
+# Latencies (seconds) kept per call, exported as histograms: a sum hides the slow calls.
+LATENCIES: dict[str, str] = {
+    "read": "Decode: one request's successful read on one rank (as in read_seconds)",
+}
+# Up to read_timeout_s's default (30 s); a read also waits for a new peer's handshake (5 s).
+LATENCY_BUCKETS = [1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+@dataclass
+class HybridPDStats(KVConnectorStats):
+    """``data``: counter name -> value, plus ``fail.<cause>`` and ``lat.<kind>`` (a list of
+    per-call seconds)."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, value: float = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + value
+
+    def add_latency(self, kind: str, seconds: float) -> None:
+        self.data.setdefault(f"lat.{kind}", []).append(seconds)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            if isinstance(v, list):
+                self.data.setdefault(k, []).extend(v)
+            else:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {
+            k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(d.items()) if not isinstance(v, list)
+        }
+        for kind in LATENCIES:
+            if d.get(f"lat.{kind}"):
+                out[f"{kind}_p50_ms"] = round(1e3 * _percentile(d[f"lat.{kind}"], 0.5), 3)
+                out[f"{kind}_p99_ms"] = round(1e3 * _percentile(d[f"lat.{kind}"], 0.99), 3)
+        if d.get("read_seconds"):
+            out["read_GBps"] = round(d.get("read_bytes", 0) / d["read_seconds"] / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class HybridPDPromMetrics(KVConnectorPromMetrics):
+    """``vllm:hybridkv_pd_<counter>_total``; failures by cause as a label;
+    ``vllm:hybridkv_pd_<kind>_latency_seconds`` histograms."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:  # noqa: ANN001
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(name=f"vllm:hybridkv_pd_{name}", documentation=doc, labelnames=labelnames)
+            for name, doc in COUNTERS.items()
+        }
+        self._failures = self._counter_cls(
+            name="vllm:hybridkv_pd_failures",
+            documentation=FAILURES_HELP,
+            labelnames=labelnames + ["cause"],
+        )
+        self._latencies = {
+            kind: self._histogram_cls(
+                name=f"vllm:hybridkv_pd_{kind}_latency_seconds", documentation=doc,
+                buckets=LATENCY_BUCKETS, labelnames=labelnames,
+            )
+            for kind, doc in LATENCIES.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for key, value in transfer_stats_data.items():
+            if not value:
+                continue
+            if key in self._counters:
+                self._counters[key].labels(*labels).inc(value)
+            elif key.startswith("fail."):
+                self._failures.labels(*labels, key[5:]).inc(value)
+            elif key.startswith("lat.") and key[4:] in self._latencies:
+                histogram = self._latencies[key[4:]].labels(*labels)
+                for seconds in value:
+                    histogram.observe(seconds)
