@@ -88,6 +88,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -454,6 +455,18 @@ def _log_lines(path: pathlib.Path | None, since: int = 0) -> list[str]:
         return f.read().decode("utf-8", "replace").splitlines()
 
 
+def pd_metrics(text: str | None) -> dict[str, float]:
+    """The decode's ``vllm:hybridkv_pd_*`` read counters and failures by cause (``fail.<cause>``),
+    to set beside what its log says (``pd_read_outcomes``): /metrics must tell the same story."""
+    out = {n: metric_sum(text, f"vllm:hybridkv_pd_{n}_total")
+           for n in ("reads", "read_blocks", "read_bytes", "failed_reads", "timed_out_reads")}
+    for line in (text or "").splitlines():
+        if line.startswith("vllm:hybridkv_pd_failures_total{") and 'cause="' in line:
+            cause = line.split('cause="', 1)[1].split('"', 1)[0]
+            out[f"fail.{cause}"] = out.get(f"fail.{cause}", 0.0) + float(line.rsplit(" ", 1)[1])
+    return {k: (0.0 if v != v else v) for k, v in out.items()}  # NaN (series never incremented): 0
+
+
 PD_READ_LINE = "hybridkv P/D: read "  # pd_worker's provenance line: one per completed READ
 PD_FAIL_MARKS = ("discarded, recomputing", "failed:", "failed or was refused", "hybridkv P/D: HandshakeError", "unreachable", "timed out",
                  "ERROR")
@@ -465,7 +478,12 @@ def pd_read_outcomes(lines: list[str]) -> dict[str, int]:
     pd = [ln for ln in lines if "hybridkv P/D" in ln]
     done = sum(PD_READ_LINE in ln and " blocks (" in ln for ln in pd)
     failed = sum(any(m in ln for m in PD_FAIL_MARKS) and not (PD_READ_LINE in ln and " blocks (" in ln) for ln in pd)
-    return {"completed": done, "failed_or_discarded": failed}
+    # pd_worker's one line per failed read job, every time (its causes may warn once):
+    jobs_failed = sum(PD_JOB_FAILED in ln for ln in pd)
+    return {"completed": done, "failed_or_discarded": failed, "failed_jobs": jobs_failed}
+
+
+PD_JOB_FAILED = "failed or was refused; no KV used"
 
 
 def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = False) -> dict:  # noqa: ANN001, C901
@@ -696,6 +714,9 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
             decode_log = stack.decode.log_path
             burst["decode_reads_after_kill"] = pd_read_outcomes(_log_lines(decode_log, burst.get("decode_log_at_kill", 0)))
             burst["decode_reads_total"] = pd_read_outcomes(_log_lines(decode_log))
+            import requests
+
+            burst["decode_pd_metrics"] = pd_metrics(_metrics_text(SimpleNamespace(http=requests, url=stack.decode.url)))
 
         # Sampled turns vs a salted recompute (the sessions have stopped: the server is idle).
         # Under --pd every turn's KV came from elsewhere (the peer's READ, or the store), so
@@ -1107,6 +1128,10 @@ def table(doc: dict) -> str:
                   + "; decode log after the kill: "
                   f"{reads.get('failed_or_discarded', 0)} READ failure/discard lines, "
                   f"{reads.get('completed', 0)} completed READs",
+                  "decode over the whole run: log {completed} provenance lines, {failed_jobs} failed read jobs; "
+                  "/metrics (vllm:hybridkv_pd_*) ".format(**({"completed": 0, "failed_jobs": 0}
+                                                              | (b.get("decode_reads_total") or {})))
+                  + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("decode_pd_metrics") or {}).items()),
                   f"prefill healthy again {_f(doc.get('prefill_restart_s'))} s after the kill; P/D READs land again "
                   f"{_f(doc.get('pd_reads_back_after_s'))} s after that (bound {_f(doc.get('pd_recovery_bound_s'))} s; "
                   "decode's vllm:prompt_tokens_cached_by_source{source=\"p2p\"} grows)"]

@@ -117,6 +117,14 @@ def soak_problems(doc: dict) -> list[str]:
     if doc["config"].get("pd"):
         if not rows["warm"].get("p2p_tokens"):
             problems.append(f"warm: the decode read no tokens from its peer ({rows['warm'].get('p2p_tokens')})")
+        # /metrics tells what the decode's log tells, through every fault: reads = provenance
+        # lines, failed reads = pd_worker's per-job failure lines, and the causes sum to them.
+        burst = doc.get("burst") or {}
+        m, log = burst.get("decode_pd_metrics") or {}, burst.get("decode_reads_total") or {}
+        causes = sum(v for k, v in m.items() if k.startswith("fail."))
+        if not m or (m.get("reads"), m.get("failed_reads"), causes) != (log.get("completed"), log.get("failed_jobs"),
+                                                                         log.get("failed_jobs")):
+            problems.append(f"decode /metrics vllm:hybridkv_pd_* {m} disagree with its log {log}")
     if "prefill-kill" in rows:
         burst = doc.get("burst") or {}
         if not burst.get("reads_issued_at_kill"):
