@@ -176,6 +176,7 @@ class PDWorker:
         self._decode_released: OrderedDict[str, None] = OrderedDict()  # bounded: ENDED_LEASES_KEPT
         self._released: set[str] = set()  # reads whose target blocks nothing writes into anymore
         self._stats = HybridPDStats()  # this rank's counters (pd_stats), swapped out by take_stats
+        self._cause = threading.local()  # per read thread: why its current read failed (_failed)
         # Timed-out READs that may still write: one thread for all, their blocks kept meanwhile.
         self._stragglers = StragglerDrain(self._poll_straggler, self._release_straggler, self._release)
         self._jobs: queue.Queue[ReadJob | None] = queue.Queue()  # overflow: peers past MAX_PEER_THREADS
@@ -240,8 +241,10 @@ class PDWorker:
             now = time.monotonic()
             with self._lock:
                 for lease in meta.leases:
+                    # A renewed lease (same request, still held) is the same hand-over: counted
+                    # once, so leases = released + expired + held.
+                    self._stats.add("leases", lease.req_id not in self._leases)
                     self._leases[lease.req_id] = _Lease(lease.lease_id, now + lease.ttl_s)
-                self._stats.add("leases", len(meta.leases))
                 self._lease_known.notify_all()
 
     def _route(self, job: ReadJob) -> None:
@@ -282,6 +285,7 @@ class PDWorker:
                 self._send_release(job)
                 continue
             ok, straggler = False, None
+            self._cause.name = None  # set by _failed on this thread, counted below with failed_reads
             try:
                 ok, straggler = self._read(job)
             except Exception:  # noqa: BLE001 - reported as a failed load, never a crash
@@ -294,7 +298,12 @@ class PDWorker:
                 self._recv_done.add(job.req_id)
                 if not ok:
                     self._recv_failed.add(job.req_id)
+                    # One lock hold for both: a stats interval never sees a cause without its failure.
                     self._stats.add("failed_reads")
+                    cause = self._cause.name or "crash"
+                    self._stats.add(f"fail.{cause}")
+                    if cause == "TransferTimeout":
+                        self._stats.add("timed_out_reads")
             if straggler is None:
                 self._release(job.req_id)
             else:
@@ -469,11 +478,9 @@ class PDWorker:
             self._stats.add_latency("read", seconds)
 
     def _failed(self, cause: str) -> None:
-        """Why a read failed (``failed_reads`` itself is counted by the read loop, once per job)."""
-        with self._lock:
-            self._stats.add(f"fail.{cause}")
-            if cause == "TransferTimeout":
-                self._stats.add("timed_out_reads")
+        """Why this thread's current read failed; the read loop counts it with ``failed_reads``
+        (once per job, the last cause named: an error after a cause is a crash)."""
+        self._cause.name = cause
 
     def _open_reads(self, handles: list[ReadHandle]) -> list[ReadHandle] | None:
         """The READs of a failed job that may still write (kept pinned until they settle)."""

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,7 +29,13 @@ def test_freeze_stops_every_thread_and_refuses_a_process_that_does_not_stop() ->
     proc = subprocess.Popen([sys.executable, "-c", _SPINNERS], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "up\n"
-        assert len(thread_states(proc.pid)) == 9 and "R" in thread_states(proc.pid)
+        assert len(thread_states(proc.pid)) == 9
+        # Under the GIL most spinners wait (S) at any instant: seen running once within 2 s.
+        deadline, seen_running = time.monotonic() + 2.0, False
+        while not seen_running and time.monotonic() < deadline:
+            seen_running = "R" in thread_states(proc.pid)
+            time.sleep(0.001)
+        assert seen_running
         freeze(proc.pid)
         assert set(thread_states(proc.pid)) == {"T"}
         os.kill(proc.pid, signal.SIGCONT)

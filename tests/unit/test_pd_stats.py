@@ -267,12 +267,14 @@ def test_a_refused_claim_and_a_refused_job_count_as_failures_by_cause(monkeypatc
 
 
 def test_prefill_leases_count_issued_released_and_expired(monkeypatch) -> None:
-    """Shown to fail: an expired lease counted as released (the two branches swapped)."""
+    """Shown to fail: an expired lease counted as released (the two branches swapped); a
+    renewed lease (same request, still held) counted twice (leases 4: never ends as often)."""
     worker = PDWorker(PDWorkerSettings("prefill", 0, 1, "127.0.0.1", 0, 1.0, 1.0), None)
     try:
         worker.start_load_kv(PDConnectorMetadata(leases=[Lease("read", "a" * 32, 60.0),
                                                          Lease("never", "b" * 32, 0.05),
                                                          Lease("kept", "c" * 32, 60.0)]))
+        worker.start_load_kv(PDConnectorMetadata(leases=[Lease("kept", "d" * 32, 60.0)]))  # renewed
         worker._released_by_decode(["read"])
         time.sleep(0.1)
         assert worker.get_transfer_results().finished_sending == {"read", "never"}

@@ -20,12 +20,15 @@ from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
 
 
 class FakeRead:
-    """A READ handle that is in flight for ``polls`` polls, then DONE (or failed)."""
+    """A READ handle that is in flight for ``polls`` polls, then DONE (or failed); with a
+    ``gate``, in flight until the gate is set (its polls count only from then)."""
 
-    def __init__(self, polls: int, fails: bool = False) -> None:
-        self.polls, self.fails, self.released = polls, fails, False
+    def __init__(self, polls: int, fails: bool = False, gate: threading.Event | None = None) -> None:
+        self.polls, self.fails, self.released, self.gate = polls, fails, False, gate
 
     def poll(self) -> str:
+        if self.gate is not None and not self.gate.is_set():
+            return "PROC"
         if self.polls > 0:
             self.polls -= 1
             return "PROC"
@@ -102,7 +105,10 @@ def test_worker_keeps_timed_out_reads_blocks_until_they_settle_on_one_thread(mon
     """Through PDWorker's read loop: 16 requests whose READs timed out (the FAKE ``_read``
     returns them as still in flight). Their blocks are reported free (``take_released``) only
     as each READ settles, and one thread drains them all (it was one thread per request)."""
-    handles = {f"q{i}": FakeRead(5 + i % 5) for i in range(16)}
+    # Gated: on a busy host the drain settled the first READs before the read loop had handed
+    # it the last ones, so 16 open at once was never seen (12-03, beside a CI run).
+    gate = threading.Event()
+    handles = {f"q{i}": FakeRead(5 + i % 5, gate=gate) for i in range(16)}
     monkeypatch.setattr(PDWorker, "_read", lambda self, job: (False, [handles[job.req_id]]))  # FAKE read
     worker = PDWorker(PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 1.0, 1.0), None)
     worker._transport = FakeTransport()
@@ -113,6 +119,8 @@ def test_worker_keeps_timed_out_reads_blocks_until_they_settle_on_one_thread(mon
         worker.start_load_kv(PDConnectorMetadata(reads=jobs))
         assert _until(lambda: worker.unsettled_reads() == 16, 5.0), worker.unsettled_reads()
         assert len(set(_drain_threads()) - before) == 1, [t.name for t in _drain_threads()]
+        assert worker.take_released() == set()  # none settled: none freed
+        gate.set()
         deadline = time.monotonic() + 10.0
         while len(released) < 16 and time.monotonic() < deadline:
             got = worker.take_released()
