@@ -457,7 +457,10 @@ def _log_lines(path: pathlib.Path | None, since: int = 0) -> list[str]:
 
 def pd_metrics(text: str | None) -> dict[str, float]:
     """The decode's ``vllm:hybridkv_pd_*`` read counters and failures by cause (``fail.<cause>``),
-    to set beside what its log says (``pd_read_outcomes``): /metrics must tell the same story."""
+    to set beside what its log says (``pd_read_outcomes``): /metrics must tell the same story.
+    Empty when /metrics could not be read."""
+    if text is None:
+        return {}
     out = {n: metric_sum(text, f"vllm:hybridkv_pd_{n}_total")
            for n in ("reads", "read_blocks", "read_bytes", "failed_reads", "timed_out_reads")}
     for line in (text or "").splitlines():
@@ -465,6 +468,31 @@ def pd_metrics(text: str | None) -> dict[str, float]:
             cause = line.split('cause="', 1)[1].split('"', 1)[0]
             out[f"fail.{cause}"] = out.get(f"fail.{cause}", 0.0) + float(line.rsplit(" ", 1)[1])
     return {k: (0.0 if v != v else v) for k, v in out.items()}  # NaN (series never incremented): 0
+
+
+def pd_counts_agree(log: dict[str, int], metrics: dict[str, float]) -> bool:
+    """The decode's /metrics tell what its log tells: reads = provenance lines, failed reads =
+    per-job failure lines, and the causes sum to them."""
+    causes = sum(v for k, v in metrics.items() if k.startswith("fail."))
+    return bool(metrics) and (metrics.get("reads"), metrics.get("failed_reads"), causes) == (
+        log.get("completed"), log.get("failed_jobs"), log.get("failed_jobs"))
+
+
+def settled_pd_counts(decode_log: pathlib.Path | None, url: str,
+                      within_s: float = 30.0) -> tuple[dict[str, int], dict[str, float]]:
+    """The decode log's read outcomes and its /metrics, read again (1 s apart, ``within_s`` at
+    most) until they agree: a read still finishing when the sessions stopped (a client gave up,
+    its request goes on) and the stats that reach /metrics one engine step after the log line
+    settle within that; a /metrics GET that fails is retried. Returns the last pair either way."""
+    import requests
+
+    client = SimpleNamespace(http=requests, url=url)
+    deadline = time.monotonic() + within_s
+    while True:
+        log, metrics = pd_read_outcomes(_log_lines(decode_log)), pd_metrics(_metrics_text(client))
+        if pd_counts_agree(log, metrics) or time.monotonic() >= deadline:
+            return log, metrics
+        time.sleep(1.0)
 
 
 PD_READ_LINE = "hybridkv P/D: read "  # pd_worker's provenance line: one per completed READ
@@ -713,10 +741,7 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
         if cfg.pd:
             decode_log = stack.decode.log_path
             burst["decode_reads_after_kill"] = pd_read_outcomes(_log_lines(decode_log, burst.get("decode_log_at_kill", 0)))
-            burst["decode_reads_total"] = pd_read_outcomes(_log_lines(decode_log))
-            import requests
-
-            burst["decode_pd_metrics"] = pd_metrics(_metrics_text(SimpleNamespace(http=requests, url=stack.decode.url)))
+            burst["decode_reads_total"], burst["decode_pd_metrics"] = settled_pd_counts(decode_log, stack.decode.url)
 
         # Sampled turns vs a salted recompute (the sessions have stopped: the server is idle).
         # Under --pd every turn's KV came from elsewhere (the peer's READ, or the store), so

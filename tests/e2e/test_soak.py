@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import SoakConfig, run_soak
+from bench.soak import SoakConfig, pd_counts_agree, run_soak
 
 pytestmark = pytest.mark.e2e
 
@@ -121,9 +121,7 @@ def soak_problems(doc: dict) -> list[str]:
         # lines, failed reads = pd_worker's per-job failure lines, and the causes sum to them.
         burst = doc.get("burst") or {}
         m, log = burst.get("decode_pd_metrics") or {}, burst.get("decode_reads_total") or {}
-        causes = sum(v for k, v in m.items() if k.startswith("fail."))
-        if not m or (m.get("reads"), m.get("failed_reads"), causes) != (log.get("completed"), log.get("failed_jobs"),
-                                                                         log.get("failed_jobs")):
+        if not pd_counts_agree(log, m):
             problems.append(f"decode /metrics vllm:hybridkv_pd_* {m} disagree with its log {log}")
     if "prefill-kill" in rows:
         burst = doc.get("burst") or {}
