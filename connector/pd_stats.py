@@ -46,12 +46,12 @@ COUNTERS: dict[str, str] = {
 # Why a read failed (``fail.<cause>``, the ``cause`` label); each is also counted in ``failed_reads``.
 FAILURE_CAUSES: dict[str, str] = {
     "TransferTimeout": "the READs did not finish within read_timeout_s; also counted in timed_out_reads",
-    "TransferError": "a READ could not be posted or failed",
+    "TransferError": "a READ could not be posted or failed, or the prefill rank's NIXL agent could not be added",
     "LeaseRefused": "the prefill side refused the lease claim after the READ: expired, claimed before or "
                     "unknown; the bytes are discarded",
     "HandshakeError": "the side channel failed: no or a bad answer to the handshake or lease claim, or the "
                       "handshake refused the peer's layout",
-    "plan": "a TP plan or span the two layouts cannot serve",
+    "plan": "a TP plan, span or KV layout the two sides cannot serve",
     "refused": "the scheduler refused the request's hand-over: kv_transfer_params or KV cache groups",
     "crash": "an unexpected error in the read",
 }
