@@ -463,7 +463,7 @@ def pd_metrics(text: str | None) -> dict[str, float]:
         return {}
     out = {n: metric_sum(text, f"vllm:hybridkv_pd_{n}_total")
            for n in ("reads", "read_blocks", "read_bytes", "failed_reads", "timed_out_reads")}
-    for line in (text or "").splitlines():
+    for line in text.splitlines():
         if line.startswith("vllm:hybridkv_pd_failures_total{") and 'cause="' in line:
             cause = line.split('cause="', 1)[1].split('"', 1)[0]
             out[f"fail.{cause}"] = out.get(f"fail.{cause}", 0.0) + float(line.rsplit(" ", 1)[1])
@@ -496,6 +496,7 @@ def settled_pd_counts(decode_log: pathlib.Path | None, url: str,
 
 
 PD_READ_LINE = "hybridkv P/D: read "  # pd_worker's provenance line: one per completed READ
+PD_JOB_FAILED = "failed or was refused; no KV used"  # pd_worker: one line per failed read job
 PD_FAIL_MARKS = ("discarded, recomputing", "failed:", "failed or was refused", "hybridkv P/D: HandshakeError", "unreachable", "timed out",
                  "ERROR")
 
@@ -509,9 +510,6 @@ def pd_read_outcomes(lines: list[str]) -> dict[str, int]:
     # pd_worker's one line per failed read job, every time (its causes may warn once):
     jobs_failed = sum(PD_JOB_FAILED in ln for ln in pd)
     return {"completed": done, "failed_or_discarded": failed, "failed_jobs": jobs_failed}
-
-
-PD_JOB_FAILED = "failed or was refused; no KV used"
 
 
 def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = False) -> dict:  # noqa: ANN001, C901

@@ -66,6 +66,14 @@ class CounterStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
+    def take(self) -> "CounterStats | None":
+        """What was counted since the last take, as a new object of this class, counting on
+        from zero here (None: nothing counted). The caller serialises it with its counting."""
+        if self.is_empty():
+            return None
+        taken, self.data = type(self)(data=self.data), {}
+        return taken
+
 
 class CounterPromMetrics(KVConnectorPromMetrics):
     """``<prefix><counter>_total`` per counter, ``<prefix>failures_total{cause}`` from

@@ -175,7 +175,7 @@ class PDWorker:
         self._ended: OrderedDict[str, str] = OrderedDict()  # req id -> why its lease ended
         self._decode_released: OrderedDict[str, None] = OrderedDict()  # bounded: ENDED_LEASES_KEPT
         self._released: set[str] = set()  # reads whose target blocks nothing writes into anymore
-        self._stats = HybridPDStats()  # this rank's counters (pd_stats), swapped out by take_stats
+        self._stats = HybridPDStats()  # this rank's counters (pd_stats), emptied by take_stats
         self._cause = threading.local()  # per read thread: why its current read failed (_failed)
         # Timed-out READs that may still write: one thread for all, their blocks kept meanwhile.
         self._stragglers = StragglerDrain(self._poll_straggler, self._release_straggler, self._release)
@@ -442,31 +442,26 @@ class PDWorker:
                         job.remote_host, job.remote_port, per_group, self._s.tp_rank, self._s.tp_size, ranks,
                         prefill_tp)
             return True, None
-        # Each failure's cause is counted last, just before it returns: an error on the way
-        # (in _open_reads) is counted once, as a crash.
         except LeaseRefused as e:
             logger.warning("hybridkv P/D: read of request %s discarded, recomputing: %s", job.req_id, e)
             self._failed("LeaseRefused")
             return False, None
         except HandshakeError as e:
             logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters
-            still = self._open_reads(handles)
             self._failed("HandshakeError")
-            return False, still
+            return False, self._open_reads(handles)
         except ValueError as e:  # a TP plan or span the layouts cannot serve
             logger.error("hybridkv P/D: read of %s from %s refused: %s", job.req_id, failed_address, e)
-            still = self._open_reads(handles)
             self._failed("plan")
-            return False, still
+            return False, self._open_reads(handles)
         except TransferError as e:
             warn_once(logger, f"pd_read:{type(e).__name__}", "read of %s from %s failed: %s",
                       job.req_id, failed_address, e)
             with self._peers_lock:
                 for port in job.remote_ports:
                     self._peers.pop((job.remote_host, port), None)  # re-handshake next time
-            still = self._open_reads(handles)
             self._failed("TransferTimeout" if isinstance(e, TransferTimeout) else "TransferError")
-            return False, still
+            return False, self._open_reads(handles)
 
     def _count_read(self, blocks: int, nbytes: int, seconds: float) -> None:
         """A request's read on this rank succeeded (its KV is used): the provenance line's numbers."""
@@ -554,10 +549,7 @@ class PDWorker:
     def take_stats(self) -> HybridPDStats | None:
         """This rank's counters since the last call (None: nothing counted)."""
         with self._lock:
-            if self._stats.is_empty():
-                return None
-            stats, self._stats = self._stats, HybridPDStats()
-        return stats
+            return self._stats.take()
 
     def take_released(self) -> set[str]:
         with self._lock:

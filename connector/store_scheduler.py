@@ -616,7 +616,4 @@ class StoreScheduler:
         return False, None
 
     def take_stats(self) -> HybridStoreStats | None:
-        if self._stats.is_empty():
-            return None
-        stats, self._stats = self._stats, HybridStoreStats()
-        return stats
+        return self._stats.take()

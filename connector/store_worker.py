@@ -676,10 +676,7 @@ class StoreWorker:
 
     def take_stats(self) -> HybridStoreStats | None:
         with self._lock:
-            if self._stats.is_empty():
-                return None
-            stats, self._stats = self._stats, HybridStoreStats()
-        return stats
+            return self._stats.take()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Let queued saves finish (bounded), then stop the threads."""

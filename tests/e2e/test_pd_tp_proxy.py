@@ -185,8 +185,13 @@ def _rpc(http, url: str, method: str, *args: object) -> list:  # noqa: ANN001
 
 def _counter(http, url: str, name: str) -> float:  # noqa: ANN001
     """Sum of a Prometheus counter over its label sets on ``url``/metrics."""
+    return _counter_sum(http.get(url + "/metrics", timeout=30).text, name)
+
+
+def _counter_sum(metrics_text: str, name: str) -> float:
+    """Sum of ``name`` over its label sets in Prometheus text (0 when absent)."""
     total = 0.0
-    for line in http.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in metrics_text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -196,9 +201,10 @@ PD_READ_COUNTERS = ("reads", "read_blocks", "read_bytes", "failed_reads")
 
 
 def _pd_reads(http, url: str) -> dict[str, int]:  # noqa: ANN001
-    """The decode's ``vllm:hybridkv_pd_*`` read counters (summed over its ranks by vLLM; a
-    series not yet incremented is absent from /metrics: 0)."""
-    return {n: int(_counter(http, url, f"vllm:hybridkv_pd_{n}_total")) for n in PD_READ_COUNTERS}
+    """The decode's ``vllm:hybridkv_pd_*`` read counters, from one /metrics read (summed over
+    its ranks by vLLM; a series not yet incremented is absent from /metrics: 0)."""
+    text = http.get(url + "/metrics", timeout=30).text
+    return {n: int(_counter_sum(text, f"vllm:hybridkv_pd_{n}_total")) for n in PD_READ_COUNTERS}
 
 
 def assert_pd_metrics(http, url: str, before: dict[str, int], decode_tp: int, want: list[int],  # noqa: ANN001
