@@ -18,6 +18,9 @@ both run at once.
 
 The resolver is pip 26.3, fetched as a wheel (~1.8 MB) and run from it, not the venv's pip:
 pip 23.2 (the venv's) took 94 s (x86_64) and 141 s (aarch64) for the same resolution.
+
+The resolution itself lives in tests/gpu_resolution.py: scripts/test.sh runs it beside setup
+(off the suite's critical path, issue 15) and this file checks its result.
 """
 
 from __future__ import annotations
@@ -26,8 +29,6 @@ import json
 import os
 import re
 import ssl
-import subprocess
-import sys
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -41,25 +42,12 @@ from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[2]
-PYPI = "https://pypi.org/simple"
-PIP_VERSION = "26.3"
-ARCHES = ("x86_64", "aarch64")
-# The Python the GB200 resolution is checked for (Ubuntu 24.04's; the H200 device's).
-GPU_PYTHON = (3, 12)
-# Oldest glibc the set is checked against: Ubuntu 22.04's. vLLM 0.33's llguidance has only
-# manylinux_2_31 wheels, so 2.28 (vLLM's own floor) would not resolve at all.
-GLIBC_MINOR = 35
+from tests.gpu_resolution import (ARCHES, GPU_PYTHON, PYPI, ROOT, _trust_bundle, manylinux_platforms,
+                                  read_requirements, read_result, resolve_all)
+
 CUDA_MAJOR = 13
-RESOLVE_TIMEOUT_S = 240
 
 _CUDA_SUFFIX = re.compile(r"-cu(?:da)?(\d+)$")
-
-
-def read_requirements(extra: str, pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
-    """The base dependencies plus one extra: what `pip install hybridkv[extra]` asks for."""
-    project = tomllib.loads(pyproject.read_text())["project"]
-    return list(project["dependencies"]) + list(project["optional-dependencies"][extra])
 
 
 def requires_python(pyproject: Path = ROOT / "pyproject.toml") -> SpecifierSet:
@@ -70,95 +58,6 @@ def cuda_major_of(name: str) -> int | None:
     """The CUDA major a distribution's NAME commits to (nixl-cu13, ...-cuda13), else None."""
     m = _CUDA_SUFFIX.search(canonicalize_name(name))
     return int(m.group(1)) if m else None
-
-
-def manylinux_platforms(arch: str) -> list[str]:
-    """Every manylinux tag a host with glibc 2.GLIBC_MINOR accepts.
-
-    pip (23.2 to 26.3) does not expand `--platform manylinux_2_35_x86_64` to the older
-    manylinux_2_x tags the way a real host does, so each is passed."""
-    tags = [f"manylinux_2_{m}_{arch}" for m in range(GLIBC_MINOR, 16, -1)]
-    return tags + [f"manylinux2014_{arch}"]
-
-
-def _trust_bundle() -> str | None:
-    """The CA bundle to verify PyPI with: the machine's, as configured.
-
-    TLS trust is the one piece of the machine's pip setup the test keeps (the PyPI front
-    here is signed by a local CA that certifi does not know)."""
-    for var in ("PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"):
-        if os.environ.get(var) and Path(os.environ[var]).is_file():
-            return os.environ[var]
-    cafile = ssl.get_default_verify_paths().cafile
-    return cafile if cafile and Path(cafile).is_file() else None
-
-
-def clean_pip_env() -> dict[str, str]:
-    """The environment for pip with every package SOURCE of this machine removed.
-
-    These machines configure pip with find-links /opt/wheels, local file:// indexes and a
-    constraints file (PIP_* variables, ~/.config/pip/pip.conf, /etc/xdg/pip/pip.conf). A
-    resolution through them could succeed on a wheel that exists only on this disk, or be
-    capped by a local constraint, and then fail for a user. `--isolated` drops the PIP_*
-    variables and the user config but NOT the global /etc/xdg/pip config (pip 23-26 still
-    load it); PIP_CONFIG_FILE=os.devnull makes pip skip every config file. What remains is
-    PyPI, named explicitly with --index-url."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env["PIP_CONFIG_FILE"] = os.devnull
-    return env
-
-
-def _pip_common() -> list[str]:
-    cert = _trust_bundle()
-    return ["--isolated", "--disable-pip-version-check", "--index-url", PYPI, "--timeout", "60"] + (
-        ["--cert", cert] if cert else []
-    )
-
-
-def fetch_pip(dest: Path) -> Path:
-    """pip PIP_VERSION's wheel, to run pip from (python pip.whl/pip): the resolver is pinned."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", *_pip_common(), "--no-deps", "--only-binary=:all:",
-         "-d", str(dest), f"pip=={PIP_VERSION}"],
-        env=clean_pip_env(), capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 0, f"could not fetch pip {PIP_VERSION}:\n{done.stdout}{done.stderr}"
-    (wheel,) = dest.glob(f"pip-{PIP_VERSION}-*.whl")
-    return wheel
-
-
-def start_resolution(pip_wheel: Path, requirements: list[str], arch: str,
-                     python: tuple[int, int], work: Path) -> subprocess.Popen[str]:
-    """pip's dry-run resolution of `requirements` for manylinux `arch`; writes work/report.json."""
-    work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(pip_wheel / "pip"), "install", *_pip_common(),
-           "--dry-run", "--ignore-installed", "--only-binary=:all:", "--no-cache-dir",
-           "--use-feature=fast-deps", "--implementation", "cp",
-           "--python-version", f"{python[0]}.{python[1]}",
-           *[a for p in manylinux_platforms(arch) for a in ("--platform", p)],
-           # --target: with --platform pip refuses to install into this venv; --dry-run
-           # installs nothing anyway.
-           "--target", str(work / "target"), "--report", str(work / "report.json"),
-           *requirements]
-    return subprocess.Popen(cmd, env=clean_pip_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def resolve_all(requirements: list[str], python: tuple[int, int], work: Path) -> dict[str, dict[str, Any]]:
-    """Resolve for every arch at once (the time is network round trips, not CPU)."""
-    pip_wheel = fetch_pip(work / "pip")
-    procs = {a: start_resolution(pip_wheel, requirements, a, python, work / a) for a in ARCHES}
-    out: dict[str, dict[str, Any]] = {}
-    for arch, proc in procs.items():
-        try:
-            log, _ = proc.communicate(timeout=RESOLVE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
-        report = work / arch / "report.json"
-        out[arch] = {"rc": proc.returncode, "log": log,
-                     "report": json.loads(report.read_text()) if report.exists() else None}
-    return out
 
 
 def _target_env(arch: str, python: tuple[int, int]) -> dict[str, str]:
@@ -224,6 +123,13 @@ def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
 
 @pytest.fixture(scope="module")
 def gpu_resolution(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The background run's result where scripts/test.sh started one (HYBRIDKV_GPU_RESOLUTION,
+    tests/gpu_resolution.py: same code, same pyproject.toml), else a resolution here."""
+    background = os.environ.get("HYBRIDKV_GPU_RESOLUTION")
+    done = read_result(Path(background)) if background else None
+    if done is not None:
+        print(f"gpu extra: the resolution scripts/test.sh ran beside setup ({background})")
+        return done
     return resolve_all(read_requirements("gpu"), GPU_PYTHON, tmp_path_factory.mktemp("gpu-extra"))
 
 
