@@ -221,7 +221,11 @@ class VllmServer:
         ]  # fmt: skip
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
-        return cmd + self.extra_args
+        # A tiny model's numbers pinned across CPUs (tiny_models.pinned_engine_args); later
+        # flags (extra_args) win. Imported here: tiny_models imports torch.
+        from hybridkv.cli.tiny_models import pinned_server_args
+
+        return cmd + pinned_server_args(self.model) + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -60,7 +60,7 @@ from safetensors.torch import save_file
 
 from hybridkv.cli.tiny_tokenizer import write_tiny_tokenizer
 
-__all__ = ["DRAFTER_KINDS", "KINDS", "write_tiny_model", "main"]
+__all__ = ["DRAFTER_KINDS", "KINDS", "pinned_engine_args", "pinned_server_args", "write_tiny_model", "main"]
 
 # Bump when the config or the initialisation changes, so stale folders are rewritten.
 _FORMAT_VERSION = 3  # 2: a tokenizer is written too; 3: qwen3next uses all experts
@@ -524,6 +524,36 @@ def _is_current(out: pathlib.Path, kind: str, seed: int) -> bool:
         (out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")
     )
     return files_present and stamp == _stamp_for(kind, seed)
+
+
+# What the tiny models pin so that they compute the same numbers on every x86 CPU.
+# Gated-DeltaNet's SSM state: vLLM 0.32's CPU platform keeps 'auto' (= the model's bf16)
+# unless the CPU has AVX512-BF16, where it resets 'auto' to float32 for its accelerated GDN
+# kernel (vllm/platforms/cpu.py). The tests' numbers were set on such CPUs (Intel, AMX); on an
+# AMD EPYC without AVX-512 (2026-12-03) the state was bf16: a TP state-layout check saw 8192-
+# byte SSM rows instead of 16384, and two planted-fault controls lost to near-ties. float32,
+# set explicitly, is what every CPU then uses (the platform leaves an explicit float32 alone).
+_LINEAR_ATTENTION_PINS = {"mamba_ssm_cache_dtype": "float32"}
+
+
+def pinned_engine_args(model_dir: str | os.PathLike) -> dict[str, str]:
+    """Engine arguments (LLM keyword names) a tiny model written here needs on every CPU:
+    float32 Gated-DeltaNet SSM state for a model with linear attention (see above); {} for
+    any other folder, a model not written by write_tiny_model included."""
+    out = pathlib.Path(model_dir)
+    try:
+        json.loads((out / _STAMP).read_text())
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if "linear_attention" in (config.get("layer_types") or []):
+        return dict(_LINEAR_ATTENTION_PINS)
+    return {}
+
+
+def pinned_server_args(model_dir: str | os.PathLike) -> list[str]:
+    """pinned_engine_args as `vllm serve` flags (--mamba-ssm-cache-dtype float32)."""
+    return [a for k, v in pinned_engine_args(model_dir).items() for a in ("--" + k.replace("_", "-"), v)]
 
 
 def write_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.cli import agentic_demo
-from hybridkv.cli.tiny_models import write_tiny_model
+from hybridkv.cli.tiny_models import pinned_engine_args, write_tiny_model
 
 MODEL_CACHE = Path(os.environ.get("HYBRIDKV_MODEL_CACHE", Path.home() / ".cache" / "hybridkv" / "models"))
 VOCAB = 2048
@@ -68,6 +68,7 @@ def make_llm(model_dir: str, kv_transfer_config: dict[str, Any] | None, prefix_m
         args["prefix_match_unit"] = prefix_match_unit
     if kv_transfer_config is not None:
         args["kv_transfer_config"] = kv_transfer_config
+    args.update(pinned_engine_args(model_dir))  # the same numbers on every CPU (tiny_models)
     args.update(kw)
     return LLM(**args)
 

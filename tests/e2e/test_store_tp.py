@@ -37,6 +37,7 @@ from hybridkv.store.mooncake_backend import MooncakeBackend
 from hybridkv.store.object_trailer import TRAILER_BYTES, seal
 from tests.docs_tables import observe
 from tests.e2e.engine_harness import (
+    TIE_REDRAWS,
     VOCAB,
     compare,
     format_table,
@@ -184,9 +185,14 @@ def test_tp2_three_turns_fault_and_missing_rank_object(kind, master, gemma3_tp2,
             wrong = client.get_bytes(source)[:-TRAILER_BYTES]
             assert original and wrong != original[:-TRAILER_BYTES]
             assert client.replace_bytes(victim, seal(victim, wrong)) == 0
-            reset_local_cache(llm)
-            cached, failed, cmp = served(llm, tail())
-            print(f"  planted (rank 1, block 0 <- block 1): cached {cached} failed {failed} {cmp}")
+            # Another tail while the verdict is a near-tie at output position 0 (it compared
+            # nothing: engine_harness.TIE_REDRAWS says why); seen on an AMD EPYC, 2026-12-03.
+            for tails in range(1, TIE_REDRAWS + 1):
+                reset_local_cache(llm)
+                cached, failed, cmp = served(llm, tail())
+                if cmp.tie_at != 0:
+                    break
+            print(f"  planted (rank 1, block 0 <- block 1): cached {cached} failed {failed} {cmp} tails {tails}")
             assert client.replace_bytes(victim, original) == 0
             assert cached == hit and failed == 0, "the planted object was not loaded as valid"
             assert not cmp.matches, "one rank's wrong block went unnoticed: the check has no power"
