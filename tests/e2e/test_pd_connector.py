@@ -334,6 +334,17 @@ class TestGemma3Pair:
             yield model, prefill, decode, LogTail(log)
             shutdown(prefill, decode)
 
+    @pytest.fixture(scope="class")
+    def spare_prefill(self, pair):  # noqa: ANN001, ANN201
+        """A second prefill engine with a 2 s lease, shared by the expired-lease test (first)
+        and the killed-before-the-read test (last: it kills it). One boot for both (issue 15:
+        a boot is ~20-30 s of the suite)."""
+        model = pair[0]
+        before = _children()
+        prefill = make_llm(model, pd_config("kv_producer", lease_s=2))
+        yield prefill, _children() - before
+        shutdown(prefill)
+
     def test_three_turns_match_recompute(self, pair):  # noqa: ANN001
         _model, prefill, decode, log = pair
         _three_turns("gemma3", prefill, decode, lambda: log.new())
@@ -373,31 +384,14 @@ class TestGemma3Pair:
         assert "block_size=256" in out + err and "--block-size" in out + err, "the refusal must name the field and fix"
         shutdown(decode)
 
-    def test_prefill_instance_killed_before_the_read_decode_recomputes(self, pair):  # noqa: ANN001
-        import signal as _signal
-        import time
-
-        model, _prefill_shared, decode, _log = pair
-        prefill, prefill_pids = _start_prefill(model)
-        session = Session(seed=23)
-        params = _prefill(prefill, session.prompt)
-        _signal_all(prefill_pids, _signal.SIGKILL)
-        t0 = time.monotonic()
-        got = _decode(decode, session.prompt, params)
-        elapsed = time.monotonic() - t0
-        ref = generate(decode, session.prompt, cache_salt="pd-killed-recompute")
-        print(f"\nprefill killed: decode finished in {elapsed:.1f}s, cached {got.num_cached_tokens}")
-        assert matches(got, ref)
-        assert elapsed < 30
-
-    def test_expired_lease_is_not_read_and_decode_recomputes(self, pair):  # noqa: ANN001
+    def test_expired_lease_is_not_read_and_decode_recomputes(self, pair, spare_prefill):  # noqa: ANN001
         """Prefill keeps a finished request's blocks for lease_s only; afterwards it may hand
         them to other requests. A decode request arriving later must not READ them (it would
         copy whatever KV lives there now): it recomputes, and says why."""
         import time
 
-        model, _prefill_shared, decode, log = pair
-        prefill = make_llm(model, pd_config("kv_producer", lease_s=2))
+        _model, _prefill_shared, decode, log = pair
+        prefill, _pids = spare_prefill  # lease_s=2
         session = Session(seed=27)
         params = _prefill(prefill, session.prompt)
         assert len(params["remote_lease_id"]) == 32 and "remote_lease_expires_at" not in params  # no wall clock
@@ -416,4 +410,20 @@ class TestGemma3Pair:
         with pytest.raises(AssertionError, match="a READ failed or was refused"):
             _assert_provenance(said, [0, 0], [0, 0])
         assert not _READ_LINE.search(said), "a refused READ printed the provenance line"
-        shutdown(prefill)
+
+    def test_prefill_instance_killed_before_the_read_decode_recomputes(self, pair, spare_prefill):  # noqa: ANN001
+        import signal as _signal
+        import time
+
+        _model, _prefill_shared, decode, _log = pair
+        prefill, prefill_pids = spare_prefill  # killed here: this test runs after the expired-lease one
+        session = Session(seed=23)
+        params = _prefill(prefill, session.prompt)
+        _signal_all(prefill_pids, _signal.SIGKILL)
+        t0 = time.monotonic()
+        got = _decode(decode, session.prompt, params)
+        elapsed = time.monotonic() - t0
+        ref = generate(decode, session.prompt, cache_salt="pd-killed-recompute")
+        print(f"\nprefill killed: decode finished in {elapsed:.1f}s, cached {got.num_cached_tokens}")
+        assert matches(got, ref)
+        assert elapsed < 30
