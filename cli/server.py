@@ -221,7 +221,7 @@ class VllmServer:
         ]  # fmt: skip
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
-        # A tiny model's numbers pinned across CPUs (tiny_models.pinned_engine_args); later
+        # A tiny model's state dtypes pinned across CPUs (tiny_models.pinned_engine_args); later
         # flags (extra_args) win. Imported here: tiny_models imports torch.
         from hybridkv.cli.tiny_models import pinned_server_args
 

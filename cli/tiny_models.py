@@ -526,7 +526,8 @@ def _is_current(out: pathlib.Path, kind: str, seed: int) -> bool:
     return files_present and stamp == _stamp_for(kind, seed)
 
 
-# What the tiny models pin so that they compute the same numbers on every x86 CPU.
+# What the tiny models pin so that every x86 CPU runs them with the same state dtypes (the CPU
+# kernels themselves still differ: AVX-512 or AVX2 builds, GDN backends).
 # Gated-DeltaNet's SSM state: vLLM 0.32's CPU platform keeps 'auto' (= the model's bf16)
 # unless the CPU has AVX512-BF16, where it resets 'auto' to float32 for its accelerated GDN
 # kernel (vllm/platforms/cpu.py). The tests' numbers were set on such CPUs (Intel, AMX); on an
@@ -537,7 +538,7 @@ _LINEAR_ATTENTION_PINS = {"mamba_ssm_cache_dtype": "float32"}
 
 
 def pinned_engine_args(model_dir: str | os.PathLike) -> dict[str, str]:
-    """Engine arguments (LLM keyword names) a tiny model written here needs on every CPU:
+    """Engine arguments (LLM keyword names) a tiny model written here is run with on every CPU:
     float32 Gated-DeltaNet SSM state for a model with linear attention (see above); {} for
     any other folder, a model not written by write_tiny_model included."""
     out = pathlib.Path(model_dir)

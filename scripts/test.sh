@@ -31,12 +31,14 @@ log="$(mktemp)"
 # test_gpu_extra's pip resolution (2-3 min of network round trips) runs beside setup, off the
 # critical path (a fresh clone's install takes ~3 min and has no timing-sensitive test beside
 # it); the test checks its result (tests/gpu_resolution.py says why not beside the e2e tests).
+# On exit (setup failed, a kill) the job and its folder go too. With arguments (a subset) no
+# resolution runs, and a HYBRIDKV_GPU_RESOLUTION from the caller's environment is not trusted.
 gpu_pid=""
+unset HYBRIDKV_GPU_RESOLUTION
 if [ "$#" -eq 0 ]; then
-    HYBRIDKV_GPU_RESOLUTION="$(mktemp -d)"
-    export HYBRIDKV_GPU_RESOLUTION
-    "$(command -v python3.11 || command -v python3)" -m tests.gpu_resolution "$HYBRIDKV_GPU_RESOLUTION" \
-        >"$HYBRIDKV_GPU_RESOLUTION/log" 2>&1 &
+    gpu_dir="$(mktemp -d)"
+    trap 'if [ -n "$gpu_pid" ]; then pkill -TERM -P "$gpu_pid" 2>/dev/null; kill "$gpu_pid" 2>/dev/null; fi; rm -rf "$gpu_dir"' EXIT
+    "$(command -v python3.11 || command -v python3)" -m tests.gpu_resolution "$gpu_dir" >"$gpu_dir/log" 2>&1 &
     gpu_pid=$!
 fi
 if ! bash scripts/setup.sh >"$log" 2>&1; then
@@ -47,8 +49,13 @@ fi
 grep -v "is ignored: it is neither" "$log" | tail -3
 if [ -n "$gpu_pid" ]; then
     s=$SECONDS
-    wait "$gpu_pid" || echo "gpu extra resolution beside setup failed (the test resolves again): $(tail -3 "$HYBRIDKV_GPU_RESOLUTION/log")"
-    echo "== gpu extra resolved beside setup (waited $((SECONDS - s)) s after setup)"
+    if wait "$gpu_pid"; then
+        echo "== gpu extra resolution beside setup done (waited $((SECONDS - s)) s after setup)"
+    else
+        echo "== gpu extra resolution beside setup failed; the test resolves itself: $(tail -3 "$gpu_dir/log")"
+    fi
+    gpu_pid=""
+    export HYBRIDKV_GPU_RESOLUTION="$gpu_dir"  # read_result also refuses a failed or stale one
 fi
 if ! VLLM033="$(bash scripts/vllm033.sh)"; then
     echo "could not prepare vLLM 0.33's Python (scripts/vllm033.sh)" >&2

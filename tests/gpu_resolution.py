@@ -35,7 +35,6 @@ GLIBC_MINOR = 35
 RESOLVE_TIMEOUT_S = 240
 
 
-
 def read_requirements(extra: str, pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """The base dependencies plus one extra: what `pip install hybridkv[extra]` asks for."""
     project = tomllib.loads(pyproject.read_text())["project"]
@@ -134,22 +133,41 @@ def resolve_all(requirements: list[str], python: tuple[int, int], work: Path) ->
 RESULT_FILE = "result.json"
 
 
+def _inputs() -> dict[str, Any]:
+    """What a resolution depends on here: a result made from other inputs is not reused."""
+    return {"requirements": read_requirements("gpu"), "pip": PIP_VERSION, "python": list(GPU_PYTHON),
+            "arches": list(ARCHES), "glibc_minor": GLIBC_MINOR}
+
+
 def write_result(work: Path) -> Path:
-    """Resolve the gpu extra for GPU_PYTHON into ``work`` and write what resolve_all returned to
-    ``work/result.json``, atomically (a reader never sees half a file)."""
-    out = resolve_all(read_requirements("gpu"), GPU_PYTHON, work)
+    """Resolve the gpu extra for GPU_PYTHON into ``work`` and write what resolve_all returned,
+    with the inputs it was made from, to ``work/result.json``, atomically (a reader never sees
+    half a file)."""
+    inputs = _inputs()
+    out = resolve_all(inputs["requirements"], GPU_PYTHON, work)
     tmp = work / (RESULT_FILE + ".tmp")
-    tmp.write_text(json.dumps(out))
+    tmp.write_text(json.dumps({"inputs": inputs, "arches": out}))
     tmp.replace(work / RESULT_FILE)
     return work / RESULT_FILE
 
 
 def read_result(work: Path) -> dict[str, dict[str, Any]] | None:
-    """What a background run wrote, or None where it wrote nothing (it failed or never ran)."""
+    """A background run's resolution per arch, or None (then the test resolves itself): where it
+    wrote nothing, was made from other inputs (another pyproject.toml, pip, Python), or any
+    arch did not resolve (a timeout or a network error beside setup's own downloads gets a
+    second chance; a real failure then fails the test's own resolution)."""
     try:
-        return json.loads((work / RESULT_FILE).read_text())
+        doc = json.loads((work / RESULT_FILE).read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(doc, dict) or doc.get("inputs") != _inputs():
+        return None
+    arches = doc.get("arches")
+    if not isinstance(arches, dict) or set(arches) != set(ARCHES):
+        return None
+    if any(not isinstance(r, dict) or r.get("rc") != 0 or r.get("report") is None for r in arches.values()):
+        return None
+    return arches
 
 
 if __name__ == "__main__":

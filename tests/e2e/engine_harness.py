@@ -68,7 +68,7 @@ def make_llm(model_dir: str, kv_transfer_config: dict[str, Any] | None, prefix_m
         args["prefix_match_unit"] = prefix_match_unit
     if kv_transfer_config is not None:
         args["kv_transfer_config"] = kv_transfer_config
-    args.update(pinned_engine_args(model_dir))  # the same numbers on every CPU (tiny_models)
+    args.update(pinned_engine_args(model_dir))  # the same state dtypes on every CPU (tiny_models)
     args.update(kw)
     return LLM(**args)
 

@@ -173,3 +173,27 @@ def test_every_pinned_wheel_exists_for_each_supported_python_and_arch() -> None:
                 if not tags & wanted:
                     missing.append(f"{req} cp{py[0]}{py[1]} {arch}")
     assert missing == []
+
+
+def test_a_background_result_is_reused_only_if_it_resolved_from_these_inputs(tmp_path: Path) -> None:
+    """read_result (how the fixture takes scripts/test.sh's background run): a result made from
+    other inputs, with an arch that did not resolve, or missing an arch is not reused (the
+    test then resolves itself); one that matches is, as written."""
+    from tests.gpu_resolution import RESULT_FILE, _inputs
+
+    good = {a: {"rc": 0, "log": "", "report": {"install": []}} for a in ARCHES}
+
+    def written(doc: object) -> dict | None:
+        (tmp_path / RESULT_FILE).write_text(json.dumps(doc))
+        return read_result(tmp_path)
+
+    assert read_result(tmp_path) is None  # nothing written
+    assert written({"inputs": _inputs(), "arches": good}) == good
+    stale = {**_inputs(), "requirements": [*read_requirements("gpu"), "extra-package==1"]}
+    assert written({"inputs": stale, "arches": good}) is None
+    assert written({"inputs": {**_inputs(), "pip": "23.2.1"}, "arches": good}) is None
+    assert written({"inputs": _inputs(), "arches": {**good, "aarch64": {**good["aarch64"], "rc": 1}}}) is None
+    assert written({"inputs": _inputs(), "arches": {**good, "x86_64": {**good["x86_64"], "report": None}}}) is None
+    assert written({"inputs": _inputs(), "arches": {"x86_64": good["x86_64"]}}) is None
+    assert written(good) is None  # the old format (no inputs)
+    assert written(["not", "a", "dict"]) is None
