@@ -208,8 +208,13 @@ class VllmServer:
 
     def command(self) -> list[str]:
         """The exact command line (also shown in errors, to rerun by hand)."""
+        from hybridkv.cli.engine_start import fork_requested
+
+        # HYBRIDKV_ENGINE_START=fork (the e2e tests): the engine core and workers start by fork,
+        # as on GPU, not by the CPU platform's spawn (cli/engine_start.py says why).
+        launcher = ["-m", "hybridkv.cli.engine_start"] if fork_requested() else ["-m"]
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, *launcher, "vllm.entrypoints.openai.api_server",
             "--model", self.model,
             "--host", HOST,
             "--port", str(self.port),

@@ -257,7 +257,12 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return HybridStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        """Stop this side's threads, then close this process's store clients and stop a master it
+        owns (``release_all``) on BOTH sides. Why the worker too: vLLM starts workers by fork on
+        GPU (its default) and a forked process exits by ``os._exit``, so the ``atexit`` hook never
+        runs there; the worker's client (its segment, holding the objects it put) stayed mounted
+        at the master until the master's client TTL, and other instances got TRANSFER_FAIL on
+        those objects and recomputed (seen once the e2e engines started by fork)."""
         if self._worker is not None:
             self._worker.shutdown()
-        if self._scheduler is not None:
-            release_all()
+        release_all()

@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from hybridkv.cli import engine_start
 from hybridkv.cli.server import log_tail
 from hybridkv.store.embedded_master import EmbeddedMaster
+
+
+@pytest.fixture(scope="package", autouse=True)
+def engines_start_by_fork():
+    """The e2e tests' engines start their processes by fork, as vLLM does on GPU, not by the CPU
+    platform's spawn, which imports vLLM again in every engine core and worker (8-13 s of a core
+    each here; cli/engine_start.py says why this keeps what the tests prove). The demo test keeps
+    vLLM's own spawn path (tests/e2e/test_demo.py). Undone after the last e2e test, so the unit
+    tests that follow in the same run see the environment they were given."""
+    saved = os.environ.get(engine_start.ENV)
+    os.environ[engine_start.ENV] = "fork"
+    engine_start.install_forkserver()
+    yield
+    engine_start.restore_spawn()
+    if saved is None:
+        os.environ.pop(engine_start.ENV, None)
+    else:
+        os.environ[engine_start.ENV] = saved
 
 
 @pytest.fixture(scope="module")

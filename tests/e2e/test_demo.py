@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hybridkv.cli.agentic_demo import TurnResult, table_header, table_row
+from hybridkv.cli.engine_start import ENV as ENGINE_START_ENV
 from hybridkv.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def vllms_own_spawn(monkeypatch):  # noqa: ANN001, ANN201
+    """The README's command as a user runs it: the servers' engine processes start the way
+    vLLM's CPU platform starts them (spawn), not by the fork the other e2e tests use
+    (tests/e2e/conftest.py, cli/engine_start.py)."""
+    monkeypatch.setenv(ENGINE_START_ENV, "spawn")
 
 
 def test_demo_serves_store_hits_that_match_recompute(tmp_path, capsys):
