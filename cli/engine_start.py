@@ -11,8 +11,8 @@ chose for it itself (``init_cpu_threads_env``), so a forked worker runs where a 
 would. Only the start method changes: the same processes, the same code in each, the same
 parent/child tree under a server.
 
-Opt-in, ``HYBRIDKV_ENGINE_START=fork`` (the test suite sets it for tests/e2e; the demo test
-keeps vLLM's own spawn path):
+Opt-in, ``HYBRIDKV_ENGINE_START=fork`` (``HYBRIDKV_ENGINE_START=fork pytest tests/e2e``; not
+yet the suite's default, see tests/e2e/conftest.py; the demo test keeps vLLM's own spawn path):
 
 - a server: ``python -m hybridkv.cli.engine_start vllm.entrypoints.openai.api_server ARGS``
   (what :class:`hybridkv.cli.server.VllmServer` runs then): the API server forks its engine
@@ -128,11 +128,6 @@ def restore_spawn() -> None:
     import vllm.utils.system_utils as system_utils
 
     system_utils.multiprocessing = multiprocessing
-
-
-def fork_server_pid() -> int | None:
-    """The fork server's pid, if this process started one (tests exclude it from an engine's pids)."""
-    return multiprocessing.forkserver._forkserver._forkserver_pid  # noqa: SLF001 - no public accessor
 
 
 def main(argv: list[str] | None = None) -> None:

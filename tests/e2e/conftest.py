@@ -15,7 +15,9 @@ def engines_start_by_fork():
     processes by fork, as vLLM does on GPU, not by the CPU platform's spawn, which imports vLLM
     again in every engine core and worker (8-13 s of a core each here; cli/engine_start.py). Not
     the default yet: measured on tests/e2e/test_store_connector.py only (132 s instead of 283 s,
-    6 passed), not on the whole suite. The demo test keeps vLLM's own spawn path either way."""
+    6 passed), not on the whole suite. The demo test keeps vLLM's own spawn path either way.
+    The fork server starts here, before any test takes the set of its engines' pids (a fork
+    server started by an engine's boot would be counted, and killed, as that engine's)."""
     if not engine_start.fork_requested():
         yield
         return

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.cli import agentic_demo
-from hybridkv.cli.engine_start import fork_requested, install_forkserver
 from hybridkv.cli.tiny_models import pinned_engine_args, write_tiny_model
 
 MODEL_CACHE = Path(os.environ.get("HYBRIDKV_MODEL_CACHE", Path.home() / ".cache" / "hybridkv" / "models"))
@@ -56,8 +55,6 @@ def make_llm(model_dir: str, kv_transfer_config: dict[str, Any] | None, prefix_m
              max_model_len: int = 4096, **kw: Any):
     from vllm import LLM
 
-    if fork_requested():  # the engine core from a fork server that imported vLLM (cli/engine_start.py)
-        install_forkserver()
     args: dict[str, Any] = dict(
         model=model_dir,
         skip_tokenizer_init=True,
