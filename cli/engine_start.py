@@ -20,9 +20,10 @@ yet the suite's default, see tests/e2e/conftest.py; the demo test keeps vLLM's o
 - an in-process ``LLM`` (:func:`install_forkserver`): the caller has threads (Mooncake, NIXL
   and gRPC clients in a test process), where fork is not safe, so the engine core starts from
   a fork server that imported vLLM once and runs no threads; the caller's environment, CPU
-  affinity and working directory at ``Process()`` are applied in the child (a fork server's
-  children would otherwise inherit the server's, frozen at its start). The engine core forks
-  its workers.
+  affinity, working directory and stdout/stderr (fds 1 and 2, passed over the fork server's
+  socket) at ``Process()`` are applied in the child (a fork server's children would otherwise
+  inherit the server's, frozen at its start: the e2e tests point fds 1 and 2 at a log file
+  they read, and found nothing there). The engine core forks its workers.
 """
 
 from __future__ import annotations
@@ -63,9 +64,34 @@ class _StartMethods:
         return getattr(multiprocessing, name)
 
 
-def _run_with_callers_state(env: dict[str, str], cpus: set[int], cwd: str, target: Callable[..., Any],
-                            args: tuple, kwargs: dict) -> Any:
-    """In a fork server's child: the environment, affinity and directory the caller had."""
+class _CallersStdio:
+    """The caller's fds 1 and 2, as they point when its ``Process()`` is started.
+
+    Pickled for a fork server (``multiprocessing.reduction.DupFd``), each fd travels over the
+    server's socket; the child gets a copy of each and :meth:`apply` puts them in place."""
+
+    def __init__(self, fds: tuple[Any, ...] = ()) -> None:
+        self._fds = fds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_CallersStdio, ((reduction.DupFd(1), reduction.DupFd(2)),))
+
+    def apply(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target_fd, handle in zip((1, 2), self._fds):
+            fd = handle.detach()
+            if fd != target_fd:
+                os.dup2(fd, target_fd)
+
+
+def _run_with_callers_state(env: dict[str, str], cpus: set[int], cwd: str, stdio: _CallersStdio,
+                            target: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """In a fork server's child: the environment, affinity, directory and stdout/stderr the
+    caller had."""
+    stdio.apply()
     os.environ.clear()
     os.environ.update(env)
     os.sched_setaffinity(0, cpus)
@@ -81,7 +107,8 @@ class _ForkServerWithCallersState:
 
     def Process(self, group: None = None, target: Callable[..., Any] | None = None, name: str | None = None,  # noqa: N802
                 args: tuple = (), kwargs: dict | None = None, *, daemon: bool | None = None) -> Any:
-        state = (dict(os.environ), os.sched_getaffinity(0), os.getcwd(), target, tuple(args), dict(kwargs or {}))
+        state = (dict(os.environ), os.sched_getaffinity(0), os.getcwd(), _CallersStdio(), target, tuple(args),
+                 dict(kwargs or {}))
         return self._ctx.Process(group=group, target=_run_with_callers_state, name=name, args=state, daemon=daemon)
 
     def __getattr__(self, name: str) -> Any:

@@ -67,3 +67,37 @@ def test_the_worker_side_connector_releases_its_store_clients_at_shutdown(monkey
     connector._worker, connector._scheduler = Worker(), None  # the worker side
     connector.shutdown()
     assert calls == ["worker threads", "release_all"]
+
+
+def _write_where_stdout_points(line: str) -> None:
+    import os as _os
+
+    _os.write(1, f"{line} cwd={_os.getcwd()} env={_os.environ.get('HYBRIDKV_TEST_MARK')}\n".encode())
+
+
+def test_a_fork_server_child_writes_where_the_callers_stdout_points_at_its_start(tmp_path, monkeypatch):
+    """The e2e tests point fds 1 and 2 at a log file and read the engine workers' lines there
+    (tests/e2e/engine_harness.engine_output_to); a fork server's child inherits the server's fds
+    instead, unless the caller's travel with it (found by a whole e2e run under fork: "expected
+    one P/D read line, got []"). Its environment and directory are the caller's too."""
+    import multiprocessing.forkserver
+    import os
+
+    context = engine_start._ForkServerWithCallersState()
+    multiprocessing.forkserver.ensure_running()  # started before the redirect, as in the e2e tests
+    log, workdir = tmp_path / "engine.log", tmp_path / "work"
+    workdir.mkdir()
+    monkeypatch.setenv("HYBRIDKV_TEST_MARK", "callers")
+    monkeypatch.chdir(workdir)
+    saved = os.dup(1)
+    try:
+        with open(log, "ab") as f:
+            os.dup2(f.fileno(), 1)
+        process = context.Process(target=_write_where_stdout_points, args=("child",))
+        process.start()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    process.join(60)
+    assert process.exitcode == 0
+    assert log.read_text() == f"child cwd={workdir} env=callers\n"
