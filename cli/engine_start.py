@@ -11,8 +11,9 @@ chose for it itself (``init_cpu_threads_env``), so a forked worker runs where a 
 would. Only the start method changes: the same processes, the same code in each, the same
 parent/child tree under a server.
 
-Opt-in, ``HYBRIDKV_ENGINE_START=fork`` (``HYBRIDKV_ENGINE_START=fork pytest tests/e2e``; not
-yet the suite's default, see tests/e2e/conftest.py; the demo test keeps vLLM's own spawn path):
+Asked for by ``HYBRIDKV_ENGINE_START=fork`` (unset or ``spawn``: vLLM's own spawn). The e2e
+tests set it unless the caller chose (tests/e2e/conftest.py: a whole e2e run 23 min instead of
+~40); the demo test keeps vLLM's own spawn path:
 
 - a server: ``python -m hybridkv.cli.engine_start vllm.entrypoints.openai.api_server ARGS``
   (what :class:`hybridkv.cli.server.VllmServer` runs then): the API server forks its engine

