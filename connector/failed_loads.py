@@ -11,9 +11,15 @@ that request lets it leave ``kv_holding_waiting`` holding nothing, so the same s
 reaches and frees the others. The vLLM code, the reproducers and the fix to report upstream:
 docs/vllm_upstream.md, section 1.
 
-Only a connector's OWN loads count: under MultiConnector every child sees every child's
-``failed_recving``, and a child acting on another's failure would, for instance, stop the
-store from offering its copy of a prefix whose P/D READ failed.
+Only a connector's OWN loads owe the deferral (under MultiConnector every child sees every
+child's ``failed_recving``; two deferrals would skip the request twice). But once ANY
+connector's load of a request failed, no connector may offer that request another async load
+(``load_failed``; a connector that tracks the request records another's failure with
+``mark``'s ``is_tracked``): vLLM keeps the failed request in ``_inflight_prefills`` after
+freeing its blocks, and an async admission then reserves that stale entry's whole prompt on
+top of the request's own allocation, twice its prompt. Where that does not fit the waiting
+loop stops at it every step with nothing running (docs/vllm_upstream.md, section 4). A plain
+admission (the request recomputes) clears the entry.
 
 Used by both connector schedulers (``StoreScheduler``, ``PDScheduler``).
 """
@@ -31,10 +37,17 @@ class FailedLoads:
         self._owed: dict[str, bool] = {}  # request id -> its one skipped admission is still to come
         self.deferrals = 0  # admissions skipped so far
 
-    def mark_own(self, failed: Iterable[str], is_own: Callable[[str], bool]) -> None:
-        """Remember the failed loads (``KVConnectorOutput.failed_recving``) for which
-        ``is_own`` says this connector posted the load; each now owes one deferral."""
-        self._owed.update((r, True) for r in failed if is_own(r))
+    def mark(self, failed: Iterable[str], is_own: Callable[[str], bool],
+             is_tracked: Callable[[str], bool] = lambda _r: False) -> None:
+        """Remember the failed loads (``KVConnectorOutput.failed_recving``): those ``is_own``
+        says this connector posted owe one deferral; another connector's failure of a request
+        ``is_tracked`` (one this connector will be asked about again, and will forget when it
+        finishes) owes none but counts as failed (``load_failed``)."""
+        for r in failed:
+            if is_own(r):
+                self._owed[r] = True
+            elif is_tracked(r):
+                self._owed.setdefault(r, False)
 
     def take_deferral(self, request_id: str) -> bool:
         """True exactly once after the request's load failed: skip this admission
@@ -46,8 +59,9 @@ class FailedLoads:
         return True
 
     def load_failed(self, request_id: str) -> bool:
-        """Did this connector's load for the request fail (deferral taken or not)? Until
-        the request finishes: a connector must not offer the same load again."""
+        """Did a load of the request fail (this connector's, deferral taken or not, or a
+        tracked request's load by another connector)? Until the request finishes: a connector
+        must not offer it an async load again (the module docstring says why)."""
         return request_id in self._owed
 
     def forget(self, request_id: str) -> None:

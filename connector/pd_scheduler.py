@@ -387,7 +387,9 @@ class PDScheduler:
 
     def update_connector_output(self, output: Any) -> None:
         failed = getattr(output, "failed_recving", None) or set()
-        self._failed_reads.mark_own(failed, self._reading.__contains__)  # only READs it posted
+        # Only READs it posted owe a deferral; after another connector's failed load it offers no
+        # READ either (a request's one transfer is already taken: _read_started).
+        self._failed_reads.mark(failed, self._reading.__contains__)
         for req_id in getattr(output, "finished_recving", None) or ():
             self._reading.discard(req_id)
         for req_id in getattr(output, "finished_sending", None) or ():

@@ -189,7 +189,9 @@ class StoreScheduler:
         if mirror is None or self._client is None or not request.block_hashes:
             return 0, False
         if self._failed_loads.load_failed(request.request_id):
-            return 0, False  # a failed load recomputes; offering the same hit again could loop
+            # A failed load (this connector's or another's) recomputes: offering a load again
+            # could loop, and vLLM's stale reservation could stall admission (failed_loads.py).
+            return 0, False
         max_tokens = request.num_tokens - 1
         unit = mirror.geometry.hash_block_size
         if min(len(request.block_hashes) * unit, max_tokens) <= num_computed_tokens:
@@ -544,10 +546,13 @@ class StoreScheduler:
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """Release pins of save jobs every worker has finished; remember failed loads."""
         failed = output.failed_recving or set()
-        # Only this connector's own loads (a failed P/D READ under MultiConnector must not
-        # stop the store from offering its copy of the prefix to the recompute), and only
-        # of requests not finished yet; marked before the loop below pops _load_keys.
-        self._failed_loads.mark_own(failed, lambda r: r in self._load_keys and r in self._requests)
+        # Its own loads owe one deferral; another connector's failed load (a P/D READ under
+        # MultiConnector) owes none, but the store then offers that request no load of its
+        # copy either: vLLM would reserve the request's prompt twice and can stop admitting
+        # anything (connector/failed_loads.py). Requests not finished yet only; marked before
+        # the loop below pops _load_keys.
+        self._failed_loads.mark(failed, lambda r: r in self._load_keys and r in self._requests,
+                                self._requests.__contains__)
         for r in output.finished_recving or ():
             self._ledger.load_done(r, r not in failed)  # a set over workers: once per request
             keys = self._load_keys.pop(r, ())

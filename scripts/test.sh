@@ -73,6 +73,7 @@ VLLM033_TESTS=(
     tests/unit/test_kernel_blocks.py tests/unit/test_lookup_probes.py tests/unit/test_pd_tp.py
     tests/unit/test_store_overlap.py tests/unit/test_failed_loads.py
     tests/unit/test_pd_failed_reads_together.py tests/unit/test_pd_sliding_window_handover.py
+    tests/unit/test_failed_read_then_store_hit.py
     tests/unit/test_store_segment_loss.py tests/unit/test_store_segment_loss_tp2.py tests/unit/test_pd_stats.py
 )
 [ "${HYBRIDKV_VLLM033_ALL:-0}" = "1" ] && VLLM033_TESTS=(tests/unit)

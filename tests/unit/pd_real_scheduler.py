@@ -44,20 +44,36 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def pd_scheduler(model_dir: Path, role: str, geo: Geometry, secret_file: str, *, max_num_seqs: int) -> Scheduler:
+def pd_scheduler(model_dir: Path, role: str, geo: Geometry, secret_file: str, *, max_num_seqs: int,
+                 store_master: str | None = None, store_namespace: str = "pd") -> Scheduler:
     """What ``EngineCore`` builds in the scheduler process for a P/D instance of ``role``
     (``kv_producer`` / ``kv_consumer``) over ``geo``, block size ``geo.hash_block_size``,
-    ``kv_load_failure_policy=recompute``."""
+    ``kv_load_failure_policy=recompute``. With ``store_master`` (a mooncake_master address)
+    the instance runs vLLM's ``MultiConnector(HybridPDConnector, HybridStoreConnector)``, in
+    that order, as the P/D + store deployment (docs/config.md) does."""
     block = geo.hash_block_size
+    pd_extra = {"auth_secret_file": secret_file}
+    if store_master is None:
+        transfer = KVTransferConfig(kv_connector="HybridPDConnector", kv_role=role,
+                                    kv_connector_module_path="hybridkv.connector",
+                                    kv_load_failure_policy="recompute", kv_connector_extra_config=pd_extra)
+    else:
+        transfer = KVTransferConfig(
+            kv_connector="MultiConnector", kv_role=role, kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"connectors": [
+                {"kv_connector": "HybridPDConnector", "kv_role": role,
+                 "kv_connector_module_path": "hybridkv.connector", "kv_connector_extra_config": pd_extra},
+                {"kv_connector": "HybridStoreConnector", "kv_role": role,
+                 "kv_connector_module_path": "hybridkv.connector", "kv_load_failure_policy": "recompute",
+                 "kv_connector_extra_config": {"master_address": store_master, "namespace": store_namespace,
+                                               "lookup_cache_s": 0}}]})
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                                  enforce_eager=True, max_model_len=geo.max_model_len),
         cache_config=CacheConfig(block_size=block, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max_num_seqs,
                                          max_model_len=geo.max_model_len, is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridPDConnector", kv_role=role, kv_connector_module_path="hybridkv.connector",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"auth_secret_file": secret_file}),
+        kv_transfer_config=transfer,
     )
     kv_cache_config = geo.kv_cache_config()
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
@@ -68,7 +84,8 @@ def pd_scheduler(model_dir: Path, role: str, geo: Geometry, secret_file: str, *,
     sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                       structured_output_manager=StructuredOutputManager(vllm_config),
                       block_size=block_size, hash_block_size=hash_block_size)
-    assert isinstance(sched.connector, HybridPDConnector)
+    if store_master is None:
+        assert isinstance(sched.connector, HybridPDConnector)
     return sched
 
 

@@ -404,21 +404,28 @@ def test_loads_failing_together_do_not_stall_the_engine(store, num_blocks):
         f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in reqs]}")
 
 
-def test_a_failed_load_of_another_connector_does_not_stop_store_hits(store):
-    """Under MultiConnector every child sees every child's ``failed_recving``. A P/D READ
-    that failed (not a store load) must leave the store free to offer its copy of the
-    prefix to the recompute, and must not be deferred by the store (the P/D scheduler
-    defers its own failures). Planted: marking every failed id -> the store answers 0."""
+def test_after_another_connectors_failed_load_the_store_offers_nothing_and_does_not_defer(store):
+    """Under MultiConnector every child sees every child's ``failed_recving``. After a P/D
+    READ of a request failed, the store must not offer that request its copy of the prefix:
+    vLLM still counts the request in ``_inflight_prefills`` and would reserve its prompt twice
+    (the stall: tests/unit/test_failed_read_then_store_hit.py). Nor may it defer the request
+    (the P/D scheduler defers its own failures): it answers 0 at once. A request whose load
+    did not fail still gets the store's hit."""
     geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096)
     sched = _scheduler(geo, store[0], store[3], "foreign-fail", policy="recompute")
     conn = sched.connector._scheduler
     req = _request("foreign-fail-0", random.Random(77).choices(range(3, 30000), k=300))
-    _fill_for(sched, store, req, 288)
-    conn.on_new_request(req)
+    other = _request("foreign-fail-1", random.Random(78).choices(range(3, 30000), k=300))
+    for r in (req, other):
+        _fill_for(sched, store, r, 288)
+        conn.on_new_request(r)
     conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
                                                    failed_recving={req.request_id}))
-    assert len(conn._failed_loads) == 0  # not marked: the store's own loads only
-    assert conn.get_num_new_matched_tokens(req, 0) == (288, True)
+    assert conn._failed_loads.load_failed(req.request_id) and conn._failed_loads.deferrals == 0
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert conn.get_num_new_matched_tokens(other, 0) == (288, True)
+    conn.request_finished(req)
+    assert len(conn._failed_loads) == 0
 
 
 def test_a_new_master_epoch_offers_every_saved_block_again(store):
