@@ -168,6 +168,11 @@ class StoreScheduler:
 
     def _matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         self._plans.pop(request.request_id, None)
+        if self._failed_loads.load_failed(request.request_id):
+            # A failed load (this connector's or another's) recomputes: offering a load again
+            # could loop, and vLLM's stale reservation could stall admission (failed_loads.py).
+            # Checked before the lookup cache, whose answer may predate the failure.
+            return 0, False
         cached = self._recent_lookups.get(request.request_id)
         if cached is not None:
             key, at, answer, plan = cached
@@ -187,10 +192,6 @@ class StoreScheduler:
     def _lookup(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         mirror = self._mirror
         if mirror is None or self._client is None or not request.block_hashes:
-            return 0, False
-        if self._failed_loads.load_failed(request.request_id):
-            # A failed load (this connector's or another's) recomputes: offering a load again
-            # could loop, and vLLM's stale reservation could stall admission (failed_loads.py).
             return 0, False
         max_tokens = request.num_tokens - 1
         unit = mirror.geometry.hash_block_size

@@ -65,8 +65,8 @@ def pd_scheduler(model_dir: Path, role: str, geo: Geometry, secret_file: str, *,
                  "kv_connector_module_path": "hybridkv.connector", "kv_connector_extra_config": pd_extra},
                 {"kv_connector": "HybridStoreConnector", "kv_role": role,
                  "kv_connector_module_path": "hybridkv.connector", "kv_load_failure_policy": "recompute",
-                 "kv_connector_extra_config": {"master_address": store_master, "namespace": store_namespace,
-                                               "lookup_cache_s": 0}}]})
+                 "kv_connector_extra_config": {"master_address": store_master,
+                                               "namespace": store_namespace}}]})
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                                  enforce_eager=True, max_model_len=geo.max_model_len),

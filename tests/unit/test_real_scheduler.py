@@ -410,15 +410,17 @@ def test_after_another_connectors_failed_load_the_store_offers_nothing_and_does_
     vLLM still counts the request in ``_inflight_prefills`` and would reserve its prompt twice
     (the stall: tests/unit/test_failed_read_then_store_hit.py). Nor may it defer the request
     (the P/D scheduler defers its own failures): it answers 0 at once. A request whose load
-    did not fail still gets the store's hit."""
+    did not fail still gets the store's hit. The lookup cache (60 s here) holds the hit from
+    before the failure: it must not answer for the failed request."""
     geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096)
-    sched = _scheduler(geo, store[0], store[3], "foreign-fail", policy="recompute")
+    sched = _scheduler(geo, store[0], store[3], "foreign-fail", policy="recompute", lookup_cache_s=60)
     conn = sched.connector._scheduler
     req = _request("foreign-fail-0", random.Random(77).choices(range(3, 30000), k=300))
     other = _request("foreign-fail-1", random.Random(78).choices(range(3, 30000), k=300))
     for r in (req, other):
         _fill_for(sched, store, r, 288)
         conn.on_new_request(r)
+    assert conn.get_num_new_matched_tokens(req, 0) == (288, True)  # asked before the P/D READ failed
     conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
                                                    failed_recving={req.request_id}))
     assert conn._failed_loads.load_failed(req.request_id) and conn._failed_loads.deferrals == 0
