@@ -29,6 +29,7 @@ from types import TracebackType
 
 from hybridkv.store.embedded_master import listener_among
 from hybridkv.store.local_ports import free_port as local_free_port, reports_port_in_use
+from hybridkv.store.mooncake_backend import without_own_stall_bounds
 
 __all__ = [
     "DEFAULT_KV_TRANSFER_CONFIG",
@@ -233,7 +234,8 @@ class VllmServer:
         return cmd + pinned_server_args(self.model) + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # Not this process's own store clients' Mooncake wait bounds: the server sets its own.
+        env = without_own_stall_bounds(os.environ)
         env.update(
             VLLM_HOST_IP=HOST,
             VLLM_CPU_KVCACHE_SPACE=str(self.kvcache_space_gib),

@@ -138,7 +138,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from hybridkv.store.circuit import Circuit
 from hybridkv.store.cpu_affinity import unpinned
@@ -147,6 +147,7 @@ __all__ = [
     "MooncakeBackend",
     "pin_listeners",
     "bound_mooncake_stalls",
+    "without_own_stall_bounds",
     "StoreError",
     "ERROR_NAMES",
     "code_name",
@@ -593,6 +594,17 @@ STALL_FLOOR_S = 10
 
 # Set by the operator (present before hybridkv was imported): never overridden.
 _OPERATOR_STALL_ENV = frozenset(n for n in (*STALL_ENV_S, STALL_ENV_MS) if n in os.environ)
+
+
+def without_own_stall_bounds(env: "Mapping[str, str]") -> dict[str, str]:
+    """``env`` (this process's environment) for a child process that will start its own store
+    clients: minus the Mooncake wait variables ``bound_mooncake_stalls`` set here, keeping an
+    operator's. Inherited, this process's bound would read as the operator's in the child and
+    replace the child's own (found by the P/D soak: its chaos client's 30 s bound reached the
+    restarted prefill, whose reads from the SIGKILLed prefill's segment then waited 30-60 s
+    instead of 10 while polling, and every session stalled for 2 minutes)."""
+    own = {n for n in (*STALL_ENV_S, STALL_ENV_MS) if n not in _OPERATOR_STALL_ENV}
+    return {k: v for k, v in env.items() if k not in own}
 
 
 def bound_mooncake_stalls(stall_s: float | None) -> float | None:
