@@ -423,8 +423,9 @@ def test_after_another_connectors_failed_load_the_store_offers_nothing_and_does_
     assert conn.get_num_new_matched_tokens(req, 0) == (288, True)  # asked before the P/D READ failed
     conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
                                                    failed_recving={req.request_id}))
-    assert conn._failed_loads.load_failed(req.request_id) and conn._failed_loads.deferrals == 0
-    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert conn._failed_loads.load_failed(req.request_id)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # an answer, not a deferral (None)
+    assert conn._failed_loads.deferrals == 0
     assert conn.get_num_new_matched_tokens(other, 0) == (288, True)
     conn.request_finished(req)
     assert len(conn._failed_loads) == 0
