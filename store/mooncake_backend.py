@@ -577,6 +577,7 @@ PROBE_TTL_UNBOUNDED_S = 30.0
 # (see the module docstring): TCP transfer progress and status (seconds), master RPCs (ms).
 STALL_ENV_S = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 STALL_ENV_MS = "MC_RPC_TIMEOUT_MS"
+STALL_ENV = (*STALL_ENV_S, STALL_ENV_MS)  # every wait variable hybridkv may set
 
 
 # The shortest bound set: a master RPC that fails makes Mooncake's client ping fail, and 3
@@ -593,7 +594,7 @@ STALL_ENV_MS = "MC_RPC_TIMEOUT_MS"
 STALL_FLOOR_S = 10
 
 # Set by the operator (present before hybridkv was imported): never overridden.
-_OPERATOR_STALL_ENV = frozenset(n for n in (*STALL_ENV_S, STALL_ENV_MS) if n in os.environ)
+_OPERATOR_STALL_ENV = frozenset(n for n in STALL_ENV if n in os.environ)
 
 
 def without_own_stall_bounds(env: "Mapping[str, str]") -> dict[str, str]:
@@ -603,7 +604,7 @@ def without_own_stall_bounds(env: "Mapping[str, str]") -> dict[str, str]:
     replace the child's own (found by the P/D soak: its chaos client's 30 s bound reached the
     restarted prefill, whose reads from the SIGKILLed prefill's segment then waited 30-60 s
     instead of 10 while polling, and every session stalled for 2 minutes)."""
-    own = {n for n in (*STALL_ENV_S, STALL_ENV_MS) if n not in _OPERATOR_STALL_ENV}
+    own = {n for n in STALL_ENV if n not in _OPERATOR_STALL_ENV}
     return {k: v for k, v in env.items() if k not in own}
 
 
