@@ -133,7 +133,8 @@ def test_no_prefill_instance_serves_the_request_so_decode_computes_it_alone(pref
         r = client.post("/v1/completions", json=USER)
         assert r.status_code == 200 and r.json() == {"choices": [{"text": "ok"}]}
         assert r.headers["x-hybridkv-pd-fallback"] == "prefill-unavailable"
-        assert decode.bodies == [{"model": "m", "prompt": "hi", "max_tokens": 7}]
+        assert decode.bodies == [{"model": "m", "prompt": "hi", "max_tokens": 7,
+                                  "request_id": decode.bodies[0]["request_id"]}]  # the proxy's own id
         assert "hybridkv_proxy_decode_only_fallbacks_total 1" in client.get("/metrics").text
         assert "hybridkv_proxy_prefill_errors_total 1" in client.get("/metrics").text
     finally:
