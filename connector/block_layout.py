@@ -33,7 +33,8 @@ group, and the stager builds its row views from the same function.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -212,6 +213,30 @@ class GroupLayout:
         sizes = np.broadcast_to(self.block_bytes, addrs.shape)
         return addrs.tolist(), sizes.tolist()
 
+    def object_regions(self, block_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """:meth:`regions` with neighbours that lie back to back merged: the same bytes of each
+        object in the same order, in fewer parts (the store's descriptors per object).
+
+        Region ``j`` of block ``b`` ends where region ``j + 1`` starts for every ``b`` exactly
+        when the two have one block stride and ``bases[j] + block_bytes[j] == bases[j + 1]``,
+        so the merge is a property of the layout: one part per block under block-outermost
+        layouts (BLHNC / BLNHC); none under layer-outermost ones, where a block's layers are
+        ``num_blocks`` pages apart.
+        """
+        return self.merged_layout.regions(block_ids)
+
+    @cached_property
+    def merged_layout(self) -> "GroupLayout":
+        """This layout with consecutive regions that meet in every block merged (see :meth:`object_regions`)."""
+        if len(self.bases) < 2:
+            return self
+        meet = (self.bases[:-1] + self.block_bytes[:-1] == self.bases[1:]) & (self.strides[:-1] == self.strides[1:])
+        if not meet.any():
+            return self
+        starts = np.concatenate(([0], np.nonzero(~meet)[0] + 1))
+        return replace(self, bases=self.bases[starts], strides=self.strides[starts],
+                       block_bytes=np.add.reduceat(self.block_bytes, starts))
+
 
 def _group_num_blocks(kv_cache_config: "KVCacheConfig", group) -> int:  # noqa: ANN001
     if getattr(group, "host_resident", False):
@@ -323,3 +348,60 @@ def layout_rows(kv_cache_config: "KVCacheConfig") -> list[dict]:
             }
         )
     return rows
+
+
+def coalesce(
+    dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
+    dst_dev: np.ndarray | None = None, src_dev: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The fewest copies, each contiguous on BOTH sides, that move exactly the bytes of the given ones.
+
+    Row ``i`` moves ``sizes[i]`` bytes from ``src[i]`` (on device ``src_dev[i]``) to ``dst[i]``
+    (on ``dst_dev[i]``); destinations must not overlap (``ValueError`` naming the first
+    overlap). Rows are sorted by destination and neighbours merged where the first ends exactly
+    where the second starts on both sides, on the same devices. The result moves the same bytes
+    to the same places, and no merged copy touches a byte outside the given rows: every transport
+    that takes the regions of a hand-over or batch (P/D READ, the store's registered or
+    GPU-direct path) can take these instead.
+
+    What merges, for vLLM's layouts: one layer's regions of manager blocks whose ids are
+    consecutive on both sides (the region fills its block stride: attention pages, kernel rows
+    back to back), the layers of one block where the allocation places them back to back
+    (block-outermost BLHNC / BLNHC), and head slices that meet. Padded pages (Mamba state
+    smaller than the page) and non-consecutive ids stay separate rows.
+
+    Returns ``(dst, src, sizes, dst_dev, src_dev)`` as int64 arrays (devices 0 when omitted).
+    """
+    d = np.asarray(dst, dtype=np.int64).reshape(-1)
+    s = np.asarray(src, dtype=np.int64).reshape(-1)
+    n = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    dd = np.zeros_like(d) if dst_dev is None else np.asarray(dst_dev, dtype=np.int64).reshape(-1)
+    sd = np.zeros_like(d) if src_dev is None else np.asarray(src_dev, dtype=np.int64).reshape(-1)
+    if not (len(d) == len(s) == len(n) == len(dd) == len(sd)):
+        raise ValueError(f"row counts differ: dst {len(d)}, src {len(s)}, sizes {len(n)}, devs {len(dd)}/{len(sd)}")
+    if len(d) == 0:
+        return d, s, n, dd, sd
+    if (n <= 0).any():
+        raise ValueError("a copy of zero or negative length")
+    order = np.lexsort((d, dd))
+    d, s, n, dd, sd = d[order], s[order], n[order], dd[order], sd[order]
+    same_dev = dd[:-1] == dd[1:]
+    over = np.nonzero(same_dev & (d[:-1] + n[:-1] > d[1:]))[0]
+    if over.size:
+        raise ValueError(f"destinations overlap at 0x{int(d[over[0] + 1]):x}")
+    joins = same_dev & (sd[:-1] == sd[1:]) & (d[:-1] + n[:-1] == d[1:]) & (s[:-1] + n[:-1] == s[1:])
+    starts = np.concatenate(([0], np.nonzero(~joins)[0] + 1))
+    return d[starts], s[starts], np.add.reduceat(n, starts), dd[starts], sd[starts]
+
+
+def run_lengths(ids: Sequence[int]) -> list[int]:
+    """Lengths of the runs of consecutive ids (``[3, 4, 5, 9, 10, 2]`` -> ``[3, 2, 1]``), in the given order."""
+    out: list[int] = []
+    prev = None
+    for b in ids:
+        if prev is not None and b == prev + 1:
+            out[-1] += 1
+        else:
+            out.append(1)
+        prev = b
+    return out
