@@ -33,6 +33,7 @@ import math
 import logging
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,8 @@ import numpy as np
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout
 from hybridkv.connector.pd_auth import PURPOSE_RPC_ANSWER, PURPOSE_RPC_REQUEST, DeploymentKey
+from hybridkv.connector.pd_refusal_log import RefusalLog
+from hybridkv.connector.pd_replay import ReplayGuard
 from hybridkv.connector.pd_tp import MAX_TP, StateSplit, head_outermost, ratio_problem, state_split_problem
 from hybridkv.connector.pd_transport import HOST, MemorySpace
 
@@ -62,7 +65,10 @@ logger = logging.getLogger(__name__)
 #    and how many decode ranks read this prefill rank.
 # 7: Mamba (GDN) state re-sliced across TP sizes: each Mamba group's per-rank state splits
 #    (``state_splits``: per state offset, rows, unit bytes and its TP-sharded parts).
-HANDSHAKE_VERSION = 7
+# 8: every body carries ``ts`` (the caller's wall clock) beside its nonce; a body outside
+#    the replay window or with a nonce seen in it is refused (pd_replay). A ClaimLease for a
+#    lease the worker does not hold yet is answered at once with ``retry_s``.
+HANDSHAKE_VERSION = 8
 
 SERVICE = "hybridkv.pd.Handshake"
 METHOD = "GetAgentInfo"
@@ -82,6 +88,21 @@ class HandshakeError(RuntimeError):
 
 class LeaseRefused(HandshakeError):
     """The prefill side will not let this READ happen (unknown, already claimed, expired)."""
+
+
+class LeasePending(Exception):
+    """Prefill side: the worker does not hold this lease yet (its next step delivers it);
+    the claim is answered at once with ``retry_s`` and the caller asks again."""
+
+
+# A handshake thread never waits for a lease: a ClaimLease that comes before the lease
+# is answered "ask again in CLAIM_RETRY_S", and the decode side asks until CLAIM_WAIT_S.
+CLAIM_RETRY_S = 0.05
+CLAIM_WAIT_S = 2.0
+# Handshake threads, and the calls the server holds at once (threads + queued); past
+# MAX_CONCURRENT_RPCS a call is answered RESOURCE_EXHAUSTED at once.
+HANDSHAKE_THREADS = 4
+MAX_CONCURRENT_RPCS = 64
 
 
 def _digest(body: bytes) -> str:
@@ -621,7 +642,7 @@ class HandshakeServer:
         info: AgentInfo,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_workers: int = 2,
+        max_workers: int = HANDSHAKE_THREADS,
         on_release: Callable[[list[str], int, int], None] | None = None,
         on_claim: Callable[[str, str, int, int], float] | None = None,
         key: DeploymentKey | None = None,
@@ -638,10 +659,14 @@ class HandshakeServer:
         self._body = json.dumps(info.to_json()).encode()
         self._host = host
         self._requested_port = port
+        self._replays = ReplayGuard()
+        self._refusals = RefusalLog(logger)
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pd-handshake")
         # No SO_REUSEPORT (gRPC's default): a second worker configured with the same port must
-        # fail to start, not silently share the port and answer for the other rank.
-        self._server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)])
+        # fail to start, not silently share the port and answer for the other rank. Calls past
+        # MAX_CONCURRENT_RPCS are answered RESOURCE_EXHAUSTED instead of queueing without bound.
+        self._server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)],
+                                   maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
                 self._authenticated(name, fn), request_deserializer=lambda b: b, response_serializer=lambda b: b
@@ -685,7 +710,8 @@ class HandshakeServer:
         self.stop()
 
     def _authenticated(self, method: str, fn: Callable[[bytes, grpc.ServicerContext], bytes]):
-        """Refuse a call without this deployment's MAC before its body is parsed; MAC the answer."""
+        """Refuse a call without this deployment's MAC before its body is parsed, and a body
+        accepted before (a replay: pd_replay); MAC the answer."""
 
         def handler(body: bytes, context: grpc.ServicerContext) -> bytes:
             if self._key is not None:
@@ -693,7 +719,15 @@ class HandshakeServer:
                                         method, _digest(body)):
                     message = (f"P/D side channel: {method} from {context.peer()} refused: no valid {MAC_METADATA} "
                                "(a caller without this deployment's secret, or another auth_secret_file)")
-                    logger.warning("%s", message)
+                    self._refusals.warn(context.peer(), "mac", "%s", message)
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                try:
+                    why = self._replays.refusal(json.loads(body))
+                except ValueError:
+                    why = "the body is not JSON"
+                if why is not None:
+                    message = f"P/D side channel: {method} from {context.peer()} refused: {why}"
+                    self._refusals.warn(context.peer(), "replay", "%s", message)
                     context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             answer = fn(body, context)
             if self._key is not None:
@@ -757,14 +791,16 @@ class HandshakeServer:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this instance holds no leases")
         try:
             remaining = self._on_claim(rid, lid, reader, readers)
+        except LeasePending:
+            return json.dumps({"request_id": rid, "retry_s": CLAIM_RETRY_S}).encode()
         except LeaseRefused as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return json.dumps({"request_id": rid, "remaining_s": remaining}).encode()
 
-    @staticmethod
-    def _refuse(context: grpc.ServicerContext, message: str) -> None:
-        """Log on the prefill side (the operator looks there too) and answer FAILED_PRECONDITION."""
-        logger.warning("%s", message)
+    def _refuse(self, context: grpc.ServicerContext, message: str) -> None:
+        """Log on the prefill side (the operator looks there too; rate-limited per peer host)
+        and answer FAILED_PRECONDITION."""
+        self._refusals.warn(context.peer(), "handshake", "%s", message)
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
@@ -834,7 +870,7 @@ _channels = _Channels(MAX_PEER_CHANNELS)
 def _call(address: str, method: str, obj: dict[str, Any], timeout_s: float, key: DeploymentKey | None) -> bytes:
     """One authenticated unary call: a nonce in the body, the MAC in the metadata, the
     answer's MAC checked (raises :class:`HandshakeError` if it is missing or wrong)."""
-    body = json.dumps({**obj, "nonce": secrets.token_hex(16)}).encode()
+    body = json.dumps({**obj, "nonce": secrets.token_hex(16), "ts": time.time()}).encode()
     metadata = () if key is None else ((MAC_METADATA, request_mac(key, method, body)),)
     channel = _channels.get(address, timeout_s)
     try:
@@ -854,6 +890,15 @@ def _call(address: str, method: str, obj: dict[str, Any], timeout_s: float, key:
     return answer
 
 
+def _rpc_failure(e: grpc.RpcError) -> str:
+    """``CODE: details``, with what a busy side channel means."""
+    text = f"{e.code().name}: {e.details()}"
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        text += (f" (the prefill worker's side channel holds {MAX_CONCURRENT_RPCS} calls already and refuses "
+                 "more; the request recomputes)")
+    return text
+
+
 def release_blocks(address: str, request_ids: Sequence[str], timeout_s: float,
                    key: DeploymentKey | None = None, reader: int = 0, readers: int = 1) -> None:
     """Tell the prefill worker at ``address`` it may free these requests' blocks now
@@ -862,33 +907,49 @@ def release_blocks(address: str, request_ids: Sequence[str], timeout_s: float,
         _call(address, RELEASE_METHOD, {"request_ids": list(request_ids), "reader": reader, "readers": readers},
               timeout_s, key)
     except grpc.RpcError as e:
-        raise HandshakeError(f"P/D release on {address} failed: {e.code().name}: {e.details()}") from None
+        raise HandshakeError(f"P/D release on {address} failed: {_rpc_failure(e)}") from None
 
 
 def claim_lease(address: str, request_id: str, lease_id: str, timeout_s: float,
-                key: DeploymentKey | None = None, reader: int = 0, readers: int = 1) -> float:
+                key: DeploymentKey | None = None, reader: int = 0, readers: int = 1,
+                wait_s: float = CLAIM_WAIT_S) -> float:
     """Claim the prefill side's lease on ``request_id``'s blocks once a READ of them ended.
 
     Success proves the blocks were held (not expired, released or claimed by another
     reader) until after the READ; returns the seconds the lease had left, measured
     there. Raises :class:`LeaseRefused` (unknown, claimed or released already, expired)
     or :class:`HandshakeError`.
+
+    The prefill worker may not hold the lease yet (its next engine step delivers it): it
+    then answers ``retry_s`` at once, and the claim is asked again until ``wait_s`` passed.
     """
-    try:
-        raw = _call(address, CLAIM_METHOD, {"request_id": request_id, "lease_id": lease_id, "reader": reader,
-                                            "readers": readers}, timeout_s, key)
-    except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-            raise LeaseRefused(f"{e.details()} (prefill worker at {address})") from None
-        raise HandshakeError(f"P/D lease claim on {address} failed: {e.code().name}: {e.details()}") from None
-    try:
-        obj = json.loads(raw)
-        remaining = obj["remaining_s"]
-        if obj["request_id"] != request_id or isinstance(remaining, bool) or not isinstance(remaining, (int, float)):
-            raise TypeError(f"answer {obj!r}")
-    except (ValueError, KeyError, TypeError) as e:
-        raise HandshakeError(f"P/D lease claim on {address}: malformed answer ({e!r})") from None
-    return float(remaining)
+    give_up = time.monotonic() + wait_s
+    while True:
+        try:
+            raw = _call(address, CLAIM_METHOD, {"request_id": request_id, "lease_id": lease_id, "reader": reader,
+                                                "readers": readers}, timeout_s, key)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise LeaseRefused(f"{e.details()} (prefill worker at {address})") from None
+            raise HandshakeError(f"P/D lease claim on {address} failed: {_rpc_failure(e)}") from None
+        try:
+            obj = json.loads(raw)
+            if obj["request_id"] != request_id:
+                raise TypeError(f"answer {obj!r}")
+            retry = obj.get("retry_s")
+            if retry is None:
+                remaining = obj["remaining_s"]
+                if isinstance(remaining, bool) or not isinstance(remaining, (int, float)):
+                    raise TypeError(f"answer {obj!r}")
+                return float(remaining)
+            if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not 0 <= retry <= 1:
+                raise TypeError(f"answer {obj!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            raise HandshakeError(f"P/D lease claim on {address}: malformed answer ({e!r})") from None
+        if time.monotonic() + retry >= give_up:
+            raise LeaseRefused(f"request {request_id}: no such lease (the prefill worker at {address} did not "
+                               f"hold it within {wait_s:g} s)")
+        time.sleep(max(float(retry), 0.005))
 
 
 def request_agent_info(address: str, request: AgentInfoRequest, timeout_s: float,
@@ -913,7 +974,7 @@ def request_agent_info(address: str, request: AgentInfoRequest, timeout_s: float
                 "instance is running, that its handshake host/port match, and that the host is "
                 "reachable from this decode worker"
             ) from None
-        raise HandshakeError(f"P/D handshake with {address} failed: {code.name}: {details}") from None
+        raise HandshakeError(f"P/D handshake with {address} failed: {_rpc_failure(e)}") from None
     try:
         obj = json.loads(raw)
         # Version first: an answer of another version may not parse as this one.
@@ -997,6 +1058,7 @@ __all__ = [
     "HandshakeError",
     "HandshakeServer",
     "LayoutDescriptor",
+    "LeasePending",
     "LeaseRefused",
     "answer_mac",
     "check_agent_info",

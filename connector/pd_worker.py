@@ -43,10 +43,12 @@ from hybridkv.connector.block_layout import KVLayout, layer_specs, layout_rows
 from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.pd_auth import DeploymentKey
 from hybridkv.connector.pd_handshake import (
+    CLAIM_WAIT_S,
     AgentInfo,
     HandshakeError,
     HandshakeServer,
     LayoutDescriptor,
+    LeasePending,
     LeaseRefused,
     claim_lease,
     fetch_agent_info,
@@ -73,8 +75,8 @@ from hybridkv.connector.pd_transport import (
 from hybridkv.store.cpu_affinity import unpinned
 
 # A claim can arrive before the prefill worker's next step hands it the lease (the
-# scheduler issued the params at finish): wait this long for it.
-CLAIM_WAIT_S = 2.0
+# scheduler issued the params at finish): decode asks again for CLAIM_WAIT_S
+# (pd_handshake), while no handshake thread waits.
 # How many ended leases the prefill worker remembers, to tell a late claim why it is refused
 # (and how many releases of leases it does not hold yet it keeps).
 ENDED_LEASES_KEPT = 4096
@@ -168,7 +170,6 @@ class PDWorker:
         # posted and untracked (its blocks freed while it may still write).
         self._peers_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._lease_known = threading.Condition(self._lock)
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._leases: dict[str, _Lease] = {}
@@ -245,7 +246,6 @@ class PDWorker:
                     # once, so leases = released + expired + held.
                     self._stats.add("leases", lease.req_id not in self._leases)
                     self._leases[lease.req_id] = _Lease(lease.lease_id, now + lease.ttl_s)
-                self._lease_known.notify_all()
 
     def _route(self, job: ReadJob) -> None:
         """Queue ``job`` on its prefill instance's read thread (started on first use)."""
@@ -308,6 +308,11 @@ class PDWorker:
                 self._release(job.req_id)
             else:
                 self._stragglers.add(job.req_id, straggler, blocks=sum(len(ids) for ids in job.local_block_ids))
+            if not ok and job.remote_host and job.lease_id:
+                # This decode will not read these blocks: the prefill side frees them now instead
+                # of holding them for lease_s (a READ still in flight only reads them, and what
+                # it copies is discarded).
+                self._send_release(job)
 
     def _plan(self, job: ReadJob) -> list[RankRead]:
         """The prefill ranks (and head ranges) this decode rank reads for ``job``."""
@@ -358,13 +363,17 @@ class PDWorker:
         """Prefill side, on a gRPC thread: decode rank ``reader``'s READ of ``req_id``'s
         blocks has ended; granted only while the lease holds them, once per reader.
         Returns the seconds left."""
-        with self._lease_known:
-            self._lease_known.wait_for(lambda: req_id in self._leases or req_id in self._ended, timeout=CLAIM_WAIT_S)
+        with self._lock:
             lease = self._leases.get(req_id)
             if lease is None and req_id in self._ended:
                 raise LeaseRefused(f"request {req_id}: {self._ended[req_id]}")
-            if lease is None or lease.lease_id != lease_id:
+            if lease is None:
+                raise LeasePending(req_id)  # the next step may deliver it: decode asks again
+            if lease.lease_id != lease_id:
                 raise LeaseRefused(f"request {req_id}: no such lease (never issued here)")
+            if reader in lease.released_by or req_id in self._decode_released:
+                raise LeaseRefused(f"request {req_id}: the decode side released the lease already; a lease is "
+                                   "read once, so this one recomputes")
             if reader in lease.claimed_by or len(lease.claimed_by) >= readers:
                 raise LeaseRefused(f"request {req_id}: the lease was claimed already; a lease is read once "
                                    "(n > 1 or a replayed request), so this one recomputes")
