@@ -18,8 +18,8 @@ prefill side's blocks with the blocks vLLM allocated for them. Attention groups
 pair by block position (the prefill side sends positional lists, nulls
 included), so dense groups read only the uncached suffix (end-trim) and sliding
 windows only their tail (a hand-over missing a block decode needs is recomputed, never
-read around); a Mamba group pairs the prefill side's last state block
-with the decode side's. Decode always recomputes the last prompt token itself:
+read around); a Mamba group pairs the prefill side's state column
+with the decode side's (``state_column``: never a speculative-decoding scratch block). Decode always recomputes the last prompt token itself:
 vLLM 0.32's CPU attention crashed the worker (SIGILL) on the step that follows an
 external hit covering the whole prompt.
 
@@ -51,6 +51,7 @@ from hybridkv.connector.pd_params import (
     parse_kv_transfer_params,
 )
 from hybridkv.connector.pd_tp import MAMBA_TP_NOT_ENABLED
+from hybridkv.store.geometry import state_column
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -58,12 +59,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
-
-
-def pair_from_end(remote: list[int], local: list[int]) -> tuple[list[int], list[int]]:
-    """Pair the last k blocks of each list (k = the shorter length)."""
-    k = min(len(remote), len(local))
-    return (remote[len(remote) - k :], local[len(local) - k :]) if k else ([], [])
 
 
 def pair_by_position(remote: list[int], local_blocks) -> tuple[list[int], list[int]]:  # noqa: ANN001
@@ -264,6 +259,11 @@ class PDScheduler:
         hash_bs = self.local_layout().hash_block_size
         # Sign only what this request hashed (a prompt's last partial block has no hash).
         num_tokens = min(request.num_computed_tokens, len(request.block_hashes) * hash_bs)
+        for gid in self._mamba:
+            if gid < len(remote) and gid < len(self._group_block_sizes):
+                # Hand over the table up to the state column: the speculative-decoding scratch
+                # blocks after it hold nothing decode may read (vLLM's clip_ssm_state_blocks).
+                del remote[gid][state_column(num_tokens, self._group_block_sizes[gid]) + 1 :]
         lease = Lease(request.request_id, secrets.token_hex(16), self._lease_s)
         self._leases.append(lease)
         self._leased_blocks += held - self._leased.get(request.request_id, 0)
@@ -368,11 +368,14 @@ class PDScheduler:
         if len(remote_groups) != len(blocks.blocks):
             job.refused = f"prefill has {len(remote_groups)} KV cache groups, decode {len(blocks.blocks)}"
         else:
+            target = min(parsed.num_tokens, self.handover_tokens(request.num_prompt_tokens))
             for gid, (remote, group) in enumerate(zip(remote_groups, blocks.blocks)):
                 if gid in self._mamba:
-                    # Only the state at the boundary: the last block on each side.
-                    local = [b.block_id for b in group if not b.is_null and b.block_hash is None]
-                    r, l_ = pair_from_end([b for b in remote if b][-1:], local[-1:])
+                    pair = self.pair_state_blocks(gid, remote, group, parsed.num_tokens, target)
+                    if isinstance(pair, str):
+                        job.refused = pair
+                        break
+                    r, l_ = pair
                 else:
                     r, l_ = pair_by_position(list(remote), group)
                 job.remote_block_ids.append(r)
@@ -384,6 +387,28 @@ class PDScheduler:
                 self._pins[request.request_id] = pinned
         self._reading.add(request.request_id)
         self._reads.append(job)
+
+    def pair_state_blocks(self, gid: int, remote: tuple[int, ...], local: list[Any], remote_tokens: int,
+                          target: int) -> tuple[list[int], list[int]] | str:
+        """The prefill side's state block -> decode's state block of Mamba group ``gid``, or why
+        none can be paired (the READ is refused, decode recomputes).
+
+        Each side's state sits at its table's column ``state_column(tokens)``; blocks after it
+        are speculative-decoding scratch blocks. The prefill side computed exactly the hand-over
+        (``prefill_tokens``), so its state is h(remote_tokens) and decode resumes at ``target``:
+        the two must be the same token count, or the state is of another position."""
+        if gid >= len(self._group_block_sizes):
+            return f"no block size known for Mamba group {gid}"
+        if remote_tokens != target:
+            return f"Mamba group {gid}: the prefill side's state is at token {remote_tokens}, decode resumes at {target}"
+        column = state_column(target, self._group_block_sizes[gid])
+        remote_block = remote[column] if 0 <= column < len(remote) else 0
+        local_block = local[column] if 0 <= column < len(local) else None
+        if not remote_block:
+            return f"Mamba group {gid}: the prefill side lists no state block at column {column}"
+        if local_block is None or local_block.is_null or local_block.block_hash is not None:
+            return f"Mamba group {gid}: decode allocated no writable state block at column {column}"
+        return [remote_block], [local_block.block_id]
 
     def update_connector_output(self, output: Any) -> None:
         failed = getattr(output, "failed_recving", None) or set()

@@ -37,6 +37,16 @@ if TYPE_CHECKING:
 _LOOKUP_POOL_BLOCKS = 2
 
 
+def state_column(num_tokens: int, block_size: int) -> int:
+    """The column of a Mamba (align mode) group's block table that holds the state after
+    ``num_tokens`` tokens: ``cdiv(num_tokens, block_size) - 1``, where vLLM's kernels read it.
+
+    With speculative decoding vLLM appends ``num_speculative_blocks`` scratch blocks after that
+    column, so "the table's last block" is a scratch block, never the state. Every reader of a
+    state block (P/D pairing, store saves and loads) asks this function."""
+    return -(-num_tokens // block_size) - 1
+
+
 @dataclass(frozen=True)
 class CoordinatorParams:
     """The arguments the scheduler passes to vLLM's KV cache coordinator.
