@@ -27,6 +27,7 @@ from hybridkv.connector.block_copies import block_copy_views, redo_block_copies
 from hybridkv.connector.block_layout import layer_specs
 from hybridkv.connector.cpu_amx import allow_amx
 from hybridkv.connector.pd_auth import load_key
+from hybridkv.connector.pd_idle import IdlePacer
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_stats import HybridPDPromMetrics, HybridPDStats
@@ -157,6 +158,11 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         key = load_key(self._cfg.auth_secret_file, self._cfg.allow_unauthenticated)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
+        # Scheduler side: empty steps are paced while only leases or pins remain (pd_idle);
+        # the requests whose blocks a lease holds, and those whose READ this engine awaits.
+        self._pacer = IdlePacer()
+        self._held_leases: set[str] = set()
+        self._awaiting_reads: set[str] = set()
         self._copy_views: list[torch.Tensor] = []
         if role == KVConnectorRole.SCHEDULER:
             mamba_problem = _mamba_problem(self._cfg, kv_cache_config, mamba, engine_id)
@@ -209,13 +215,26 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        self._awaiting_reads.update(job.req_id for job in meta.reads if not job.release_only)
+        self._pacer.after_step(self._only_waiting_on_leases(scheduler_output, meta))
+        return meta
+
+    def _only_waiting_on_leases(self, scheduler_output: "SchedulerOutput", meta: PDConnectorMetadata) -> bool:
+        """This step runs nothing and ships nothing, no READ of this engine is awaited, and
+        leases or read-target pins are what keeps vLLM stepping: a step to pace (pd_idle)."""
+        return (not scheduler_output.total_num_scheduled_tokens and not scheduler_output.finished_req_ids
+                and not meta.reads and not meta.leases and not self._awaiting_reads
+                and (bool(self._held_leases) or self.has_pending_push_work()))
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        delay_free, params = self._scheduler.request_finished(request, block_ids)
+        if delay_free:
+            self._held_leases.add(request.request_id)
+        return delay_free, params
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -225,6 +244,8 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
+            self._held_leases.difference_update(getattr(connector_output, "finished_sending", None) or ())
+            self._awaiting_reads.difference_update(getattr(connector_output, "finished_recving", None) or ())
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pins()

@@ -54,6 +54,7 @@ from hybridkv.connector.pd_handshake import (
     fetch_agent_info,
     release_blocks,
 )
+from hybridkv.connector.pd_idle import wake
 from hybridkv.connector.pd_stats import HybridPDStats
 from hybridkv.connector.pd_stragglers import StragglerDrain
 from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
@@ -358,6 +359,7 @@ class PDWorker:
                     self._decode_released.move_to_end(rid)
             while len(self._decode_released) > ENDED_LEASES_KEPT:
                 self._decode_released.popitem(last=False)
+        wake()  # an engine pacing its idle steps in this process frees the blocks now (pd_idle)
 
     def _claim(self, req_id: str, lease_id: str, reader: int = 0, readers: int = 1) -> float:
         """Prefill side, on a gRPC thread: decode rank ``reader``'s READ of ``req_id``'s
