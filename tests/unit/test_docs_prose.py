@@ -49,3 +49,26 @@ def test_the_code_layout_names_every_module() -> None:
     listed = set(re.findall(r"^- `((?:connector|store|cli)/\w+\.py)`", layout, re.M))
     assert sorted(modules - listed) == [], "modules without a line in docs/development.md's Code layout"
     assert sorted(listed - modules) == [], "lines naming no module"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(doc: Path) -> None:
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # an external address
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", dest.read_text(), re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    assert broken == []
