@@ -12,6 +12,7 @@ point the decode side at a socket this test listens on, which must see no connec
 from __future__ import annotations
 
 import math
+import os
 import socket
 import threading
 import time
@@ -318,3 +319,222 @@ def test_every_socket_the_pd_stack_listens_on_is_loopback(stack, http):
         wide.bind(("0.0.0.0", 0))
         wide.listen()
         assert [x for x in listeners({os.getpid()}) if x[2] == "0.0.0.0" and x[3] == wide.getsockname()[1]]
+
+
+# --------------------------------------------------------------------------- hostile-client run
+
+HOSTILE_S = float(os.environ.get("HYBRIDKV_HOSTILE_S", "20"))  # the issue's full run: 60
+LEGIT_SESSIONS = 4
+LEASE_S = 60.0  # the P/D connector's default lease_s (the stack sets none)
+
+
+def _counter_sum(text: str, name: str) -> float:
+    """Sum of ``name`` over its label sets in Prometheus text (0 when absent)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def _pd_counters(http, url: str) -> dict[str, float]:  # noqa: ANN001
+    text = http.get(url + "/metrics", timeout=30).text
+    names = ("reads", "failed_reads", "leases", "leases_released", "leases_expired")
+    return {n: _counter_sum(text, f"vllm:hybridkv_pd_{n}_total") for n in names}
+
+
+class _Recorder:
+    """Wraps the side channel's channel cache: every call this process makes is recorded as it
+    goes on the wire (method path, body bytes, metadata with the MAC): what an attacker who
+    captured a peer's traffic holds."""
+
+    def __init__(self, channels) -> None:  # noqa: ANN001 - pd_handshake._Channels
+        self._channels = channels
+        self.sent: list[tuple[str, bytes, tuple]] = []
+
+    def get(self, address: str, connect_timeout_s: float = 20.0):  # noqa: ANN201
+        channel, sent = self._channels.get(address, connect_timeout_s), self.sent
+
+        class _Channel:
+            def unary_unary(self, path: str, **kw):  # noqa: ANN003, ANN202
+                call = channel.unary_unary(path, **kw)
+
+                class _Call:
+                    def with_call(self, body: bytes, timeout: float, metadata: tuple):  # noqa: ANN202
+                        sent.append((path, body, tuple(metadata)))
+                        return call.with_call(body, timeout=timeout, metadata=metadata)
+
+                return _Call()
+
+        return _Channel()
+
+    def drop(self, address: str, channel) -> None:  # noqa: ANN001
+        pass
+
+
+def _raw_call(address: str, path: str, body: bytes, metadata: tuple, timeout_s: float = 5.0) -> str:
+    """Send ``body`` with ``metadata`` as is; the answer's status code name ("OK" if answered)."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            channel.unary_unary(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)(
+                body, timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            return e.code().name
+    return "OK"
+
+
+def _capture(address: str, key: DeploymentKey) -> list[tuple[str, bytes, tuple]]:
+    """One signed GetAgentInfo and one signed ClaimLease (of an id no lease has), as sent."""
+    from hybridkv.connector import pd_handshake as hs
+
+    recorder, real = _Recorder(hs._channels), hs._channels
+    hs._channels = recorder
+    try:
+        try:
+            request_agent_info(address, AgentInfoRequest("captured-peer", 0, None), 10.0, key)
+        except HandshakeError:
+            pass  # refused or not: what matters is the call on the wire
+        try:
+            hs._call(address, hs.CLAIM_METHOD, {"request_id": "captured-unknown", "lease_id": "x",
+                                                "reader": 0, "readers": 1}, 10.0, key)
+        except Exception:  # noqa: BLE001 - any answer; the capture is the call
+            pass
+    finally:
+        hs._channels = real
+    assert {p.rsplit("/", 1)[1] for p, _, _ in recorder.sent} == {hs.METHOD, hs.CLAIM_METHOD}, recorder.sent
+    return recorder.sent
+
+
+def _attacker(stop: threading.Event, address: str, key: DeploymentKey, captured: list, proxy_url: str,
+              tally: dict[str, list]) -> None:
+    """Until ``stop``: replays the captured side-channel calls, floods claims for unknown ids
+    (unsigned, and signed with fresh nonces as a slow peer's would be), and sends the proxy
+    batched prompts and 1009-character request ids."""
+    import random
+
+    import requests
+
+    from hybridkv.connector import pd_handshake as hs
+
+    rng, http = random.Random(99), requests.Session()
+    k = 0
+    while not stop.is_set():
+        k += 1
+        for path, body, metadata in captured:
+            tally["replay"].append(_raw_call(address, path, body, metadata))
+        for i in range(8):
+            signed = key if i % 2 else None
+            try:
+                hs._call(address, hs.CLAIM_METHOD, {"request_id": f"flood-{k}-{i}", "lease_id": "x",
+                                                    "reader": 0, "readers": 1}, 5.0, signed)
+                tally["flood"].append("OK")
+            except Exception as e:  # noqa: BLE001 - the answer's kind is what is tallied
+                tally["flood"].append(type(e).__name__ + ":" + str(getattr(e, "code", lambda: "")()))
+        if k % 3 == 1:
+            batch = [[rng.randrange(3, 500) for _ in range(300)] for _ in range(3)]
+            r = http.post(proxy_url + "/v1/completions", timeout=300, json={
+                "model": _MODEL[0], "prompt": batch, "max_tokens": 2, "temperature": 0.0})
+            tally["batch"].append(r.status_code)
+        elif k % 3 == 2:
+            prompt = [rng.randrange(3, 500) for _ in range(300)]
+            r = http.post(proxy_url + "/v1/completions", timeout=300, json={
+                "model": _MODEL[0], "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
+                "request_id": "r" * 1009})
+            tally["long_id"].append(r.status_code)
+
+
+def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, http):
+    """4 legitimate agentic sessions through the proxy while an attacker replays captured
+    side-channel calls, floods lease claims for unknown ids, and sends batched prompts and
+    1009-character request ids, for HYBRIDKV_HOSTILE_S seconds: every legitimate turn equals
+    a recompute (fresh cache_salt), at least 90 % of the run's hand-overs are READ (decode's
+    vllm:hybridkv_pd_reads_total against the proxy's hybridkv_proxy_hand_overs_total), every
+    lease of the run is released (none waits out lease_s: a batch forwarded whole or a client's
+    long id leaves one to expire), so the lease budget is back to 0, no replay is answered, and
+    every server still serves."""
+    import requests
+
+    key = load_key(str(stack.secret_file), False)
+    warm = Session(seed=40, first_tokens=300, growth_tokens=200).prompt
+    params = _prefill_params(http, stack, warm)
+    address = f"{params['remote_host']}:{params['remote_port']}"
+    _completions(_post(http, stack.decode.url, warm, params=params))  # read: its lease ends
+    captured = _capture(address, key)
+    proxy_before = _counter_sum(http.get(stack.url + "/metrics", timeout=30).text, "hybridkv_proxy_hand_overs_total")
+    decode_before, prefill_before = _pd_counters(http, stack.decode.url), _pd_counters(http, stack.prefill.url)
+    prefill_log_before = len(Path(stack.prefill.log_path).read_text(errors="replace"))
+
+    stop = threading.Event()
+    turns: list[tuple[list[int], Completion]] = []
+    errors: list[str] = []
+
+    def legit(seed: int) -> None:
+        s, own = Session(seed=seed, first_tokens=300, growth_tokens=200), requests.Session()
+        while not stop.is_set():
+            try:
+                got = _completions(_post(own, stack.url, s.prompt))[0]
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(f"session {seed}: {e!r}")
+                return
+            turns.append((list(s.prompt), got))
+            s.extend(got.token_ids)
+            if len(s.prompt) > 3000:  # within max_model_len
+                s = Session(seed=seed + 100, first_tokens=300, growth_tokens=200)
+
+    tally: dict[str, list] = {"replay": [], "flood": [], "batch": [], "long_id": []}
+    threads = [threading.Thread(target=legit, args=(50 + i,)) for i in range(LEGIT_SESSIONS)]
+    threads.append(threading.Thread(target=_attacker, args=(stop, address, key, captured, stack.url, tally)))
+    for t in threads:
+        t.start()
+    time.sleep(HOSTILE_S)
+    stop.set()
+    for t in threads:
+        t.join(300)
+    ended = time.monotonic()
+    print(f"\nhostile run: {len(turns)} legitimate turns, replays {dict(_counts(tally['replay']))}, "
+          f"claims {dict(_counts(tally['flood']))}, batches {tally['batch']}, long ids {tally['long_id']}")
+    assert not errors, errors
+    assert len(turns) >= LEGIT_SESSIONS and tally["batch"] and tally["long_id"]
+    assert set(tally["batch"]) == set(tally["long_id"]) == {200}
+    assert "OK" not in tally["replay"], "a replayed side-channel call was answered"
+
+    # Every lease of the run ends by its release; waited for up to lease_s (an unread one expires).
+    while True:
+        pre = _pd_counters(http, stack.prefill.url)
+        held = (pre["leases"] - prefill_before["leases"]) - (pre["leases_released"] - prefill_before["leases_released"]) \
+            - (pre["leases_expired"] - prefill_before["leases_expired"])
+        if held == 0 or time.monotonic() > ended + LEASE_S + 15:
+            break
+        time.sleep(1)
+    assert held == 0, f"{held} leases still held {time.monotonic() - ended:.0f} s after the run: {pre}"
+    expired = pre["leases_expired"] - prefill_before["leases_expired"]
+    assert expired == 0, f"{expired:.0f} leases of the run were never released (they waited out lease_s)"
+    print(f"leases {pre['leases'] - prefill_before['leases']:.0f}, all released "
+          f"{time.monotonic() - ended:.1f} s after the attack stopped")
+    assert "unread leases hold" not in Path(stack.prefill.log_path).read_text(errors="replace")[prefill_log_before:]
+
+    hand_overs = _counter_sum(http.get(stack.url + "/metrics", timeout=30).text,
+                              "hybridkv_proxy_hand_overs_total") - proxy_before
+    deadline = time.monotonic() + 15  # the workers' stats reach /metrics with a later engine step
+    while True:
+        dec = _pd_counters(http, stack.decode.url)
+        reads = dec["reads"] - decode_before["reads"]
+        if reads >= 0.9 * hand_overs or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    print(f"hand-overs {hand_overs:.0f}, READ {reads:.0f}, "
+          f"failed reads {dec['failed_reads'] - decode_before['failed_reads']:.0f}")
+    assert reads >= 0.9 * hand_overs, f"only {reads:.0f} of {hand_overs:.0f} hand-overs were READ"
+
+    for prompt, got in turns:
+        assert matches(got, _recompute(http, stack, prompt)), "a legitimate turn differs from a recompute"
+    for url in (stack.url, stack.prefill.url, stack.decode.url):
+        assert http.get(url + "/health", timeout=30).status_code == 200, url
+    assert stack._proxy.poll() is None and stack.prefill.proc.poll() is None and stack.decode.proc.poll() is None
+    for log in (stack.prefill.log_path, stack.decode.log_path):
+        assert "EngineDeadError" not in Path(log).read_text(errors="replace")
+
+
+def _counts(items: list) -> "collections.Counter":
+    import collections
+
+    return collections.Counter(items)
