@@ -32,7 +32,7 @@ costs TTFT, not the request (the answer is the same; logged, marked with the
 Decode-only fallbacks cost the decode instance a whole prefill each, so while every prefill
 instance is down they can saturate it (and the host: on the 2-core CI box they starved the
 restarting prefill). ``--max-decode-only N`` (default 8) bounds how many run at once: one past
-the bound waits up to ``--decode-only-wait-s`` for a slot, then is answered 503 with
+the bound waits up to ``--decode-only-wait-s`` (default 30) for a slot, then is answered 503 with
 ``Retry-After`` (``--retry-after-s``), counted as ``hybridkv_proxy_decode_only_rejected_total``;
 the running ones are the gauge ``hybridkv_proxy_decode_only_in_flight``. Requests that prefill
 serves are never bounded by it.
@@ -233,6 +233,9 @@ KEEPALIVE_EXPIRY_S = 2.0  # below the instances' keep-alive timeout (vLLM: 5 s);
 # connection costs the proxy one socket (tests/unit/test_proxy.py).
 CLIENT_KEEPALIVE_S = 75
 DEFAULT_MAX_DECODE_ONLY = 8
+# One past the bound waits this long for a slot (the command's default; build_app's is 0): while
+# every prefill instance is down, more clients than the bound queue for TTFT instead of failing.
+DEFAULT_DECODE_ONLY_WAIT_S = 30.0
 
 COUNTER_HELP = {
     "requests": "Requests the proxy routed",
@@ -579,8 +582,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-decode-only", type=_non_negative_int, default=DEFAULT_MAX_DECODE_ONLY, metavar="N",
                    help=f"at most N decode-only fallbacks at once (default {DEFAULT_MAX_DECODE_ONLY}; 0: no bound); one "
                         "past it waits --decode-only-wait-s, then is answered 503 with Retry-After")
-    p.add_argument("--decode-only-wait-s", type=float, default=0.0,
-                   help="how long a decode-only request waits for a slot under --max-decode-only (default 0)")
+    p.add_argument("--decode-only-wait-s", type=float, default=DEFAULT_DECODE_ONLY_WAIT_S,
+                   help="how long a decode-only request waits for a slot under --max-decode-only "
+                        f"(default {DEFAULT_DECODE_ONLY_WAIT_S:g})")
     p.add_argument("--retry-after-s", type=float, default=1.0,
                    help="the Retry-After of 503 answers (whole seconds, at least 1)")
 

@@ -39,7 +39,7 @@ def test_every_limit_has_a_finite_default():
     assert a.max_hand_overs == 32
     assert a.connect_timeout_s == 5.0 and a.prefill_read_timeout_s == 120.0 and a.read_timeout_s == 600.0
     assert a.write_timeout_s == 30.0 and a.pool_timeout_s == 30.0
-    assert a.max_decode_only == 8 and a.decode_only_wait_s == 0.0
+    assert a.max_decode_only == 8 and a.decode_only_wait_s == 30.0
     for bad in (["--max-body-bytes", "0"], ["--connect-timeout-s", "0"], ["--max-concurrent", "-1"]):
         with pytest.raises(SystemExit):
             p.parse_args([*BASE, *bad])
