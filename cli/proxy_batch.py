@@ -12,7 +12,6 @@ prompt in ``usage``.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 COMPLETIONS = "/v1/completions"
@@ -49,7 +48,9 @@ def split_request(path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     legs = []
     for prompt in prompts if prompts is not None else [None]:
         for i in range(n):
-            leg = copy.deepcopy(body)
+            # Shallow: no leg is changed in place (each leg's requests are copies), so a large
+            # body is not copied once per leg.
+            leg = dict(body)
             if prompts is not None:
                 leg["prompt"] = prompt
             leg["n"] = 1
