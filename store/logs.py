@@ -24,7 +24,9 @@ class PrefixedLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         super().__init__(logger, {})
         self.prefix = prefix
 
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
         return f"{self.prefix}{msg}", kwargs
 
 

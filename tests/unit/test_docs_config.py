@@ -15,7 +15,6 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
-
 from hybridkv.connector.pd_connector import PDConnectorConfig
 from hybridkv.connector.store_config import StoreConnectorConfig, markdown_table
 from hybridkv.store.object_trailer import TRAILER_BYTES
@@ -46,9 +45,14 @@ def test_store_key_table_is_the_declarations() -> None:
 
 def test_pd_key_table_names_every_field_with_its_default() -> None:
     rows = _table_after(CONFIG_MD.read_text(), "| P/D key | default | meaning |")[2:]
-    documented = {m[1]: m[2] for m in (re.match(r"\| `(\w+)` \| `([^`]*)` \|", r) for r in rows) if m}
+    documented = {
+        m[1]: m[2] for m in (re.match(r"\| `(\w+)` \| `([^`]*)` \|", r) for r in rows) if m
+    }
     assert len(documented) == len(rows), rows
-    declared = {f.name: json.dumps(None if f.default is MISSING else f.default) for f in fields(PDConnectorConfig)}
+    declared = {
+        f.name: json.dumps(None if f.default is MISSING else f.default)
+        for f in fields(PDConnectorConfig)
+    }
     assert documented == declared
 
 
@@ -64,7 +68,9 @@ def test_every_printed_config_line_passes_the_startup_checks(doc: Path) -> None:
     assert lines, f"{doc.name} prints no config line"
     for text in lines:
         # The one placeholder a reader replaces: the address of their running mooncake_master.
-        checks, uses = config_checks(json.loads(text.replace("HOST:PORT", "127.0.0.1:50051")), source=doc.name)
+        checks, uses = config_checks(
+            json.loads(text.replace("HOST:PORT", "127.0.0.1:50051")), source=doc.name
+        )
         assert [c for c in checks if c.status == "fail"] == [], text
         assert uses, text
         for use in uses:
@@ -74,7 +80,9 @@ def test_every_printed_config_line_passes_the_startup_checks(doc: Path) -> None:
 
 def test_the_gpu_install_line_is_one_line_everywhere() -> None:
     for doc in (README, CONFIG_MD, ROOT / "docs" / "gpu.md"):
-        lines = {ln.strip() for ln in doc.read_text().splitlines() if '".[gpu]"' in ln or "[gpu]`" in ln}
+        lines = {
+            ln.strip() for ln in doc.read_text().splitlines() if '".[gpu]"' in ln or "[gpu]`" in ln
+        }
         assert lines == {GPU_INSTALL}, (doc.name, lines)
 
 
@@ -84,6 +92,13 @@ def test_the_object_trailer_is_described_as_written() -> None:
         text = doc.read_text()
         sizes = set(re.findall(r"(\d+)-byte trailer", text))
         assert sizes <= {str(TRAILER_BYTES)}, (doc.name, sizes)
-        assert re.findall(r"CRC[- ]checked|CRC trailer|trailer \(CRC\)|CRC-32 of the payload", text) == [], doc.name
+        assert (
+            re.findall(r"CRC[- ]checked|CRC trailer|trailer \(CRC\)|CRC-32 of the payload", text)
+            == []
+        ), doc.name
     config = CONFIG_MD.read_text()
-    assert f"{TRAILER_BYTES}-byte trailer" in config and "XXH3-64" in config and "keyed BLAKE3" in config
+    assert (
+        f"{TRAILER_BYTES}-byte trailer" in config
+        and "XXH3-64" in config
+        and "keyed BLAKE3" in config
+    )

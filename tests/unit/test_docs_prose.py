@@ -21,8 +21,14 @@ BUILD_WORDS = re.compile(
     r"\bthis session\b|\bnot lent\b|\bfound by\b|\btoday'?s?\b|\byesterday\b|\bthe lead\b",
     re.I,
 )
-SECTIONS = ("## Install", "## Two commands", "## Config lines", "## Guarantees and limits",
-            "## When something is off", "## Results")
+SECTIONS = (
+    "## Install",
+    "## Two commands",
+    "## Config lines",
+    "## Guarantees and limits",
+    "## When something is off",
+    "## Results",
+)
 
 
 def test_readme_is_a_product_page() -> None:
@@ -34,20 +40,30 @@ def test_readme_is_a_product_page() -> None:
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_doc_speaks_of_how_the_project_was_built(doc: Path) -> None:
-    hits = [f"{n}: {m.group(0)!r}" for n, line in enumerate(doc.read_text().splitlines(), 1)
-            for m in BUILD_WORDS.finditer(line)]
+    hits = [
+        f"{n}: {m.group(0)!r}"
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        for m in BUILD_WORDS.finditer(line)
+    ]
     assert hits == []
 
 
 def test_the_code_layout_names_every_module() -> None:
     """Every tracked module of the three packages has its line, and every line a module."""
-    tracked = subprocess.run(["git", "ls-files", "connector", "store", "cli"], cwd=ROOT, check=True,
-                             capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "connector", "store", "cli"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     modules = {p for p in tracked if p.endswith(".py") and not p.endswith("__init__.py")}
     text = (ROOT / "docs" / "development.md").read_text()
-    layout = text[text.index("## Code layout"):]
+    layout = text[text.index("## Code layout") :]
     listed = set(re.findall(r"^- `((?:connector|store|cli)/\w+\.py)`", layout, re.M))
-    assert sorted(modules - listed) == [], "modules without a line in docs/development.md's Code layout"
+    assert sorted(modules - listed) == [], (
+        "modules without a line in docs/development.md's Code layout"
+    )
     assert sorted(listed - modules) == [], "lines naming no module"
 
 
@@ -72,3 +88,12 @@ def test_every_relative_link_and_anchor_resolves(doc: Path) -> None:
             if anchor not in {_slug(h) for h in headings}:
                 broken.append(target)
     assert broken == []
+
+
+def test_bench_readme_indexes_every_benchmark() -> None:
+    tracked = subprocess.run(
+        ["git", "ls-files", "bench"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.split()
+    scripts = {p for p in tracked if p.endswith((".py", ".sh"))}
+    index = (ROOT / "bench" / "README.md").read_text()
+    assert sorted(s for s in scripts if s not in index) == []

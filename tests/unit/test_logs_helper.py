@@ -7,14 +7,15 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from hybridkv.store.logs import get_logger, logger_name
 
 
 def test_loggers_sit_under_vllms_tree() -> None:
     assert logger_name("hybridkv.connector.pd_handshake") == "vllm.hybridkv.connector.pd_handshake"
     assert logger_name("vllm.hybridkv.x") == "vllm.hybridkv.x"
-    assert get_logger("hybridkv.store.malloc_trim").logger is logging.getLogger("vllm.hybridkv.store.malloc_trim")
+    assert get_logger("hybridkv.store.malloc_trim").logger is logging.getLogger(
+        "vllm.hybridkv.store.malloc_trim"
+    )
 
 
 def test_every_message_carries_the_prefix(caplog: pytest.LogCaptureFixture) -> None:
