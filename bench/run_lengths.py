@@ -129,14 +129,10 @@ def runs(ids: list[int]) -> list[int]:
 
 
 def joint_runs(remote: list[int], local: list[int]) -> list[int]:
-    """Runs of pairs consecutive on BOTH sides (in hand-over order)."""
-    out: list[int] = []
-    for i, (r, l_) in enumerate(zip(remote, local)):
-        if i and r == remote[i - 1] + 1 and l_ == local[i - 1] + 1:
-            out[-1] += 1
-        else:
-            out.append(1)
-    return out
+    """Runs of pairs one apart the same way on BOTH sides (in hand-over order)."""
+    from hybridkv.connector.block_layout import run_lengths
+
+    return run_lengths(remote, local)
 
 
 def _dist(xs: list[int]) -> dict:
@@ -182,7 +178,6 @@ def summarize(paths: list[Path]) -> dict:
             for r in st:
                 for ids in r["groups"].values():
                     br += runs(ids)
-                    br_sorted = None  # noqa: F841 - runs are taken in batch order
             res[kind] = {"batches": len(st), "blocks": sum(len(v) for r in st for v in r["groups"].values()),
                          "runs_in_batch_order": _dist(br),
                          "sorted_runs": _dist([x for r in st for v in r["groups"].values() for x in runs(sorted(v))]),

@@ -394,14 +394,22 @@ def coalesce(
     return d[starts], s[starts], np.add.reduceat(n, starts), dd[starts], sd[starts]
 
 
-def run_lengths(ids: Sequence[int]) -> list[int]:
-    """Lengths of the runs of consecutive ids (``[3, 4, 5, 9, 10, 2]`` -> ``[3, 2, 1]``), in the given order."""
+def run_lengths(ids: Sequence[int], peer: Sequence[int] | None = None) -> list[int]:
+    """Lengths of the runs of ids one apart, in the given order, ascending or descending
+    (``[3, 4, 5, 9, 10, 2]`` -> ``[3, 2, 1]``; ``[7, 6, 5, 9]`` -> ``[3, 1]``).
+
+    With ``peer`` (the other side's ids, pair by pair): runs whose ids step the same way by one
+    on BOTH sides, the pairs :func:`coalesce` can serve with one copy per region.
+    """
     out: list[int] = []
-    prev = None
-    for b in ids:
-        if prev is not None and b == prev + 1:
+    step = 0
+    for i, b in enumerate(ids):
+        d = b - ids[i - 1] if i else 0
+        same = peer is None or (i and peer[i] - peer[i - 1] == d)
+        if i and d in (1, -1) and same and (out[-1] == 1 or d == step):
             out[-1] += 1
+            step = d
         else:
             out.append(1)
-        prev = b
+            step = 0
     return out

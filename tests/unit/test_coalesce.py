@@ -245,4 +245,22 @@ def test_coalesce_refuses_overlapping_destinations_and_keeps_devices_apart():
 
 def test_run_lengths():
     assert run_lengths([3, 4, 5, 9, 10, 2]) == [3, 2, 1]
+    assert run_lengths([7, 6, 5, 9, 10, 11]) == [3, 3]
+    assert run_lengths([1, 2, 1]) == [2, 1]
+    assert run_lengths([4, 5, 6, 8], peer=[9, 10, 2, 3]) == [2, 1, 1]
+    assert run_lengths([7, 6, 5], peer=[3, 2, 1]) == [3]
+    assert run_lengths([7, 6, 5], peer=[1, 2, 3]) == [1, 1, 1]  # reversed on one side: no copy spans two
+
+
+def test_descending_runs_on_both_sides_coalesce():
+    """vLLM frees a request's blocks tail first, so later allocations often get ids counting
+    down: descending on both sides is contiguous memory on both sides."""
+    case = _single("LBHNC", 64, 16)
+    src, sl, dst, dl = _pair(case)
+    local, remote = _rows(sl, dl, [[7, 6, 5]], [[3, 2, 1]])
+    c_local, c_remote = coalesced(local, remote)
+    assert len(c_local) == 2 and c_local[:, 1].tolist() == [3 * src.pages["fa.0"][2]] * 2
+    assert np.array_equal(_after(dst, c_local, c_remote), _after(dst, local, remote))
+    local, remote = _rows(sl, dl, [[7, 6, 5]], [[1, 2, 3]])
+    assert len(coalesced(local, remote)[0]) == 6
     assert run_lengths([]) == []
