@@ -335,7 +335,7 @@ def corrupt_objects(address: str, key_logs: list[pathlib.Path], fraction: float,
     the trailer check passes and only the output comparison can tell.
     """
     from hybridkv.store.mooncake_backend import MooncakeBackend
-    from hybridkv.store.object_trailer import TRAILER_BYTES, seal
+    from hybridkv.store.object_trailer import TRAILER_BYTES, format_code_of, seal
 
     by_group: dict[tuple[str, str], dict[str, None]] = {}
     lines = [ln for key_log in key_logs if key_log.exists() for ln in key_log.read_text().splitlines()]
@@ -362,7 +362,7 @@ def corrupt_objects(address: str, key_logs: list[pathlib.Path], fraction: float,
                 if not data:
                     continue
                 if sealed:
-                    data = seal(victim, data[:-TRAILER_BYTES])
+                    data = seal(victim, data[:-TRAILER_BYTES], format_code=format_code_of(data))
                 planted += client.replace_bytes(victim, data) == 0
     return {"present": present_n, "planted": planted}
 

@@ -154,7 +154,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self._scheduler is not None
-        self._scheduler.bind(kv_cache_manager, loads=self._loads_enabled)
+        self._scheduler.bind(kv_cache_manager, loads=self._loads_enabled, saves=self._saves_enabled)
 
     def on_new_request(self, request: "Request") -> None:
         if self._scheduler is not None:
@@ -174,10 +174,7 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._scheduler is not None
-        meta = self._scheduler.build_connector_meta(scheduler_output)
-        if not self._saves_enabled:
-            meta.saves = []
-        return meta
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self._scheduler is not None:
@@ -198,11 +195,17 @@ class HybridStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler is not None and self._scheduler.has_pending_saves()
 
     def has_pending_block_frees(self) -> bool:
-        return self._scheduler is not None and self._scheduler.has_pending_saves()
+        # True only when a pin alone holds a block: vLLM then waits for it instead of preempting.
+        return self._scheduler is not None and self._scheduler.has_pin_only_blocks()
 
     def reset_cache(self) -> bool:
-        # The store is shared with other engines; a local reset must not clear it.
-        return True
+        """False: the store is shared with other engines and keyed by prompt, not by weights, so
+        it cannot be cleared from here; after a weight update its objects still match prompts."""
+        logger.warning(
+            "hybridkv store: reset_prefix_cache(reset_connector=True) cannot clear the shared store (other "
+            "engines use it); its KV still matches these prompts. After changing the weights, restart with a "
+            "new kv_connector_extra_config.namespace so no KV of the old weights is loaded.")
+        return False
 
     # -------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:

@@ -131,11 +131,15 @@ class StoreScheduler:
         self._stats = HybridStoreStats()
         self._ledger = RequestLedger(lambda: self._stats)  # one counted decision per admission
         self._master_epoch = client.master_epoch if client is not None else 0
+        self._saves = True  # bind() sets the role's answer
 
     # ----------------------------------------------------------------- binding
-    def bind(self, manager: "KVCacheManager", loads: bool = True) -> None:
-        """Read the geometry off the live manager and install the dense reference."""
+    def bind(self, manager: "KVCacheManager", loads: bool = True, saves: bool = True) -> None:
+        """Read the geometry off the live manager and install the dense reference. ``saves``:
+        the role sends save jobs (``kv_producer`` / ``kv_both``); otherwise none is planned or
+        pinned, since no worker would ever acknowledge it."""
         self._manager = manager
+        self._saves = saves
         self._geometry = install_reconciled_lookup(manager, self._extends if loads else None)
         self._mirror = StoreMirror(self._geometry)
         logger.info("hybridkv store: KV cache groups %s", self._geometry.describe())
@@ -371,7 +375,7 @@ class StoreScheduler:
         meta = StoreConnectorMetadata(loads=self._loads, block_copies=step_block_copies(scheduler_output))
         self._loads = []
         state = scheduler_output.kv_connector_block_state
-        if self._mirror is None or self._client is None or state is None:
+        if self._mirror is None or self._client is None or state is None or not self._saves:
             return meta
         if self._client.master_epoch != self._master_epoch:
             # The master lost its objects (restart): keys saved before are gone, offer them again.
@@ -609,6 +613,16 @@ class StoreScheduler:
 
     def has_pending_saves(self) -> bool:
         return bool(self._pins or self._load_pins)
+
+    def has_pin_only_blocks(self) -> bool:
+        """Is some block held by this connector's pins alone? Then a free is really pending:
+        it comes when those jobs end. A pinned block that a request also holds frees nothing
+        then, so vLLM should preempt rather than wait for it (``has_pending_block_frees``)."""
+        pins: Counter[int] = Counter()
+        for pinned in itertools.chain(self._pins.values(), self._load_pins.values()):
+            pins.update(block.block_id for block in pinned)
+        pool = self._manager.block_pool if self._manager is not None else None
+        return pool is not None and any(pool.blocks[b].ref_cnt <= n for b, n in pins.items())
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id

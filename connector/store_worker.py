@@ -65,7 +65,15 @@ from hybridkv.store.mooncake_backend import (
 from hybridkv.store.call_pool import CallPool
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.connector.store_auth import StoreSecret
-from hybridkv.store.object_trailer import TRAILER_BYTES, TrailerArena, checksum_parts, must_remove, size_verdict, tag_kind
+from hybridkv.store.object_trailer import (
+    TRAILER_BYTES,
+    TrailerArena,
+    block_format_code,
+    checksum_parts,
+    must_remove,
+    size_verdict,
+    tag_kind,
+)
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
 
@@ -196,6 +204,12 @@ class _JobThread:
             self._q.put(None)
 
 
+def layout_format_code(layout: KVLayout | None) -> int:
+    """The trailer's ``block_format_code`` of a worker's KV cache: every group's block byte order."""
+    groups = layout.groups if layout is not None else ()
+    return block_format_code([f"{g.group_id}:{','.join(g.block_formats)}" for g in groups if g is not None])
+
+
 class StoreWorker:
     """One per worker process (rank)."""
 
@@ -227,12 +241,17 @@ class StoreWorker:
         self._stats = HybridStoreStats()
         self._mac = (secret or StoreSecret.load(cfg)).object_mac()  # None: XXH3 trailers (no secret, logged)
         self._arenas: CallPool[TrailerArena] = CallPool(
-            lambda: TrailerArena(cfg.max_batch_blocks, client.register, tag_kind(self._mac)))
+            lambda: TrailerArena(cfg.max_batch_blocks, client.register, tag_kind(self._mac), self.format_code))
         self._staging: dict[int, dict[str, StagerPool]] | None = None
         self._snapshots: dict[int, dict[str, StagerPool]] | None = None  # built on first use
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._on_cuda = False
         self._trimmer = malloc_trim.start(cfg.malloc_trim_interval_s)
+
+    @property
+    def format_code(self) -> int:
+        """The trailer's code of this worker's block byte order (``layout_format_code``)."""
+        return layout_format_code(self._layout)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layout = KVLayout.from_kv_caches(self._kv_cache_config, kv_caches)

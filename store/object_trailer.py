@@ -7,17 +7,26 @@ request would answer HTTP 200 with corrupted generations. Every object therefore
 ends with a trailer::
 
     u32 MAGIC  "HKV3"          which trailer format this is
-    u8  FORMAT_VERSION (3)     bumped whenever the layout or the check changes
+    u8  FORMAT_VERSION (4)     bumped whenever the layout or the check changes
     u8  tag kind               TAG_XXH3_64 (no deployment secret) or
                                TAG_BLAKE3_KEYED_64 (a MAC: see below); readers
                                refuse a kind they do not expect
-    u16 reserved (0)
+    u16 block format code      ``block_format_code`` of the writer's block byte order
+                               (vLLM's kernel-block split and KV layout); readers
+                               refuse another code as a format mismatch
     u64 check                  XXH3-64 of the payload, seeded with XXH3-64 of the key;
                                or the MAC's first 8 bytes
 
 so a flipped byte, a truncated object, a right payload stored under another key
 (the seed differs) and an object written in another format (old 8-byte CRC-32
-trailer, unknown version or tag kind) all fail and the request recomputes.
+trailer, unknown version or tag kind, another block byte order) all fail and the
+request recomputes.
+
+Why the block format code: keys name a block by model, manager-block layout and prompt,
+but vLLM's attention backend may split a manager block into kernel blocks, and under
+some layouts (LBHNC with several heads) the split reorders the block's bytes. Two engines
+sharing a master can then write the same key in two byte orders, each with a valid check;
+only the writer's format code tells a reader the bytes are not in its order.
 
 Why XXH3-64 (measured in ``bench/store_data_path.py``, candidates table, and by hand on
 this 2-core VM at load < 2, 1 GiB cold buffers on 2 MiB pages): XXH3-64 16.8 GB/s, XXH3-128
@@ -79,14 +88,14 @@ import xxhash
 
 TRAILER_BYTES = 16
 MAGIC = 0x33564B48  # b"HKV3" little-endian
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: the block format code in the former reserved field
 TAG_XXH3_64 = 0
 TAG_BLAKE3_KEYED_64 = 1
 MAC_CONTEXT = "hybridkv 2026 store object trailer MAC v1"
 LEGACY_TRAILER_BYTES = 8  # format 2: u32 b"HVK2" + u32 CRC-32 (read back as a format mismatch)
 
 # One trailer as numpy sees it (little-endian, packed).
-_DTYPE = np.dtype([("magic", "<u4"), ("version", "u1"), ("kind", "u1"), ("reserved", "<u2"), ("check", "<u8")])
+_DTYPE = np.dtype([("magic", "<u4"), ("version", "u1"), ("kind", "u1"), ("format", "<u2"), ("check", "<u8")])
 assert _DTYPE.itemsize == TRAILER_BYTES
 
 # What a load's trailer says, beyond "fine".
@@ -98,6 +107,12 @@ UNAUTHENTICATED = "unauthenticated_object"  # an XXH3 object where a MAC is requ
 @lru_cache(maxsize=256)
 def _char_array(n: int) -> type:
     return ctypes.c_char * n
+
+
+def block_format_code(block_formats: Sequence[str]) -> int:
+    """The trailer's 16-bit code of a worker's block byte order (its groups'
+    ``GroupLayout.block_formats``, in group order); never 0."""
+    return 1 + xxhash.xxh3_64_intdigest("\n".join(block_formats).encode()) % 0xFFFF
 
 
 @lru_cache(maxsize=1 << 16)
@@ -157,15 +172,21 @@ def tag_kind(mac: ObjectMac | None) -> int:
     return TAG_XXH3_64 if mac is None else mac.kind
 
 
-def trailer_bytes(check: int, kind: int = TAG_XXH3_64) -> bytes:
+def trailer_bytes(check: int, kind: int = TAG_XXH3_64, format_code: int = 0) -> bytes:
     t = np.zeros(1, dtype=_DTYPE)
-    t[0] = (MAGIC, FORMAT_VERSION, kind, 0, check)
+    t[0] = (MAGIC, FORMAT_VERSION, kind, format_code, check)
     return t.tobytes()
 
 
-def seal(key: str, payload: bytes, mac: ObjectMac | None = None) -> bytes:
-    """A complete object (payload + valid trailer): for repair tools and fault tests."""
-    return payload + trailer_bytes(checksum_bytes(key, payload, mac), tag_kind(mac))
+def format_code_of(obj: bytes) -> int:
+    """The block format code in a stored object's trailer (to re-seal a payload for its readers)."""
+    return int.from_bytes(obj[len(obj) - TRAILER_BYTES + 6 : len(obj) - TRAILER_BYTES + 8], "little")
+
+
+def seal(key: str, payload: bytes, mac: ObjectMac | None = None, format_code: int = 0) -> bytes:
+    """A complete object (payload + valid trailer, ``format_code`` of the reader it is for):
+    for repair tools and fault tests."""
+    return payload + trailer_bytes(checksum_bytes(key, payload, mac), tag_kind(mac), format_code)
 
 
 def must_remove(verdict: str | None) -> bool:
@@ -188,8 +209,10 @@ def size_verdict(code: int, payload_bytes: int) -> str | None:
 class TrailerArena:
     """Registered room for the trailers of one batch call (``slots`` objects)."""
 
-    def __init__(self, slots: int, register: Callable[[int, int], None], kind: int = TAG_XXH3_64) -> None:
+    def __init__(self, slots: int, register: Callable[[int, int], None], kind: int = TAG_XXH3_64,
+                 format_code: int = 0) -> None:
         self.kind = kind  # the tag kind this reader/writer uses (and requires on load)
+        self.format_code = format_code  # its block byte order (written, and required on load)
         self.rows = np.zeros(slots, dtype=_DTYPE)
         self.base = int(self.rows.ctypes.data)
         register(self.base, self.rows.nbytes)
@@ -198,7 +221,7 @@ class TrailerArena:
         return self.base + slot * TRAILER_BYTES
 
     def write(self, slot: int, check: int) -> None:
-        self.rows[slot] = (MAGIC, FORMAT_VERSION, self.kind, 0, check)
+        self.rows[slot] = (MAGIC, FORMAT_VERSION, self.kind, self.format_code, check)
 
     def clear(self, count: int) -> None:
         self.rows[:count] = 0
@@ -208,6 +231,8 @@ class TrailerArena:
         row = self.rows[slot]
         if int(row["magic"]) != MAGIC or int(row["version"]) != FORMAT_VERSION:
             return FORMAT_MISMATCH
+        if int(row["format"]) != self.format_code:
+            return FORMAT_MISMATCH  # another block byte order: right for its writer, not for us
         if (kind := int(row["kind"])) != self.kind:
             return UNAUTHENTICATED if self.kind == TAG_BLAKE3_KEYED_64 and kind == TAG_XXH3_64 else FORMAT_MISMATCH
         return None if int(row["check"]) == check else CORRUPT

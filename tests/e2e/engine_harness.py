@@ -352,7 +352,7 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
     store holds every group's state (a hit boundary); callers assert ``cached``.
     """
     from hybridkv.store.mooncake_backend import MooncakeBackend
-    from hybridkv.store.object_trailer import TRAILER_BYTES, seal
+    from hybridkv.store.object_trailer import TRAILER_BYTES, format_code_of, seal
 
     rng = random.Random(f"plausible-faults-{seed}")  # not Session's stream: its prompts would repeat
     first_keys = logged_keys(key_log, group)
@@ -396,7 +396,7 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
                     raise AssertionError(f"{name}: byte for byte the victim's own KV ({victim} vs {source}); "
                                          f"victim {desc(original[:-TRAILER_BYTES])}, sources {others}, "
                                          f"first keys {first_keys[:4]}")
-                assert client.replace_bytes(victim, seal(victim, payload)) == 0
+                assert client.replace_bytes(victim, seal(victim, payload, format_code=format_code_of(original))) == 0
             for tails in range(1, (TIE_REDRAWS if source is not None else 1) + 1):
                 reset_local_cache(llm)
                 prompt = list(prefix) + [rng.randrange(3, VOCAB) for _ in range(96)]

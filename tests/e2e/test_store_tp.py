@@ -34,7 +34,7 @@ from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
 from hybridkv.store.cpu_affinity import usable_cpus
 from hybridkv.store.mooncake_backend import MooncakeBackend
-from hybridkv.store.object_trailer import TRAILER_BYTES, seal
+from hybridkv.store.object_trailer import TRAILER_BYTES, format_code_of, seal
 from tests.docs_tables import observe
 from tests.e2e.engine_harness import (
     TIE_REDRAWS,
@@ -184,7 +184,7 @@ def test_tp2_three_turns_fault_and_missing_rank_object(kind, master, gemma3_tp2,
             original = client.get_bytes(victim)
             wrong = client.get_bytes(source)[:-TRAILER_BYTES]
             assert original and wrong != original[:-TRAILER_BYTES]
-            assert client.replace_bytes(victim, seal(victim, wrong)) == 0
+            assert client.replace_bytes(victim, seal(victim, wrong, format_code=format_code_of(original))) == 0
             # Another tail while the verdict is a near-tie at output position 0 (it compared
             # nothing: engine_harness.TIE_REDRAWS says why); seen on an AMD EPYC, 2026-12-03.
             for tails in range(1, TIE_REDRAWS + 1):

@@ -73,9 +73,9 @@ def store(tmp_path_factory):
 
 
 def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, policy: str = "fail",
-               **extra: object) -> Scheduler:
-    """What ``EngineCore`` builds in the scheduler process, minus the workers (``extra``:
-    more ``kv_connector_extra_config`` keys)."""
+               role: str = "kv_both", **extra: object) -> Scheduler:
+    """What ``EngineCore`` builds in the scheduler process, minus the workers (``role``: the
+    connector's ``kv_role``; ``extra``: more ``kv_connector_extra_config`` keys)."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                                  enforce_eager=True, max_model_len=geo.max_model_len),
@@ -83,7 +83,7 @@ def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, po
         scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
                                          max_model_len=geo.max_model_len, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridStoreConnector", kv_role="kv_both",
+            kv_connector="HybridStoreConnector", kv_role=role,
             kv_connector_module_path="hybridkv.connector.store_connector", kv_load_failure_policy=policy,
             kv_connector_extra_config={"master_address": master_address, "namespace": namespace,
                                        "lookup_cache_s": 0, **extra},

@@ -132,7 +132,7 @@ class Rig:
         return self.kv[block].view(torch.int16).numpy().tobytes()
 
     def sealed(self, tag: str, blocks: list[int]) -> dict[str, bytes]:
-        return {SCHEMA.key(0, _hash(tag, b)): seal(SCHEMA.key(0, _hash(tag, b)), self.payload(b)) for b in blocks}
+        return {SCHEMA.key(0, _hash(tag, b)): seal(SCHEMA.key(0, _hash(tag, b)), self.payload(b), format_code=self.worker.format_code) for b in blocks}
 
     def load_job(self, req: str, tag: str, src_blocks: list[int], dst_blocks: list[int], load_id: int) -> LoadJob:
         batch = BlockBatch()

@@ -59,7 +59,7 @@ def test_planted_object_without_the_mac_is_refused_and_removed(store, rigs, secr
     rigs.append(rig)
     h, key = _key("planted")
     poison = bytes(np.random.default_rng(1).integers(0, 256, len(rig.payload(0)), dtype=np.uint8))
-    assert planter.put_bytes(key, seal(key, poison)) == 0  # a correct XXH3 trailer
+    assert planter.put_bytes(key, seal(key, poison, format_code=rig.worker.format_code)) == 0  # a correct XXH3 trailer
     before = rig.kv[3].clone()
     assert planter.exists([key]) == [True]
     assert rig.load("A", [h], [3]) is False
@@ -75,7 +75,7 @@ def test_object_with_the_mac_loads_byte_for_byte(store, rigs, secret_file):
     rigs.append(rig)
     h, key = _key("good")
     payload = rig.payload(5)
-    assert planter.put_bytes(key, seal(key, payload, ObjectMac(_secret(secret_file)))) == 0
+    assert planter.put_bytes(key, seal(key, payload, ObjectMac(_secret(secret_file)), rig.worker.format_code)) == 0
     rig.kv[2] = 0
     assert rig.load("B", [h], [2]) is True
     assert rig.kv[2].view(torch.int16).numpy().tobytes() == payload
@@ -88,7 +88,7 @@ def test_flipped_byte_in_a_maced_object_is_refused_and_removed(store, rigs, secr
     rig = _rig(master, str(secret_file))
     rigs.append(rig)
     h, key = _key("flip")
-    obj = bytearray(seal(key, rig.payload(1), ObjectMac(_secret(secret_file))))
+    obj = bytearray(seal(key, rig.payload(1), ObjectMac(_secret(secret_file)), rig.worker.format_code))
     obj[where] ^= 0x04
     assert planter.put_bytes(key, bytes(obj)) == 0
     assert rig.load("C", [h], [4]) is False
@@ -102,7 +102,7 @@ def test_the_mac_binds_the_key(store, rigs, secret_file):
     rig = _rig(master, str(secret_file))
     rigs.append(rig)
     (h, key), (_, other) = _key("victim"), _key("source")
-    assert planter.put_bytes(key, seal(other, rig.payload(1), ObjectMac(_secret(secret_file)))) == 0
+    assert planter.put_bytes(key, seal(other, rig.payload(1), ObjectMac(_secret(secret_file)), rig.worker.format_code)) == 0
     assert rig.load("D", [h], [4]) is False
     assert rig.stats.get("fail.load_corrupt_object") == 1, rig.stats
 
@@ -136,7 +136,7 @@ def test_without_a_secret_a_planted_object_loads_as_before(store, rigs):
     rigs.append(rig)
     h, key = _key("nosecret")
     poison = bytes(len(rig.payload(0)))
-    assert planter.put_bytes(key, seal(key, poison)) == 0
+    assert planter.put_bytes(key, seal(key, poison, format_code=rig.worker.format_code)) == 0
     assert rig.load("G", [h], [7]) is True
     assert rig.kv[7].view(torch.int16).numpy().tobytes() == poison
 
@@ -147,7 +147,7 @@ def test_secret_from_the_environment_is_the_p_d_one(store, rigs, secret_file, mo
     rig = _rig(master, "")
     rigs.append(rig)
     h, key = _key("env")
-    assert planter.put_bytes(key, seal(key, rig.payload(2))) == 0
+    assert planter.put_bytes(key, seal(key, rig.payload(2), format_code=rig.worker.format_code)) == 0
     assert rig.load("H", [h], [3]) is False
     assert rig.stats.get("fail.load_unauthenticated_object") == 1, rig.stats
 

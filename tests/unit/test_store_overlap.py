@@ -102,7 +102,7 @@ def test_overlapped_save_stores_the_serial_objects_and_loads_them_back(store, ri
     overlapped.save(hashes, src)
     by_overlap = _stored(holder, hashes)
     assert by_overlap == by_serial
-    assert by_overlap == [seal(SCHEMA.key(0, h), overlapped.payload(b)) for h, b in zip(hashes, src)]
+    assert by_overlap == [seal(SCHEMA.key(0, h), overlapped.payload(b), format_code=overlapped.worker.format_code) for h, b in zip(hashes, src)]
     # Serial: 3 plain batches, no side work. Overlapped: sub-batch 0 is the one object of
     # overlap_first_bytes; the others are sized by what was hashed during the previous put
     # (timing-dependent), each at most max_batch_blocks, every put but the last with side work.
@@ -127,21 +127,21 @@ POSITIONS = {"first": 0, "middle": 9, "last": JOB - 1}
 def _shifted(rig: Rig, hashes: list[bytes], src: list[int], pos: int) -> bytes:
     """A one-block shift: the neighbour's real object (sealed under ITS key) under the victim's key."""
     other = pos - 1 if pos else pos + 1
-    return seal(SCHEMA.key(0, hashes[other]), rig.payload(src[other]))
+    return seal(SCHEMA.key(0, hashes[other]), rig.payload(src[other]), format_code=rig.worker.format_code)
 
 
 def _flipped(rig: Rig, hashes: list[bytes], src: list[int], pos: int) -> bytes:
-    good = bytearray(seal(SCHEMA.key(0, hashes[pos]), rig.payload(src[pos])))
+    good = bytearray(seal(SCHEMA.key(0, hashes[pos]), rig.payload(src[pos]), format_code=rig.worker.format_code))
     good[OBJECT // 2] ^= 0x04
     return bytes(good)
 
 
 def _truncated(rig: Rig, hashes: list[bytes], src: list[int], pos: int) -> bytes:
-    return seal(SCHEMA.key(0, hashes[pos]), rig.payload(src[pos]))[:-100]
+    return seal(SCHEMA.key(0, hashes[pos]), rig.payload(src[pos]), format_code=rig.worker.format_code)[:-100]
 
 
 def _old_format(rig: Rig, hashes: list[bytes], src: list[int], pos: int) -> bytes:
-    good = bytearray(seal(SCHEMA.key(0, hashes[pos]), rig.payload(src[pos])))
+    good = bytearray(seal(SCHEMA.key(0, hashes[pos]), rig.payload(src[pos]), format_code=rig.worker.format_code))
     good[OBJECT + 4] = 2  # trailer format version 2: right size, right check, format no longer spoken
     return bytes(good)
 
@@ -187,10 +187,10 @@ def test_without_the_mac_a_planted_object_in_any_sub_batch_is_refused(store, rig
     rig.save(hashes, src)
     mac = ObjectMac(secret.read_bytes().strip())  # the secret as the worker reads it (test_store_mac's rule)
     stored = _stored(holder, hashes)
-    assert stored == [seal(SCHEMA.key(0, h), rig.payload(b), mac) for h, b in zip(hashes, src)]
+    assert stored == [seal(SCHEMA.key(0, h), rig.payload(b), mac, rig.worker.format_code) for h, b in zip(hashes, src)]
     pos = POSITIONS[where]
     victim = SCHEMA.key(0, hashes[pos])
-    _plant(holder, victim, seal(victim, rig.payload(src[pos])))  # right bytes, XXH3 trailer, no MAC
+    _plant(holder, victim, seal(victim, rig.payload(src[pos]), format_code=rig.worker.format_code))  # right bytes, XXH3 trailer, no MAC
     assert not rig.load(f"mac-{where}", hashes, list(range(NUM_BLOCKS - JOB, NUM_BLOCKS)))
     assert rig.stats.get("fail.load_unauthenticated_object") == 1, rig.stats
     assert rig.stats.get("loaded_blocks") == pos and holder.get_bytes(victim) is None

@@ -1,0 +1,65 @@
+"""What the store connector's pins promise vLLM's scheduler, through a REAL ``Scheduler``.
+
+- A ``kv_consumer`` store (the decode side's child in a P/D + store ``MultiConnector``) never
+  sends save jobs, so it must plan and pin none: pins no worker acknowledges would grow to
+  ``max_pinned_save_fraction`` of the cache, keep ``has_pending_block_frees()`` (vLLM then never
+  preempts) and ``has_pending_push_work()`` (an idle engine keeps stepping) True, and make
+  ``reset_prefix_cache`` fail for good.
+- ``has_pending_block_frees()`` is True only while some block is held by pins alone (a free is
+  then really pending); a pinned block that a running request also holds frees nothing when
+  its save ends, so vLLM must preempt instead of waiting.
+- ``reset_cache()`` (``reset_prefix_cache(reset_connector=True)``) cannot clear a store other
+  engines share: it answers False (logged with the fix), never a success that leaves old KV
+  servable.
+"""
+
+from __future__ import annotations
+
+import random
+
+from tests.unit.harness import Geometry, fa, mamba, sw
+from tests.unit.test_real_scheduler import UNIT, _request, _run_to_completion, _scheduler, store  # noqa: F401
+
+GEO = Geometry(specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096)
+
+
+def _prompt(seed: int) -> list[int]:
+    return random.Random(seed).choices(range(3, 30000), k=1000)
+
+
+def test_a_consumer_store_plans_no_saves_and_pins_nothing(store):
+    sched = _scheduler(GEO, store[0], store[3], "consumer-pins", role="kv_consumer")
+    conn = sched.connector._scheduler
+    for i in range(2):
+        jobs: list = []
+        _run_to_completion(sched, _request(f"consumer-{i}", _prompt(300 + i)), jobs=jobs, ack=False)
+        assert jobs == []
+    assert conn._pins == {} and conn._pinned_save_blocks == 0
+    assert not sched.connector.has_pending_block_frees()
+    assert not sched.connector.has_pending_push_work()
+    assert sched.reset_prefix_cache()
+
+
+def test_pending_block_frees_only_when_a_pin_alone_holds_a_block(store):
+    """A request running: its blocks are pinned by a save no worker acknowledged yet, and it
+    still holds them, so no free is pending. Once it finishes, the pins alone hold them."""
+    sched = _scheduler(GEO, store[0], store[3], "pending-frees")
+    req = _request("frees-a", _prompt(400))
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.kv_connector_metadata.saves, "the first chunk's full blocks are saved"
+    conn = sched.connector._scheduler
+    assert conn._pins
+    assert not sched.connector.has_pending_block_frees()
+    sched.finish_requests(req.request_id, __import__("vllm.v1.request", fromlist=["RequestStatus"])
+                          .RequestStatus.FINISHED_ABORTED)
+    assert sched.connector.has_pending_block_frees()
+    assert sched.connector.has_pending_push_work()
+
+
+def test_reset_cache_refuses_to_claim_the_shared_store_was_cleared(store, caplog):
+    sched = _scheduler(GEO, store[0], store[3], "reset")
+    assert sched.connector.reset_cache() is False
+    assert sched.reset_prefix_cache(reset_connector=True) is False
+    assert sched.reset_prefix_cache() is True  # the local prefix cache alone still resets
+    assert any("namespace" in r.getMessage() for r in caplog.records)
