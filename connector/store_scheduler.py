@@ -124,6 +124,9 @@ class StoreScheduler:
         # _forget_missing asks it per lost key instead of rebuilding it from every job.
         self._in_flight: Counter[BlockKey] = Counter()
         self._load_keys: dict[str, list[BlockKey]] = {}  # request -> its load's keys, until reported
+        # Requests with a load job of this connector (blocks or refused), until reported: a
+        # failed one owes its deferral whether or not it had blocks.
+        self._loading: set[str] = set()
         self._job_ids = itertools.count(1)
         self._pins: dict[int, list[Any]] = {}
         self._pinned_save_blocks = 0  # sum of len(self._pins[j]): what the pin budget counts
@@ -328,7 +331,7 @@ class StoreScheduler:
             except StoreError as e:
                 job.refused = f"granted {num_external_tokens} tokens; store lookup at {target} failed: {e}"
                 self._ledger.admitted(req_id, num_external_tokens, refused=True)
-                self._loads.append(job)
+                self._post_load(job)
                 return
             self._count_probes(probed)
             self._forget_missing(request, probed.answers)
@@ -336,7 +339,7 @@ class StoreScheduler:
         if hit.tokens != target:
             job.refused = f"granted {num_external_tokens} tokens but the store has no state at {target}"
             self._ledger.admitted(req_id, num_external_tokens, refused=True)
-            self._loads.append(job)
+            self._post_load(job)
             return
         for group, entries in zip(self._mirror.geometry.groups, hit.blocks):
             table = blocks.blocks[group.group_id]
@@ -368,6 +371,11 @@ class StoreScheduler:
         self._ledger.admitted(req_id, num_external_tokens, covered_tokens(groups, job.blocks.group_ids,
                                                                           num_external_tokens),
                               refused=job.refused is not None)
+        self._post_load(job)
+
+    def _post_load(self, job: LoadJob) -> None:
+        """Send a load job to the workers (refused ones too: the worker reports them failed)."""
+        self._loading.add(job.req_id)
         self._loads.append(job)
 
     # -------------------------------------------------------------------- saves
@@ -556,9 +564,10 @@ class StoreScheduler:
         # copy either: vLLM would reserve the request's prompt twice and can stop admitting
         # anything (connector/failed_loads.py). Requests not finished yet only; marked before
         # the loop below pops _load_keys.
-        self._failed_loads.mark(failed, lambda r: r in self._load_keys and r in self._requests,
+        self._failed_loads.mark(failed, lambda r: r in self._loading and r in self._requests,
                                 self._requests.__contains__)
         for r in output.finished_recving or ():
+            self._loading.discard(r)
             self._ledger.load_done(r, r not in failed)  # a set over workers: once per request
             keys = self._load_keys.pop(r, ())
             if r in failed:
@@ -631,6 +640,7 @@ class StoreScheduler:
         self._saved_upto.pop(req_id, None)
         self._tails_done.discard(req_id)
         self._failed_loads.forget(req_id)
+        self._loading.discard(req_id)
         self._recent_lookups.pop(req_id, None)
         self._ledger.forget(req_id)
         return False, None

@@ -63,3 +63,30 @@ def test_reset_cache_refuses_to_claim_the_shared_store_was_cleared(store, caplog
     assert sched.reset_prefix_cache(reset_connector=True) is False
     assert sched.reset_prefix_cache() is True  # the local prefix cache alone still resets
     assert any("namespace" in r.getMessage() for r in caplog.records)
+
+
+def test_a_refused_load_with_no_blocks_still_owes_its_deferral(store):
+    """A load job refused before any block was added (here: no block allocated where the hit's
+    first object goes) is reported failed like any other of this connector's loads, so it owes
+    the one skipped admission that keeps loads failing together from stalling vLLM
+    (connector/failed_loads.py): ``get_num_new_matched_tokens`` answers None once, then 0."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from tests.unit.test_real_scheduler import _fill_for
+
+    geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096)
+    sched = _scheduler(geo, store[0], store[3], "refused-empty", policy="recompute")
+    conn = sched.connector._scheduler
+    req = _request("refused-empty-0", random.Random(79).choices(range(3, 30000), k=300))
+    _fill_for(sched, store, req, 288)
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (288, True)
+    null = sched.kv_cache_manager.block_pool.null_block
+    conn.update_state_after_alloc(req, KVCacheBlocks(tuple([null] * 18 for _ in range(2))), 288)
+    (job,) = conn._loads
+    assert job.refused == "no block allocated for group 0 position 0" and not job.blocks
+    conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
+                                                   failed_recving={req.request_id}))
+    assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
