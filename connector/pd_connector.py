@@ -28,11 +28,13 @@ from hybridkv.connector.block_layout import layer_specs
 from hybridkv.connector.cpu_amx import allow_amx
 from hybridkv.connector.pd_auth import load_key
 from hybridkv.connector.pd_idle import IdlePacer
-from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDWorkerMetadata
+from hybridkv.connector.pd_lease_pins import LeasePins, PDLeaseWorkerMetadata
+from hybridkv.connector.pd_metadata import PDConnectorMetadata
 from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_stats import HybridPDPromMetrics, HybridPDStats
 from hybridkv.connector.pd_tp import MAMBA_TP_CROSS_SWITCH, MAMBA_TP_NOT_ENABLED
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings, mamba_reslice_problem
+from hybridkv.connector.vllm_hooks import PDConnectorHooks
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.keys import kv_identity
 from hybridkv.connector.store_config import ConfigError, refuse_non_tensor_parallelism, refuse_unknown_keys
@@ -137,7 +139,7 @@ def _mamba_problem(cfg: PDConnectorConfig, kv_cache_config: "KVCacheConfig", mam
     return problem
 
 
-class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
+class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
     """Decode pulls every transfer-enabled group's blocks from prefill with NIXL READs."""
 
     _cache_hit_source = CacheHitSource.P2P
@@ -158,11 +160,14 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         key = load_key(self._cfg.auth_secret_file, self._cfg.allow_unauthenticated)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
-        # Scheduler side: empty steps are paced while only leases or pins remain (pd_idle);
-        # the requests whose blocks a lease holds, and those whose READ this engine awaits.
+        # Scheduler side: the leases' blocks, held by the connector (pd_lease_pins); empty
+        # steps are paced while only leases or pins remain (pd_idle); the requests whose
+        # READ this engine awaits.
+        self._lease_pins = LeasePins(int(vllm_config.parallel_config.tensor_parallel_size))
+        self._block_pool: Any = None
         self._pacer = IdlePacer()
-        self._held_leases: set[str] = set()
         self._awaiting_reads: set[str] = set()
+        self._leases_ended: set[str] = set()  # worker side: for the next build_connector_worker_meta
         self._copy_views: list[torch.Tensor] = []
         if role == KVConnectorRole.SCHEDULER:
             mamba_problem = _mamba_problem(self._cfg, kv_cache_config, mamba, engine_id)
@@ -225,27 +230,37 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         leases or read-target pins are what keeps vLLM stepping: a step to pace (pd_idle)."""
         return (not scheduler_output.total_num_scheduled_tokens and not scheduler_output.finished_req_ids
                 and not meta.reads and not meta.leases and not self._awaiting_reads
-                and (bool(self._held_leases) or self.has_pending_push_work()))
+                and (len(self._lease_pins) > 0 or self.has_pending_push_work()))
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         delay_free, params = self._scheduler.request_finished(request, block_ids)
-        if delay_free:
-            self._held_leases.add(request.request_id)
+        if delay_free and self._block_pool is not None:
+            # The connector holds the blocks, so vLLM frees the request now and an engine with
+            # nothing else to run goes idle instead of stepping until the lease ends.
+            self._lease_pins.hold(self._block_pool, request.request_id, block_ids)
+            return False, params
         return delay_free, params
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self._scheduler is not None
+        self._block_pool = kv_cache_manager.block_pool
         self._scheduler.bind_block_pool(kv_cache_manager.block_pool)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
-            self._held_leases.difference_update(getattr(connector_output, "finished_sending", None) or ())
             self._awaiting_reads.difference_update(getattr(connector_output, "finished_recving", None) or ())
+            meta = connector_output.kv_connector_worker_meta
+            if isinstance(meta, PDLeaseWorkerMetadata) and meta.leases_ended and self._block_pool is not None:
+                freed = self._lease_pins.ended(self._block_pool, meta.leases_ended)
+                if freed:  # the lease budget counts them no more
+                    from vllm.v1.outputs import KVConnectorOutput
+
+                    self._scheduler.update_connector_output(KVConnectorOutput(finished_sending=set(freed)))
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pins()
@@ -253,8 +268,11 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self):  # noqa: ANN201 - vLLM's signature
         if self._worker is None:
             return None
-        released = self._worker.take_released()
-        return PDWorkerMetadata({r: 1 for r in released}) if released else None
+        released, ended = self._worker.take_released(), self._leases_ended
+        self._leases_ended = set()
+        if not released and not ended:
+            return None
+        return PDLeaseWorkerMetadata({r: 1 for r in released}, {r: 1 for r in ended})
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
         if self._scheduler is not None:
@@ -293,7 +311,12 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        return self._worker.get_transfer_results()
+        results = self._worker.get_transfer_results()
+        # Ended leases go to the scheduler in the worker metadata (pd_lease_pins): vLLM freed
+        # those requests at their finish and knows them no more.
+        self._leases_ended |= results.finished_sending or set()
+        results.finished_sending = set()
+        return results
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
