@@ -1,4 +1,4 @@
-"""Redo vLLM 0.32's copy-on-write block copies in full, in every layer.
+"""Redo vLLM 0.32/0.33's copy-on-write block copies in full, in every layer.
 
 Why: a sub-block prefix hit (``--prefix-match-unit`` below the block size)
 makes vLLM give the request a private copy of the hit's last block in every
@@ -15,8 +15,10 @@ from a wrong prefix (measured: 4 of 8 turns wrong on one engine with no
 connector; P/D with unit 64 on prefill: 1-2 of 4-8 right, 12 of 12 with this).
 A hybridkv connector's worker therefore redoes each copy over every distinct
 layer view before the forward. Redoing is idempotent: nothing writes these
-blocks between vLLM's copy and this one. The real fix belongs in vLLM (dedup by
-view, not by address).
+blocks between vLLM's copy and this one. vLLM 0.34 dedups by view geometry
+instead of by address and copies every view itself (vllm#55112); where vLLM
+does (``vllm_compat.vllm_copies_whole_pages``, probed once), there is nothing
+to redo and :func:`block_copy_views` returns no views.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from hybridkv.store import vllm_compat
 
 
 @dataclass
@@ -44,7 +48,10 @@ def block_copy_views(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> lis
     ``[num_blocks, k, ...]``, so ``v[b]`` is the whole manager block (vLLM's
     ``group_kernel_blocks``; ``block_layout`` addresses the same rows). Flat
     buffers (specs without per-layer views) are not block-addressed: skipped.
+    None at all where vLLM's own copy already covers every view.
     """
+    if vllm_compat.vllm_copies_whole_pages():
+        return []
     views, seen = [], set()
     for t in kv_caches.values():
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[0] % num_blocks:

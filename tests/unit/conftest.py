@@ -1,4 +1,4 @@
-"""Unit-suite setup shared by both vLLM versions CI runs it under (0.32 and 0.33).
+"""Unit-suite setup shared by the vLLM versions CI runs it under (0.32, 0.33, 0.34).
 
 * ``VLLM_TARGET_DEVICE=cpu`` unless set: vLLM 0.33 detects its platform from the
   version of the installed ``vllm`` distribution. CI runs 0.33's unpacked
@@ -17,6 +17,13 @@
   neither (the wheel is a CUDA build), so the 0.33 pass deselects these with
   ``-m "not needs_engine"``. No unit test needs them today: engine tests live
   in tests/e2e, which the 0.33 pass does not run.
+* ``HYBRIDKV_SCHEDULER_ONLY_CPU=1`` (the 0.34 pass sets it): vLLM 0.34's
+  ``CpuPlatform.check_and_update_config`` refuses x86 CPUs without Triton
+  ("vLLM on x86 CPUs requires Triton (triton-cpu)") because its CPU model
+  runner compiles Triton kernels. The scheduler-side tests build a
+  ``VllmConfig`` but never run a model, so for the duration of that one check
+  ``vllm.triton_utils.HAS_TRITON`` reads True; everything else (the rest of the
+  check, every later import) sees the real value, and no engine can start.
 """
 
 from __future__ import annotations
@@ -28,6 +35,32 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import vllm  # noqa: E402  (after the platform variable)
+
+
+def _pass_the_engine_only_triton_check() -> None:
+    """Let ``CpuPlatform.check_and_update_config`` past its x86 Triton refusal (see above)."""
+    import functools
+
+    import vllm.triton_utils as triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    if triton_utils.HAS_TRITON:
+        return
+    check = CpuPlatform.check_and_update_config.__func__
+
+    @functools.wraps(check)
+    def scheduler_only_check(cls, vllm_config):  # noqa: ANN001, ANN202 - vLLM's signature
+        triton_utils.HAS_TRITON = True
+        try:
+            return check(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = False
+
+    CpuPlatform.check_and_update_config = classmethod(scheduler_only_check)
+
+
+if os.environ.get("HYBRIDKV_SCHEDULER_ONLY_CPU") == "1":
+    _pass_the_engine_only_triton_check()
 
 
 def pytest_report_header(config) -> str:  # noqa: ANN001 - pytest hook

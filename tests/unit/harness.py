@@ -32,6 +32,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
+from hybridkv.store import vllm_compat
+
 init_none_hash(sha256)
 
 
@@ -175,15 +177,15 @@ def cached_keys(manager: KVCacheManager) -> set[tuple[int, bytes]]:
     """What a store would hold if it mirrored this manager's prefix cache."""
     return {
         (get_group_id(k), bytes(get_block_hash(k)))
-        for k in manager.block_pool.cached_block_hash_to_block._cache
+        for k in vllm_compat.cached_block_ids(manager.block_pool.cached_block_hash_to_block)
     }
 
 
 def evict_random(manager: KVCacheManager, rng: random.Random, fraction: float) -> None:
     ids = {
-        b.block_id
-        for entry in manager.block_pool.cached_block_hash_to_block._cache.values()
-        for b in (entry.values() if isinstance(entry, dict) else [entry])
+        i
+        for entry in vllm_compat.cached_block_ids(manager.block_pool.cached_block_hash_to_block).values()
+        for i in entry
     }
     victims = {i for i in ids if rng.random() < fraction}
     if victims:

@@ -29,6 +29,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from hybridkv.connector.pd_connector import HybridPDConnector
 from hybridkv.connector.pd_metadata import PDHandshakeMetadata, PDWorkerMetadata
+from hybridkv.store import vllm_compat
 from tests.unit.harness import Geometry
 from tests.unit.tiny_vllm_config import TINY_LLAMA
 
@@ -102,9 +103,8 @@ def worker_reply(out: SchedulerOutput, sampled: dict[str, list[int]] | None = No
     """What the workers report for this step (no forward: ``sampled`` tokens and the
     connector's results, ``KVConnectorOutput(**connector)``, only)."""
     ids = list(out.num_scheduled_tokens)
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=[list((sampled or {}).get(r, [])) for r in ids],
-                             kv_connector_output=KVConnectorOutput(**connector))
+    return vllm_compat.model_runner_output(ids, sampled_token_ids=[list((sampled or {}).get(r, [])) for r in ids],
+                                           kv_connector_output=KVConnectorOutput(**connector))
 
 
 def prefill_leg(sched: Scheduler, req: Request) -> dict:

@@ -46,6 +46,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from hybridkv.connector.store_connector import HybridStoreConnector
 from hybridkv.connector.store_metadata import StoreConnectorMetadata, StoreWorkerMetadata
 from hybridkv.store.embedded_master import EmbeddedMaster
+from hybridkv.store import vllm_compat
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from tests.unit.harness import Geometry, fa, mamba, sw
 
@@ -136,9 +137,8 @@ def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, sa
     meta = StoreWorkerMetadata(finished_saves=Counter({s.job_id: 1 for s in saves}),
                                released_loads=Counter({j.load_id: 1 for j in loads}),
                                failed_saves=Counter({s.job_id: 1 for s in saves} if saves_failed else {}))
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+    return vllm_compat.model_runner_output(
+        req_ids,
         sampled_token_ids=[list(sampled.get(r, [])) if sampled else [] for r in req_ids],
         kv_connector_output=KVConnectorOutput(finished_recving=set(finished_recving),
                                               failed_recving=set(failed_recving), kv_connector_worker_meta=meta),

@@ -66,3 +66,38 @@ def test_kv_cache_configs_group_layers_like_the_engine(tmp_path):
     groups = sorted(tuple(g.layer_names) for g in config.kv_cache_groups)
     assert groups == [("a",), ("b",), ("w",)]  # hybrid: vLLM groups layers by count, one layer each here
     assert config.num_blocks > 0
+
+
+def test_cached_block_ids_are_the_blocks_vllm_would_hit():
+    """0.32/0.33 map keys to blocks (or dicts of them), 0.34 to int ids (+ ``_dup_ids``)."""
+    manager = GEO.manager()
+    run_prefill(manager, GEO, TOKENS)
+    cache = manager.block_pool.cached_block_hash_to_block
+    ids = vllm_compat.cached_block_ids(cache)
+    assert len(ids) > 40 and all(len(v) == 1 for v in ids.values())
+    for key, (block_id,) in ids.items():
+        assert cache.get_one_block(key).block_id == block_id
+        assert manager.block_pool.blocks[block_id].block_hash == key
+
+
+def test_head_major_slots_and_state_alignment_default_to_the_older_layout():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    import torch
+
+    plain = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    assert vllm_compat.kv_head_major_slots(plain) is False
+    assert vllm_compat.mamba_state_alignment(mamba(64)) == 1
+    cfg = lambda s: KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], s)])  # noqa: E731
+    assert vllm_compat.kv_head_major_problem(cfg(plain)) is None
+    if "kv_head_major_slots" in FullAttentionSpec.__dataclass_fields__:  # 0.34
+        packed = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16,
+                                   kv_head_major_slots=True)
+        assert vllm_compat.kv_head_major_problem(cfg(packed)) == (
+            "KV cache group 0 packs KV heads head-major (kv_head_major_slots), which hybridkv's head "
+            "slicing cannot cut")
+
+
+def test_model_runner_output_builds_on_this_vllm():
+    out = vllm_compat.model_runner_output(["a", "b"], sampled_token_ids=[[1], []])
+    assert out.req_ids == ["a", "b"] and out.sampled_token_ids == [[1], []]

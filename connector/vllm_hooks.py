@@ -1,0 +1,66 @@
+"""What hybridkv's connector classes declare to vLLM about themselves (class-level hooks).
+
+Each connector class mixes in one of these before ``KVConnectorBase_V1``. The
+answers and the reasons for them live here; whether vLLM asks at all (and with
+which enum) is :mod:`hybridkv.store.vllm_compat`'s concern.
+
+* ``kv_cache_access`` (vLLM 0.34's growable KV cache): the P/D connector
+  registers the KV cache with NIXL (UCX) and same-host peers READ it through
+  ``cuda_ipc``, as vLLM's own NixlConnector does: ``REGISTERS | EXPORTS_FABRIC``
+  (one physical chunk per segment, fabric handles). The store connector
+  registers the KV cache (CPU) or its staging buffers with Mooncake:
+  ``REGISTERS``. Both answers are the same for every role and device: vLLM asks
+  the class before any instance exists.
+* ``supports_sleep_mode``: False. Sleep/wake, discard and the KV memory release
+  re-commit the KV cache's physical memory; hybridkv's workers registered the
+  old memory with NIXL / Mooncake and the P/D handshake has already advertised
+  it to decode peers, which READ by those registrations. Until the workers
+  re-register and the handshake generation changes on restore, the honest
+  answer is False: vLLM then refuses ``--enable-sleep-mode`` at startup naming
+  the connector, instead of transferring from released memory.
+* ``supports_lookahead_block_hashes``: False (vLLM's default, stated here).
+  The store's keys and its mirror's lookup coordinators are built for legacy
+  block hashes (one hash per full block, covering that block's tokens only).
+* ``may_load_async`` (vLLM 0.34, asked when a request enters the waiting
+  queues, before any lookup): vLLM's default for both, ``do_remote_prefill`` in
+  the request's ``kv_transfer_params``. A store hit is unknown until the
+  lookup, and a false positive holds other async loads back, so store loads
+  start when a running slot is free, as without ``--max-num-inflight-kv-loads``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hybridkv.store import vllm_compat
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig
+
+
+class _Declarations:
+    _KV_CACHE_ACCESS: tuple[str, ...] = ()
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: "KVTransferConfig") -> Any:
+        return vllm_compat.kv_cache_access_flags(*cls._KV_CACHE_ACCESS)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: "KVTransferConfig") -> bool:
+        return False
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: "KVTransferConfig") -> bool:
+        return False
+
+
+class PDConnectorHooks(_Declarations):
+    """``HybridPDConnector``'s declarations (see the module docstring)."""
+
+    _KV_CACHE_ACCESS = ("REGISTERS", "EXPORTS_FABRIC")
+
+
+class StoreConnectorHooks(_Declarations):
+    """``HybridStoreConnector``'s declarations (see the module docstring)."""
+
+    _KV_CACHE_ACCESS = ("REGISTERS",)
