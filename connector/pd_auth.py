@@ -105,9 +105,11 @@ def load_key(secret_file: str | None, allow_unauthenticated: bool) -> Deployment
             )
         logger.warning(
             "hybridkv P/D: RUNNING WITHOUT AUTHENTICATION (allow_unauthenticated=true): any API client can "
-            "forge kv_transfer_params (make decode read any prefill block, poison decode's prefix cache) and "
-            "anyone reaching the handshake port can fetch the KV layout and free leases. Set "
-            "auth_secret_file for any deployment with untrusted clients or a shared network."
+            "forge kv_transfer_params (make decode read any prefill block, poison decode's prefix cache), and "
+            "anyone reaching the handshake port can fetch the NIXL agent metadata, free leases, and with that "
+            "metadata READ and WRITE this prefill's registered KV memory over UCX (NIXL has no read-only "
+            "registration), poisoning the KV of other requests. Set auth_secret_file for any deployment with "
+            "untrusted clients or a shared network."
         )
         return None
     if len(secret) < MIN_SECRET_BYTES:
