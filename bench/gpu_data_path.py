@@ -213,7 +213,10 @@ def build_config(sc: dict):
     for gi, (g, spec) in enumerate(zip(sc["groups"], specs)):
         names = [f"model.layers.{i}.{'attn' if g['kind'] == 'fa' else 'mixer'}.g{gi}" for i in range(g["layers"])]
         groups.append(KVCacheGroupSpec(names, spec))
-        tensors.append(KVCacheTensor(size=size, layers=names, layer_stride=page * nb, block_stride=page))
+        if sc["layout"].startswith("BL"):  # block-outermost: a block's layers back to back
+            tensors.append(KVCacheTensor(size=size, layers=names, layer_stride=page, block_stride=page * layers))
+        else:
+            tensors.append(KVCacheTensor(size=size, layers=names, layer_stride=page * nb, block_stride=page))
         kernels.append(g.get("kernel", g["block"]))
     return KVCacheConfig(num_blocks=nb, kv_cache_tensors=tensors, kv_cache_groups=groups), kernels, \
         KVCacheLayout[sc["layout"]]

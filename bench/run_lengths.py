@@ -155,16 +155,22 @@ def summarize(paths: list[Path]) -> dict:
         pd = [r for r in recs if r["kind"] == "pd_read"]
         res: dict = {"records": len(recs), "errors": [r for r in recs if r["kind"] == "error"][:3]}
         if pd:
-            rr, lr, jr = [], [], []
+            rr, lr, jr, ur = [], [], [], []
             for r in pd:
                 for rem, loc in zip(r["remote"], r["local"]):
                     if rem:
                         rr += runs(rem)
                         lr += runs(loc)
                         jr += joint_runs(rem, loc)
+                # groups overlay one allocation and share the block pool: block b of one group
+                # and b+1 of another can be neighbours in memory, so pairs of all groups, by local id
+                pairs = sorted((l_, r_) for rem, loc in zip(r["remote"], r["local"]) for r_, l_ in zip(rem, loc))
+                if pairs:
+                    ur += joint_runs([p[1] for p in pairs], [p[0] for p in pairs])
             res["pd"] = {
                 "handovers": len(pd), "blocks": sum(len(g) for r in pd for g in r["remote"]),
                 "remote_runs": _dist(rr), "local_runs": _dist(lr), "joint_runs": _dist(jr),
+                "joint_runs_all_groups": _dist(ur),
                 "regions": sum(r["regions"] for r in pd), "descs": sum(r["descs"] for r in pd),
                 "bytes": sum(r["bytes"] for r in pd),
                 "bytes_coalesced_fraction": round(sum(r["merged_bytes"] for r in pd) / max(1, sum(r["bytes"] for r in pd)), 3),

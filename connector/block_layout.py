@@ -383,7 +383,7 @@ def coalesce(
         return d, s, n, dd, sd
     if (n <= 0).any():
         raise ValueError("a copy of zero or negative length")
-    order = np.lexsort((d, dd))
+    order = np.argsort(d) if (dd == dd[0]).all() else np.lexsort((d, dd))
     d, s, n, dd, sd = d[order], s[order], n[order], dd[order], sd[order]
     same_dev = dd[:-1] == dd[1:]
     over = np.nonzero(same_dev & (d[:-1] + n[:-1] > d[1:]))[0]

@@ -326,7 +326,7 @@ def _span_table(
 def _check_disjoint(addr: np.ndarray, size: np.ndarray) -> None:
     """Two rows writing the same local bytes means a block id was given twice
     (groups overlay one allocation, so also across groups)."""
-    order = np.argsort(addr, kind="stable")
+    order = np.argsort(addr)
     a, s = addr[order], size[order]
     overlap = np.nonzero(a[:-1] + s[:-1] > a[1:])[0]
     if overlap.size:
