@@ -164,6 +164,9 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
         # steps are paced while only leases or pins remain (pd_idle); the requests whose
         # READ this engine awaits.
         self._lease_pins = LeasePins(int(vllm_config.parallel_config.tensor_parallel_size))
+        # Prefill: physical blocks unread leases may hold (max_lease_fraction of the cache).
+        self._lease_budget = int(kv_cache_config.num_blocks * self._cfg.max_lease_fraction)
+        self.leases_refused = 0
         self._block_pool: Any = None
         self._pacer = IdlePacer()
         self._awaiting_reads: set[str] = set()
@@ -181,7 +184,9 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
                 num_blocks=kv_cache_config.num_blocks, key=key,
                 fail_on_refusal=ktc.kv_load_failure_policy == "fail",
                 tp_size=tp_size, total_kv_heads=total_kv_heads,
-                max_lease_fraction=float(self._cfg.max_lease_fraction), mamba_problem=mamba_problem,
+                # The lease budget is decided here over physical blocks (pd_lease_pins), so
+                # PDScheduler's own per-lease count is off (0: no budget).
+                max_lease_fraction=0.0, mamba_problem=mamba_problem,
                 group_windows=_group_windows(kv_cache_config),
             )
         else:
@@ -236,6 +241,9 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        if self._over_lease_budget(request, block_ids):
+            # No block list: the scheduler hands nothing over and vLLM frees the blocks now.
+            return self._scheduler.request_finished(request, tuple([] for _ in block_ids))
         delay_free, params = self._scheduler.request_finished(request, block_ids)
         if delay_free and self._block_pool is not None:
             # The connector holds the blocks, so vLLM frees the request now and an engine with
@@ -249,6 +257,24 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         self._block_pool = kv_cache_manager.block_pool
         self._scheduler.bind_block_pool(kv_cache_manager.block_pool)
+
+    def _over_lease_budget(self, request: "Request", block_ids: tuple[list[int], ...]) -> bool:
+        """A hand-over whose lease would take the blocks leases hold past the budget (any API
+        client can send do_remote_decode: unread leases must not hold the whole cache)."""
+        from hybridkv.connector.pd_params import RemoteDecode
+
+        assert self._scheduler is not None
+        if not self._lease_budget or not isinstance(self._scheduler.params(request), RemoteDecode):
+            return False
+        in_use = self._lease_pins.physical_blocks
+        if in_use + self._lease_pins.added_by(block_ids) <= self._lease_budget:
+            return False
+        self.leases_refused += 1
+        logger.warning("hybridkv P/D: not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
+                       "of the KV cache); its blocks are freed now and decode computes the prompt itself. Many "
+                       "do_remote_decode requests whose decode leg never comes, or a slow decode: raise "
+                       "max_lease_fraction or lower lease_s", request.request_id, in_use, self._lease_budget)
+        return True
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:

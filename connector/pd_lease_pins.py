@@ -13,10 +13,14 @@ metadata (``leases_ended``, summed over the TP ranks), never in ``finished_sendi
 blocks are freed once every rank ended its lease (each rank's decode reader reads that
 rank's memory). An idle engine learns of ends at its next step: blocks stay held while
 nothing runs, and a request that needs them runs steps that report the ends.
+
+The lease budget (``max_lease_fraction``) counts PHYSICAL blocks: many leases of requests
+sharing one long system prompt hold its blocks once, and count once.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +51,16 @@ class LeasePins:
         self._tp_size = tp_size
         self._pins: dict[str, list[Any]] = {}  # req id -> KVCacheBlocks it holds
         self._ended_counts: dict[str, int] = {}
+        self._refs: Counter[int] = Counter()  # block id -> leases holding it
+
+    @property
+    def physical_blocks(self) -> int:
+        """Distinct blocks the leases hold (shared prefix blocks once)."""
+        return len(self._refs)
+
+    def added_by(self, block_ids: tuple[list[int], ...]) -> int:
+        """How many blocks a lease on ``block_ids`` would add to :attr:`physical_blocks`."""
+        return len({b for group in block_ids for b in group if b and b not in self._refs})
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -60,8 +74,16 @@ class LeasePins:
         block_pool.touch(blocks)
         old = self._pins.pop(req_id, None)
         if old is not None:  # the same request handed over again: one hold
-            block_pool.free_blocks(old)
+            self._drop(block_pool, old)
         self._pins[req_id] = blocks
+        self._refs.update(b.block_id for b in blocks)
+
+    def _drop(self, block_pool: Any, blocks: list[Any]) -> None:
+        self._refs.subtract(b.block_id for b in blocks)
+        for b in blocks:
+            if self._refs[b.block_id] <= 0:
+                del self._refs[b.block_id]
+        block_pool.free_blocks(reversed(blocks))  # tail blocks evicted first
 
     def ended(self, block_pool: Any, counts: dict[str, int]) -> list[str]:
         """Ranks reported these leases ended; returns the requests whose blocks are freed now."""
@@ -73,7 +95,7 @@ class LeasePins:
             if done < self._tp_size:
                 self._ended_counts[req_id] = done
                 continue
-            block_pool.free_blocks(reversed(self._pins.pop(req_id)))  # tail blocks evicted first
+            self._drop(block_pool, self._pins.pop(req_id))
             freed.append(req_id)
         return freed
 
