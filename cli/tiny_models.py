@@ -40,6 +40,12 @@ Drafter kinds (``DRAFTER_KINDS``; not servable alone, passed to vLLM as
   256) and keeps it in a KV cache group of its own: a full-attention group at another
   block size than the target's. No ``embed_tokens``/``lm_head`` in the checkpoint: vLLM
   shares the target's.
+* ``eagle-gemma4``: the same head for the ``gemma4`` target (equal hidden size and vocab),
+  with one KV head of 64 where the target's layers have two: half the target's smallest
+  per-token KV bytes, so vLLM gives the drafter layer twice the largest target block (512)
+  in a group of its own (a spec equal to a target layer's would join that layer's group).
+* ``eagle-qwen3next``: the same head for the ``qwen3next`` target, head_dim 128 (target 64):
+  a drafter full-attention group at another block size next to the Mamba groups.
 
 Usage: ``python -m hybridkv.cli.tiny_models KIND OUT_DIR [--seed N]``.
 """
@@ -426,6 +432,15 @@ def _eagle_gemma3_config() -> dict:
     }
 
 
+def _eagle_gemma4_config() -> dict:
+    return {**_eagle_gemma3_config(), "num_key_value_heads": 1, "head_dim": 64}
+
+
+def _eagle_qwen3next_config() -> dict:
+    target = _qwen3next_config()
+    return {**_eagle_gemma3_config(), "vocab_size": target["vocab_size"], "hidden_size": target["hidden_size"]}
+
+
 def _eagle_llama_tensors(cfg: dict) -> dict[str, _Init]:
     # EAGLE-1 checkpoint names (vLLM prefixes "model."): fc mixes [embedding, target
     # hidden state]; layer 0 has no input_layernorm (vLLM replaces it by Identity) and
@@ -497,6 +512,8 @@ _BUILDERS: dict[str, _Builder] = {
 # Speculative-decoding heads: written like the targets, served only next to theirs.
 _DRAFTERS: dict[str, _Builder] = {
     "eagle-gemma3": (_eagle_gemma3_config, _eagle_llama_tensors),
+    "eagle-gemma4": (_eagle_gemma4_config, _eagle_llama_tensors),
+    "eagle-qwen3next": (_eagle_qwen3next_config, _eagle_llama_tensors),
 }
 KINDS: tuple[str, ...] = tuple(_BUILDERS)
 DRAFTER_KINDS: tuple[str, ...] = tuple(_DRAFTERS)
