@@ -200,13 +200,14 @@ class HybridStoreConnector(StoreConnectorHooks, KVConnectorBase_V1, SupportsHMA)
         return self._scheduler is not None and self._scheduler.has_pin_only_blocks()
 
     def reset_cache(self) -> bool:
-        """False: the store is shared with other engines and keyed by prompt, not by weights, so
-        it cannot be cleared from here; after a weight update its objects still match prompts."""
-        logger.warning(
-            "hybridkv store: reset_prefix_cache(reset_connector=True) cannot clear the shared store (other "
-            "engines use it); its KV still matches these prompts. After changing the weights, restart with a "
-            "new kv_connector_extra_config.namespace so no KV of the old weights is loaded.")
-        return False
+        """``reset_prefix_cache(reset_connector=True)`` (a weight update, ``pause`` with
+        ``clear_cache``): nothing stored before is loaded by this engine afterwards. The store is
+        shared, so nothing is deleted; this engine's keys move to a new generation
+        (``StoreScheduler.reset``). Engines sharing the master share objects again once they
+        have been reset the same number of times."""
+        if self._scheduler is not None:
+            self._scheduler.reset()
+        return True
 
     # -------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:

@@ -23,6 +23,7 @@ class BlockBatch:
     group_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    generation: int = 0  # the key generation (KeySchema.generation) its objects are named in
 
     def add(self, group_id: int, block_hash: bytes, block_id: int) -> None:
         self.group_ids.append(group_id)

@@ -319,7 +319,7 @@ class StoreScheduler:
         assert self._mirror is not None
         hit = plan.hit
         target = plan.local_tokens + num_external_tokens
-        job = LoadJob(req_id, BlockBatch(), load_id=next(self._job_ids))
+        job = LoadJob(req_id, BlockBatch(generation=self._schema.generation), load_id=next(self._job_ids))
         if target != hit.tokens:
             # Granted fewer tokens than offered: the sparse state must sit at the
             # granted boundary. Re-decide there over the answers had, asking the
@@ -390,7 +390,7 @@ class StoreScheduler:
             self._master_epoch = self._client.master_epoch
             self._recent.clear()
             self._stats.add("recent_saves_dropped")
-        batch, states, tails = BlockBatch(), BlockBatch(), BlockBatch()
+        batch, states, tails = (BlockBatch(generation=self._schema.generation) for _ in range(3))
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
@@ -619,6 +619,17 @@ class StoreScheduler:
                 if pinned is not None and self._manager is not None:
                     self._manager.block_pool.free_blocks(pinned)
         return done
+
+    def reset(self) -> None:
+        """Forget everything the store holds for this engine: move to the next key generation
+        (``KeySchema.generation``). Objects of earlier generations are never looked up or loaded
+        again (jobs planned before carry their own generation, so a save still in flight lands
+        under the old keys), and every block is offered for saving again."""
+        self._schema = self._schema.at_generation(self._schema.generation + 1)
+        self._rank_keys = AllRankKeys(self._schema)
+        self._recent.clear()
+        self._recent_lookups.clear()
+        logger.info("hybridkv store: connector reset: store keys move to generation %d", self._schema.generation)
 
     def has_pending_saves(self) -> bool:
         return bool(self._pins or self._load_pins)

@@ -418,10 +418,11 @@ class StoreWorker:
             self._stat("snapshot_blocks", len(blocks))
             return self._move_staged(blocks, by_group, load, deadline, self._snapshot_pools())
         keys, addrs, sizes, expect = [], [], [], []
+        schema = self._schema.at_generation(blocks.generation)
         for gid, idxs in by_group.items():
             layout = self._layout.groups[gid]
             a, s = layout.regions([blocks.block_ids[i] for i in idxs])
-            keys.extend(self._schema.key(gid, blocks.hashes[i]) for i in idxs)
+            keys.extend(schema.key(gid, blocks.hashes[i]) for i in idxs)
             addrs.extend(a)
             sizes.extend(s)
             expect.extend([layout.object_bytes] * len(idxs))
@@ -447,12 +448,13 @@ class StoreWorker:
     ) -> tuple[bool, "Future[Any] | None"]:
         """Through host staging slots: gather then put (save), get then scatter (load)."""
         all_ok = True
+        schema = self._schema.at_generation(blocks.generation)
         for gid, idxs in by_group.items():
             pool = pools[gid]["load" if load else "save"]
             for lo in range(0, len(idxs), pool.slots):
                 part = idxs[lo:lo + pool.slots]
                 ids = [blocks.block_ids[i] for i in part]
-                keys = [self._schema.key(gid, blocks.hashes[i]) for i in part]
+                keys = [schema.key(gid, blocks.hashes[i]) for i in part]
                 stager = pool.acquire()
                 pending: "Future[Any] | None" = None
                 try:
@@ -662,7 +664,7 @@ class StoreWorker:
             for gid, h, b in zip(blocks.group_ids, blocks.hashes, blocks.block_ids):
                 layout = self._layout.groups[gid] if self._layout else None
                 if layout is not None:
-                    f.write(f"{self._schema.key(gid, h)} {gid} {layout.object_bytes}\n")
+                    f.write(f"{self._schema.at_generation(blocks.generation).key(gid, h)} {gid} {layout.object_bytes}\n")
 
     def _fail(self, cause: str, detail: str, n: int = 1, load: bool = True) -> None:
         self._stat(f"fail.{cause}", n)

@@ -38,6 +38,8 @@ mismatch (recomputed), so the trailer can change without bumping the key scheme.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -120,6 +122,10 @@ class KeySchema:
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
+    # Bumped by each connector reset of this engine (``reset_prefix_cache(reset_connector=True)``):
+    # keys of earlier generations are never looked up again, so KV computed before the reset
+    # (old weights) is never loaded after it. Engines that reset equally often share keys.
+    generation: int = 0
 
     @classmethod
     def create(
@@ -152,7 +158,8 @@ class KeySchema:
 
     @property
     def prefix(self) -> str:
-        return f"{KEY_SCHEME_VERSION}/{self.model_id}/{self.layout_id}"
+        reset = f"/r{self.generation}" if self.generation else ""
+        return f"{KEY_SCHEME_VERSION}/{self.model_id}/{self.layout_id}{reset}"
 
     @property
     def rank_part(self) -> str:
@@ -180,6 +187,8 @@ class KeySchema:
 
     def for_rank(self, tp_rank: int, pp_rank: int = 0) -> "KeySchema":
         """The same schema seen from another rank (the scheduler probes rank 0)."""
-        return KeySchema(
-            self.model_id, self.layout_id, self.tp_size, tp_rank, self.pp_size, pp_rank
-        )
+        return dataclasses.replace(self, tp_rank=tp_rank, pp_rank=pp_rank)
+
+    def at_generation(self, generation: int) -> "KeySchema":
+        """The same schema after ``generation`` connector resets."""
+        return self if generation == self.generation else dataclasses.replace(self, generation=generation)

@@ -8,9 +8,8 @@
 - ``has_pending_block_frees()`` is True only while some block is held by pins alone (a free is
   then really pending); a pinned block that a running request also holds frees nothing when
   its save ends, so vLLM must preempt instead of waiting.
-- ``reset_cache()`` (``reset_prefix_cache(reset_connector=True)``) cannot clear a store other
-  engines share: it answers False (logged with the fix), never a success that leaves old KV
-  servable.
+- ``reset_cache()`` (``reset_prefix_cache(reset_connector=True)``) means it: nothing stored
+  before the reset is loaded by this engine after it (its keys move to a new generation).
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ def test_pending_block_frees_only_when_a_pin_alone_holds_a_block(store):
     sched = _scheduler(GEO, store[0], store[3], "pending-frees")
     req = _request("frees-a", _prompt(400))
     sched.add_request(req)
+    sched.add_request(_request("reset-new", _prompt(83)))
     out = sched.schedule()
     assert out.kv_connector_metadata.saves, "the first chunk's full blocks are saved"
     conn = sched.connector._scheduler
@@ -57,12 +57,39 @@ def test_pending_block_frees_only_when_a_pin_alone_holds_a_block(store):
     assert sched.connector.has_pending_push_work()
 
 
-def test_reset_cache_refuses_to_claim_the_shared_store_was_cleared(store, caplog):
-    sched = _scheduler(GEO, store[0], store[3], "reset")
-    assert sched.connector.reset_cache() is False
-    assert sched.reset_prefix_cache(reset_connector=True) is False
-    assert sched.reset_prefix_cache() is True  # the local prefix cache alone still resets
-    assert any("namespace" in r.getMessage() for r in caplog.records)
+def test_reset_means_nothing_stored_before_is_loaded_again(store):
+    """``reset_prefix_cache(reset_connector=True)`` (a weight update; ``pause`` with
+    ``clear_cache``): the store held this prompt's prefix and served it; after the reset the
+    same prompt gets no store hit, a save planned before the reset still names the old keys
+    (it holds KV of the old weights), new jobs name the new ones, and objects saved under the
+    new keys are served again."""
+    from tests.unit.test_real_scheduler import _fill_for
+
+    geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096)
+    sched = _scheduler(geo, store[0], store[3], "reset-generation", policy="recompute")
+    conn = sched.connector._scheduler
+    prompt = random.Random(81).choices(range(3, 30000), k=300)
+    before = _request("reset-before", prompt)
+    _fill_for(sched, store, before, 288)
+    conn.on_new_request(before)
+    assert conn.get_num_new_matched_tokens(before, 0) == (288, True)
+    running = _request("reset-running", _prompt(82))
+    sched.add_request(running)
+    planned = sched.schedule().kv_connector_metadata.saves
+    assert planned and {j.blocks.generation for j in planned} == {0}
+
+    assert sched.reset_connector_cache() is True  # vLLM's call for reset_prefix_cache(reset_connector=True)
+    after = _request("reset-after", prompt)
+    conn.on_new_request(after)
+    assert conn.get_num_new_matched_tokens(after, 0) == (0, False)
+    assert {j.blocks.generation for j in planned} == {0}
+    sched.add_request(_request("reset-new", _prompt(83)))
+    out = sched.schedule()
+    assert out.kv_connector_metadata.saves and {j.blocks.generation for j in out.kv_connector_metadata.saves} == {1}
+    _fill_for(sched, store, after, 288)  # the new generation's objects, as its workers save them
+    again = _request("reset-again", prompt)
+    conn.on_new_request(again)
+    assert conn.get_num_new_matched_tokens(again, 0) == (288, True)
 
 
 def test_a_refused_load_with_no_blocks_still_owes_its_deferral(store):
