@@ -342,15 +342,16 @@ def plot(doc: dict, path: Path) -> bool:
     rows = doc.get("rows", [])
     if not rows:
         return False
-    fig, ax = plt.subplots(figsize=(12, 6))
-    labels = [f"{r['scenario'].split(',')[0].split(':')[0]}\n{r['pattern']} n={r['n']}\n"
+    fig, ax = plt.subplots(figsize=(18, 7.5))
+    short = {"LBHNC), 16": "FA LBHNC k16", "Mamba": "FA+Mamba LBHNC", "BLHNC": "FA BLHNC"}
+    labels = [f"{next(v for k, v in short.items() if k in r['scenario'])}\n{r['pattern']} n={r['n']}\n"
               f"{r['descs_per_block']}->{r['descs_coalesced']} descs" for r in rows]
     keys = (("today", "hybridkv today (per block)"), ("hybridkv", "hybridkv (coalesced)"),
             ("raw_per_block", "raw NIXL per block"), ("raw_per_run", "raw NIXL per run"), ("d2d", "D2D copy"))
     w = 0.16
     for j, (k, lab) in enumerate(keys):
         ax.bar([i + (j - 2) * w for i in range(len(rows))], [_gbs(r, k) for r in rows], w, label=lab)
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=60, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("GB/s (log)")
     ax.set_title("P/D READ VRAM->VRAM on one H200 (2 processes, UCX cuda_ipc get_zcopy)", fontsize=10)

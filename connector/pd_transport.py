@@ -253,22 +253,22 @@ def read_descriptors(
         if min(r_ids) < 0 or min(l_ids) < 0:
             raise ValueError(f"group {gid}: negative block id")
         group_slices = slices[gid] if slices is not None else None
-        l_addr, _ = lg.regions(l_ids)
-        r_addr, _ = rg.regions(r_ids)
+        l_addr = lg.region_addrs(l_ids)
+        r_addr = rg.region_addrs(r_ids)
         if group_slices is None:
             if not np.array_equal(lg.block_bytes, rg.block_bytes):
                 raise ValueError(
                     f"group {gid}: per-layer block bytes differ (local {lg.block_bytes.tolist()}, peer "
                     f"{rg.block_bytes.tolist()}); the handshake should have refused this peer"
                 )
-            local_parts.append(np.asarray(l_addr, dtype=np.uint64).reshape(-1))
-            remote_parts.append(np.asarray(r_addr, dtype=np.uint64).reshape(-1))
+            local_parts.append(l_addr.reshape(-1).astype(np.uint64))
+            remote_parts.append(r_addr.reshape(-1).astype(np.uint64))
             # regions() sizes are block_bytes per layer, block after block: same rows, no list trip
             sizes.append(np.tile(lg.block_bytes.astype(np.uint64), len(l_ids)))
         else:
             reg, lo, ro, n = _span_table(gid, group_slices, lg.block_bytes, rg.block_bytes)
-            la = np.asarray(l_addr, dtype=np.int64)[:, reg] + lo[None, :]
-            ra = np.asarray(r_addr, dtype=np.int64)[:, reg] + ro[None, :]
+            la = l_addr[:, reg] + lo[None, :]
+            ra = r_addr[:, reg] + ro[None, :]
             local_parts.append(la.reshape(-1).astype(np.uint64))
             remote_parts.append(ra.reshape(-1).astype(np.uint64))
             sizes.append(np.tile(n.astype(np.uint64), len(l_ids)))
