@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import math
 import random
 import tempfile
 import types
@@ -329,8 +330,6 @@ def _page(kc, spec_of, name: str, b: int) -> tuple[int, int]:
     for t in kc.kv_cache_tensors:
         if name in t.layers:
             start = t.offset + t.layers.index(name) * t.layer_stride + b * t.block_stride
-            import math
-
             return start, start + math.prod(compute_layer_kv_cache_shape_bytes(spec_of(name), 1)[1:])
     raise KeyError(name)
 

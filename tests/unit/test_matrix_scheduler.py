@@ -148,7 +148,7 @@ def test_store_saves_each_state_from_its_column(store, mode):
     req = _request(f"matrix-save-{mode}", PROMPT[:600] + [11, 12])
     sched.add_request(req)
     mamba_bs = geo.specs[MAMBA].block_size
-    checked = 0
+    checked = finished_steps = 0
     for _ in range(50):
         out = sched.schedule()
         table = sched.kv_cache_manager.get_block_ids(req.request_id)
@@ -159,16 +159,14 @@ def test_store_saves_each_state_from_its_column(store, mode):
                     end = hash_at[bytes(h)]
                     col = _state_column(end, mamba_bs)
                     assert b == table[MAMBA][col], (end, col, b, table[MAMBA])
-                    assert b not in table[MAMBA][len(table[MAMBA]) - NUM_SPEC:] or col >= len(table[MAMBA]) - NUM_SPEC
                     checked += 1
         done = req.num_computed_tokens >= req.num_tokens
         n = out.num_scheduled_tokens.get(req.request_id, 0)
         sched.update_from_output(out, _worker_reply(out, saves=out.kv_connector_metadata.saves,
                                                     sampled={req.request_id: [5]} if done and n else None))
-        if req.is_finished():
-            finished_steps = locals().get("finished_steps", 0) + 1
-            if finished_steps > 2:  # saves planned at the finish go out in the next steps
-                break
+        finished_steps += req.is_finished()
+        if finished_steps > 2:  # saves planned at the finish go out in the next steps
+            break
     assert checked >= 1, "no GDN state was saved"
 
 
