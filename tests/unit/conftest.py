@@ -17,18 +17,16 @@
   neither (the wheel is a CUDA build), so the 0.33 pass deselects these with
   ``-m "not needs_engine"``. No unit test needs them today: engine tests live
   in tests/e2e, which the 0.33 pass does not run.
-* ``HYBRIDKV_SCHEDULER_ONLY_CPU=1`` (the 0.34 pass sets it): vLLM 0.34's
-  ``CpuPlatform.check_and_update_config`` refuses x86 CPUs without Triton
-  ("vLLM on x86 CPUs requires Triton (triton-cpu)") because its CPU model
-  runner compiles Triton kernels. The scheduler-side tests build a
-  ``VllmConfig`` but never run a model, so for the duration of that one check
-  ``vllm.triton_utils.HAS_TRITON`` reads True; everything else (the rest of the
-  check, every later import) sees the real value, and no engine can start.
+* ``HYBRIDKV_SCHEDULER_ONLY_CPU=1`` (the 0.34 pass sets it): vLLM 0.34 refuses x86 CPUs
+  without Triton when a ``VllmConfig`` is built; ``tests/unit/vllm034_site/sitecustomize.py``
+  (on ``PYTHONPATH`` in that pass, so child processes get it too) lets that one check pass.
+  The session fails at once if the variable is set but that module was not loaded.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -37,30 +35,13 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import vllm  # noqa: E402  (after the platform variable)
 
 
-def _pass_the_engine_only_triton_check() -> None:
-    """Let ``CpuPlatform.check_and_update_config`` past its x86 Triton refusal (see above)."""
-    import functools
-
-    import vllm.triton_utils as triton_utils
-    from vllm.platforms.cpu import CpuPlatform
-
-    if triton_utils.HAS_TRITON:
-        return
-    check = CpuPlatform.check_and_update_config.__func__
-
-    @functools.wraps(check)
-    def scheduler_only_check(cls, vllm_config):  # noqa: ANN001, ANN202 - vLLM's signature
-        triton_utils.HAS_TRITON = True
-        try:
-            return check(cls, vllm_config)
-        finally:
-            triton_utils.HAS_TRITON = False
-
-    CpuPlatform.check_and_update_config = classmethod(scheduler_only_check)
-
-
-if os.environ.get("HYBRIDKV_SCHEDULER_ONLY_CPU") == "1":
-    _pass_the_engine_only_triton_check()
+if os.environ.get("HYBRIDKV_SCHEDULER_ONLY_CPU") == "1" and not getattr(
+    sys.modules.get("sitecustomize"), "SCHEDULER_ONLY_CPU", False
+):
+    raise RuntimeError(
+        "HYBRIDKV_SCHEDULER_ONLY_CPU=1 needs tests/unit/vllm034_site on PYTHONPATH (its sitecustomize "
+        "lets vLLM 0.34's x86 Triton check pass in every process)"
+    )
 
 
 def pytest_report_header(config) -> str:  # noqa: ANN001 - pytest hook
