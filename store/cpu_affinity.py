@@ -4,9 +4,8 @@ Why: vLLM's CPU worker pins its process to the cores its OpenMP threads spin on 
 2-core machine: one core). Threads and child processes inherit the affinity of the
 thread that creates them, so an embedded ``mooncake_master`` started from the worker,
 and the Mooncake client's transfer threads, landed on the very core the forward pass
-keeps busy. Measured in CI: the master then did not answer for ~60 s (its 10 s
-metrics line stopped), every lookup timed out and saves failed with
-"insufficient space"/RPC timeouts. Linux applies ``sched_setaffinity(0, ...)`` to the
+keeps busy. The master then stops answering for up to a minute: every lookup times out
+and saves fail. Linux applies ``sched_setaffinity(0, ...)`` to the
 calling thread only, so widening it for the moment of creation frees exactly what is
 created then and leaves the engine's own pinning alone.
 """
@@ -14,12 +13,13 @@ created then and leaves the engine's own pinning alone.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-logger = logging.getLogger("vllm." + __name__)
+from hybridkv.store.logs import get_logger
+
+logger = get_logger(__name__)
 
 _CPU_LIST_SOURCES = (
     "/sys/fs/cgroup/cpuset.cpus.effective",  # cgroup v2: what this container may use
@@ -79,7 +79,7 @@ def unpinned() -> Iterator[None]:
             os.sched_setaffinity(0, wanted)
             changed = True
         except OSError as e:  # e.g. a cpuset narrower than what sysfs reports
-            logger.debug("hybridkv: could not widen CPU affinity to %s: %s", sorted(wanted), e)
+            logger.debug("could not widen CPU affinity to %s: %s", sorted(wanted), e)
     try:
         yield
     finally:

@@ -13,7 +13,7 @@ the clients that use it are closed), so neither the terminal nor ``atexit`` stop
 owner is SIGKILLed. Each master therefore gets a watchdog: a ``sh`` blocked reading a pipe
 whose only write end the owner holds. When the owner exits in ANY way the kernel closes it, the
 read returns, and the watchdog SIGKILLs that master (checked by its command line, so a
-recycled pid is never hit) and removes its temporary directory. PR_SET_PDEATHSIG was not used:
+recycled pid is never hit) and removes its temporary directory. PR_SET_PDEATHSIG is not used:
 it fires when the *thread* that forked exits, so a master started from a short-lived thread
 would die with it.
 
@@ -25,7 +25,6 @@ bounded and logged.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import shutil
 import signal
@@ -41,10 +40,11 @@ from types import TracebackType
 
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.local_ports import free_port, reports_port_in_use
+from hybridkv.store.logs import get_logger
 
 __all__ = ["EmbeddedMaster", "MasterError", "MasterSupervisor", "find_master_binary", "INSTALL_HINT"]
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__)
 
 # Runs as the watchdog: blocks until the owner's end of the pipe closes (stdin EOF), then
 # kills the master if that pid still runs THIS master (its --rpc_port), and removes the dir.
@@ -194,9 +194,8 @@ class EmbeddedMaster:
     without long sleeps.
 
     ``start_timeout_s`` bounds how long start() waits for the rpc port: 30 s, because a host
-    whose cores are all busy (engines importing vLLM) was seen to need more than 10 s to exec
-    and link mooncake_master (CI 2026-12-03: nothing logged yet after 10 s; it takes ~1.2 s on
-    an idle box). A master that exits fails start() at once, whatever this bound.
+    whose cores are all busy (engines importing vLLM) can need more than 10 s to exec and link
+    mooncake_master (about 1 s on an idle host). A master that exits fails start() at once, whatever this bound.
     """
 
     def __init__(
@@ -264,7 +263,7 @@ class EmbeddedMaster:
                 except _PortInUse as e:
                     if self._fixed_ports or attempt == PORT_ATTEMPTS:
                         raise MasterError(str(e)) from None
-                    logger.warning("hybridkv: mooncake_master could not bind port %s or %s (taken since it "
+                    logger.warning("mooncake_master could not bind port %s or %s (taken since it "
                                    "was chosen); choosing new ports (attempt %d of %d)",
                                    self.rpc_port, self.metrics_port, attempt + 1, PORT_ATTEMPTS)
             raise AssertionError("unreachable")
@@ -450,7 +449,7 @@ class MasterSupervisor:
     """Restarts a master that died, on its ports, a bounded number of times.
 
     Why: with an embedded master, offload otherwise stays off until the engine restarts.
-    Clients reconnect to the same address by themselves (about 1 s, measured); the new
+    Clients reconnect to the same address by themselves (within about 1 s); the new
     master holds no objects, which clients see through ``MooncakeBackend.master_epoch``.
     ``on_restart`` runs after each successful restart (e.g. to publish the new pid).
     """
@@ -484,31 +483,31 @@ class MasterSupervisor:
                 return
             if self.restarts >= self.max_restarts:
                 self.gave_up = True
-                logger.error("hybridkv: embedded mooncake_master at %s died again after %d restart(s); "
+                logger.error("embedded mooncake_master at %s died again after %d restart(s); "
                              "not restarting (store offload stays off until the engine restarts). Log tail:\n%s",
                              self.master.address, self.restarts, self.master.log_tail())
                 return
             t0 = time.monotonic()
-            logger.warning("hybridkv: embedded mooncake_master at %s died; restarting it (%d/%d). Log tail:\n%s",
+            logger.warning("embedded mooncake_master at %s died; restarting it (%d/%d). Log tail:\n%s",
                            self.master.address, self.restarts + 1, self.max_restarts, self.master.log_tail(10))
             try:
                 self.master.restart()
             except MasterError as e:
                 failures += 1
                 self.restarts += 1
-                logger.warning("hybridkv: restarting mooncake_master failed: %s", e)
+                logger.warning("restarting mooncake_master failed: %s", e)
                 self._stop.wait(self.backoff_s * (2 ** min(failures, 5)))
                 continue
             failures = 0
             self.restarts += 1
             self.last_restart_s = time.monotonic() - t0
-            logger.warning("hybridkv: mooncake_master restarted at %s in %.2fs (pid %s); it holds no objects",
+            logger.warning("mooncake_master restarted at %s in %.2fs (pid %s); it holds no objects",
                            self.master.address, self.last_restart_s, self.master.pid)
             if self.on_restart is not None:
                 try:
                     self.on_restart(self.master)
                 except Exception:  # noqa: BLE001 - supervision must go on
-                    logger.exception("hybridkv: master restart callback failed")
+                    logger.exception("master restart callback failed")
 
     def stop(self) -> None:
         """Stop supervising (before stopping the master on purpose)."""

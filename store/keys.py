@@ -21,14 +21,10 @@
   (each rank stores its own shard).
 * the block hash -- vLLM's chained block hash of the hash unit ending where
   the object's valid KV ends (it already includes ``cache_salt`` and LoRA),
-  all of it. Shorter keys were measured (issue 16): one ``batch_is_exist`` of
-  12,314 present keys with 16 hash bytes (86 characters) instead of 32 (118),
-  60 paired repeats over a master holding 125k objects: 0.86 (interquartile
-  0.80-0.95) with the short keys stored last, 0.97 (0.86-1.14) stored first --
-  about 0.91 for the length (objects stored later answer ~6 % faster). Keys
-  shorter than 86 gained nothing more. Not adopted: ~9 % of one RPC, and a cut
-  hash collides wherever hashes are not digests (tests/unit/test_store_overlap.py
-  pads a counter to 32 bytes: its 18 blocks would share one key).
+  all of it. Shorter keys (16 hash bytes) would save about a tenth of an existence
+  query and collide wherever hashes are not digests (tests/unit/test_store_overlap.py
+  pads a counter to 32 bytes: its 18 blocks would share one key), so keys keep the
+  whole hash.
 
 An object is the block's bytes followed by a 16-byte trailer (``object_trailer``:
 magic, format version, tag kind, XXH3-64 seeded with the key), so a wrong object

@@ -1,12 +1,11 @@
-"""Hand the engine worker's freed heap memory back to the kernel, periodically (issue 14).
+"""Hand the engine worker's freed heap memory back to the kernel, periodically.
 
 Why: glibc keeps memory that was malloc'd and freed in its arenas (the main brk heap and one
 heap per arena of other threads) and returns it only when the free space sits at the top
-of a heap. Under the store connector the worker's RSS rose ~+40 % in the first minutes of
-the soak's workload and kept creeping, while tracemalloc saw almost none of it live:
-freed-but-kept pages. ``malloc_trim(0)`` also releases free pages in the middle of every
-arena (``MADV_DONTNEED``), which no other glibc setting does (MALLOC_ARENA_MAX=2 changed
-nothing measurable). See bench/rss_growth.py for the side-by-side numbers.
+of a heap, so a store connector's worker RSS grows with freed-but-kept pages.
+``malloc_trim(0)`` also releases free pages in the middle of every arena (``MADV_DONTNEED``),
+which no other glibc setting does (MALLOC_ARENA_MAX does not release them);
+bench/rss_growth.py compares the two.
 
 Linux/glibc only; where the C library has no ``malloc_trim`` (musl, macOS) ``start``
 returns None and nothing runs.
@@ -15,12 +14,13 @@ returns None and nothing runs.
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger(__name__)
+from hybridkv.store.logs import get_logger
+
+logger = get_logger(__name__)
 
 
 def libc_malloc_trim() -> Callable[[int], int] | None:
@@ -56,7 +56,7 @@ class MallocTrimmer:
             try:
                 r = self._trim(0)
             except Exception as e:  # noqa: BLE001 - never take the worker down for this
-                logger.warning("hybridkv: malloc_trim failed, not calling it again: %s", e)
+                logger.warning("malloc_trim failed, not calling it again: %s", e)
                 return
             dt = time.perf_counter() - t0
             self.calls += 1
@@ -76,6 +76,6 @@ def start(interval_s: float, trim: Callable[[int], int] | None = None) -> Malloc
         return None
     fn = trim or libc_malloc_trim()
     if fn is None:
-        logger.info("hybridkv: no malloc_trim in this C library; malloc_trim_interval_s has no effect")
+        logger.info("no malloc_trim in this C library; malloc_trim_interval_s has no effect")
         return None
     return MallocTrimmer(interval_s, fn)

@@ -1,133 +1,64 @@
 """Thin, bounded client over ``mooncake.store.MooncakeDistributedStore`` (0.3.13.post1).
 
-Why this layer exists
----------------------
 The binding returns bare integers, blocks for tens of seconds when the master is gone or hung,
-and ``setup()`` against an absent master retries for 90 s before returning -1. The connector runs
-these calls on vLLM's scheduler and worker paths, where a stall is an outage. So this module
-keeps few verbs, turns every failure into either a per-key Mooncake code or a ``StoreError``
-naming the operation and the fix, and never lets a call block the caller beyond ``timeout_s``.
+and runs on vLLM's scheduler and worker paths, where a stall is an outage. So this module keeps
+few verbs, turns every failure into a per-key Mooncake code or a ``StoreError`` naming the
+operation and the fix, and never blocks the caller beyond ``timeout_s``. Per-key verbs
+(``put_from`` / ``get_into`` / ``put_bytes`` / ``remove``) return Mooncake's codes; ``exists``
+(a ``list[bool]``) raises on failure; a call the client refuses or abandons (timeout, closed,
+circuit open) raises ``StoreError`` with a hybridkv code, never a Mooncake one.
 
-Which outcome is a return value and which an exception
-------------------------------------------------------
-* ``put_from`` / ``get_into`` / ``put_bytes`` / ``remove`` return Mooncake's codes: per key,
-  callers decide (a missing key is normal for a cache).
-* ``exists`` returns ``list[bool]``, which cannot carry a code, so a failed lookup raises.
-* A call that the client itself refuses or abandons (timeout, closed, circuit open) raises
-  ``StoreError`` with one of the hybridkv codes below, never a Mooncake code.
+Binding facts (0.3.13.post1, tcp, P2PHANDSHAKE; the binding documents none of them)
+* ``setup(...) -> int``: 0 ok; with no master listening it retries for about 90 s and returns
+  -1, hence the TCP probe before it.
+* ``batch_is_exist(keys) -> list[int]``: 1 / 0 / negative code (-900 dead, -901 hung master);
+  renews the objects' lease. The master serves concurrent calls on several threads, hence
+  ``exists_parts`` (bench/exists_split.py).
+* ``register_buffer`` / ``unregister_buffer``: -600 for a region already (or not) registered.
+  tcp does not need registration, RDMA does, so callers register; ``register`` is idempotent.
+* ``batch_put_from``: an existing key answers 0 and KEEPS THE OLD VALUE (first writer wins);
+  size 0 -> -600; larger than any free space -> -200.
+* ``batch_get_into``: bytes read or -704 missing, -600 buffer too small (nothing written),
+  -707 when the transfer outlasts the master's ``default_kv_lease_ttl`` (so the TTL must
+  exceed the slowest batch transfer).
+* ``get(key)`` answers ``b""`` for a missing key AND a dead master (``get_bytes`` asks
+  ``get_size``); ``remove`` answers -706 while the object's lease runs.
+* ``close()`` takes seconds (more with a dead master) and HOLDS THE GIL throughout (every other
+  verb releases it), so it cannot be bounded from Python: reuse clients, close once.
 
-Binding facts measured on this version (loopback, tcp, P2PHANDSHAKE)
---------------------------------------------------------------------
-``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
-rdma_devices, master_server_addr) -> int``: 0 ok; 20-30 ms. With no master listening it retries
-20 x ~4.5 s (about 90 s) and returns -1, hence the TCP probe before it.
+Listeners: each client listens on a P2P handshake/RPC port and the TCP transport's data port,
+which serves the whole registered memory, on all interfaces whatever ``local_hostname`` says;
+``pin_listeners`` makes them bind ``local_hostname``'s address.
 
-``batch_is_exist(keys: list[str]) -> list[int]``: 1 present, 0 absent, negative code on error
-(-900 dead master, -901 hung master). ``[]`` for ``[]``. It also renews the objects' lease.
-The master does the work (~1 us per key here, the client ~0.1 us) and serves concurrent calls
-on several threads: 12,314 keys as one call 11-16 ms; as 2-4 concurrent calls 0.60-0.72 of that
-with 120k other objects stored, 0.67-0.91 with none (medians of 15 paired repeats on this 2-core
-machine, bench/exists_split.py; 4,096 keys: no gain). Hence ``exists_parts``.
+Master failure: a SIGKILLed master answers -900 at once, then each call blocks ~4.4 s;
+``health_check()`` turns 2 a few seconds later. A master restarted on its port is rejoined
+within about 1 s, holding no keys (the first put may answer -200 until the segment is
+remounted). A hung master blocks calls ``MC_RPC_TIMEOUT_MS`` and answers -901.
 
-``register_buffer(ptr: int, size: int) -> int``: 0 ok; registering the same pointer again, or a
-sub-range of a registered region, returns -600. ``unregister_buffer(ptr) -> int``: 0 ok, -600
-for a pointer that is not registered. With protocol "tcp" registration is NOT required:
-``batch_put_from``/``batch_get_into`` on unregistered memory succeeded. RDMA needs it, so
-callers register anyway; ``register`` here is idempotent for regions already covered.
+How calls are bounded: every call runs on a small pool of daemon threads (not
+``ThreadPoolExecutor``, whose exit join would turn one stuck call into a hung process) and the
+caller waits at most ``timeout_s``, then gets ``StoreError(CALL_TIMEOUT)``. New calls fail at
+once with ``CLIENT_STUCK`` while a metadata call (the master alone answers it) is stuck, or
+while ``max_stuck_calls`` data calls are; the backend heals when abandoned calls return. An
+RPC_FAIL / RPC_TIMEOUT opens a circuit (``retry_after_s``, half-open probes, doubling up to
+``MAX_RETRY_FACTOR``; store/circuit.py) so calls fail fast with ``MASTER_UNREACHABLE``.
+``exists_parts`` has one bound for all its parts. The hand-off costs tens of microseconds;
+``timeout_s=None`` calls the binding directly. CAVEAT: an abandoned ``get_into`` may still
+write its destination until ``stuck_calls`` is 0.
 
-``batch_put_from(keys, buffer_ptrs, sizes, config=ReplicateConfig()) -> list[int]``: per key 0
-or a negative code. A key that already exists answers 0 and KEEPS THE OLD VALUE (first writer
-wins; ``batch_upsert_from`` would overwrite). Size 0 -> -600. Larger than any free space in
-the segments -> -200 at once. Two equal keys in one batch both answer 0.
-
-``batch_get_into(keys, buffer_ptrs, sizes) -> list[int]``: per key the number of bytes read
-(the object size, which may be smaller than the buffer) or a negative code: -704 missing,
--600 buffer smaller than the object (nothing written), -707 when the transfer took longer than
-the master's ``default_kv_lease_ttl`` (seen with a 100 ms TTL and a 16 x 4 MiB batch between two
-processes: the whole batch answered -707, so the TTL must exceed the slowest batch transfer).
-
-``put(key, bytes) -> int`` goes through the client's local buffer (``local_buffer_size``
-bounds it); ``put(key, b"")`` -> -600. ``get(key) -> bytes`` answers ``b""`` for a missing key
-AND for a dead master, so ``get_bytes`` classifies an empty answer with ``get_size``
-(-704 missing). ``remove(key, force=False) -> int``: 0, -704 missing, -706 while the object's
-lease (``default_kv_lease_ttl`` of the master, renewed by exists/get) has not expired.
-
-``close() -> int``: 1-2 s normally, 1-14 s with a dead master (13.5 s after a few failed calls) (it tries to unmount its
-segment), and it HOLDS THE GIL throughout (every other verb above releases it), so it cannot
-be bounded from Python: reuse clients, close once.
-
-Listeners (issue 13)
---------------------
-Each client listens on two TCP ports: the P2P handshake/RPC port ("Transfer Engine RPC using
-P2P handshake, listening on HOST:PORT" in its log) and the TCP transport's data port
-("TcpTransport: listen on port N"), which serves the whole registered memory. Mooncake binds
-both to all interfaces (0.0.0.0 and [::]) whatever ``local_hostname`` or MC_* variables say;
-``pin_listeners`` (below) makes them bind ``local_hostname``'s address: measured 127.0.0.1 and
-[::ffff:127.0.0.1], and puts/gets between two processes still work over them.
-
-Master failure, measured
-------------------------
-* SIGKILLed master: the first call answers -900 at once; every later call blocks ~4.3-4.5 s
-  and answers -900 (batch_is_exist, batch_get_into, batch_put_from alike). The binding releases
-  the GIL while it waits. ``health_check()`` keeps answering 0 until the client's background
-  ping notices (a few seconds), then 2.
-* Restarted master (same port): the client reconnects by itself within about 1 s; all earlier
-  keys are gone (exists -> 0) and the first put may answer -200 until the client has remounted
-  its segment.
-* Hung master (SIGSTOP): calls block 30 s (``MC_RPC_TIMEOUT_MS``, see below) and answer -901
-  (RPC_TIMEOUT); after SIGCONT it answers normally again.
-
-How calls are bounded (the choice made here)
---------------------------------------------
-Every store call runs on a small pool of daemon worker threads and the caller waits at most
-``timeout_s``; the binding releases the GIL, so waiting is cheap and the call keeps running in
-C++. On timeout the caller gets ``StoreError(CALL_TIMEOUT)`` (its ``pending`` future ends when
-the call really returns). New calls fail at once with ``CLIENT_STUCK`` instead of queueing behind
-abandoned calls still blocked (no thread pile-up, no unbounded latency): ANY call while a metadata
-call (exists, small objects, remove: the master alone answers those) is stuck, since then the
-master is hung; a data call (put_from / get_into, which also reach a segment owner) while
-``max_stuck_calls`` data calls are stuck (default 1; more lets requests served by healthy nodes
-go on while one node hangs). The backend heals by itself when the abandoned calls return.
-A call that answers RPC_FAIL/RPC_TIMEOUT opens a circuit (``retry_after_s``): calls fail
-fast with ``MASTER_UNREACHABLE`` instead of each paying the ~4.4 s the binding needs to
-rediscover that the master is dead; after it ONE call is let through to probe again while the
-others still fail fast (half-open), and each failed probe doubles the window up to
-``MAX_RETRY_FACTOR`` x ``retry_after_s`` (store/circuit.py).
-An existence query asked as concurrent parts (``exists_parts``) has one bound for all of
-them; on expiry every part still running counts as a stuck metadata call until it returns.
-The hand-off costs about 25-30 us per call on the 2-core test machine (batch_is_exist of 1 key:
-23 us raw, 47 us bounded); ``timeout_s=None`` calls the binding directly for callers that prefer
-that. Daemon threads are used (not ``ThreadPoolExecutor``) because the latter joins its threads at
-interpreter exit, which would turn one stuck call into a hung process.
-CAVEAT: an abandoned ``get_into`` may still write into its destination after the timeout; the
-destination must be treated as garbage until ``stuck_calls`` is 0 (in practice the binding
-fails before any transfer when the master is the problem, but a slow peer could write late).
-
-How long an abandoned call stays inside Mooncake (issue 14)
------------------------------------------------------------
-Giving up on a call does not end it, and its buffers (KV blocks of a zero-copy load or save)
-stay pinned until it does. Mooncake ends a stalled call only after its own waits: a TCP transfer
-with no progress after ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / no status frame after
-``MC_TCP_STATUS_TIMEOUT_SEC`` (both 30 s by default), a master RPC after ``MC_RPC_TIMEOUT_MS``
-(30 s). Measured here (loopback, tcp): a get from a SIGSTOPped segment owner abandoned after 1 s
-stayed in Mooncake 30.2 s by default, 2.0 s with the TCP waits at 2; an exists on a SIGSTOPped
-master 2.05 s with ``MC_RPC_TIMEOUT_MS=2000``. Under the P/D + store soak such 30 s transfers
-(ending with "ClientSession: no transfer progress within 30s") kept a prefill's blocks pinned
-with its small cache otherwise held by P/D leases, and every session stalled ~30 s. So the
-backend sets those three waits to ``stall_bound_s`` (default: ``timeout_s`` rounded up to whole
-seconds, at least ``STALL_FLOOR_S`` = 10: at 1-2 s a loaded master failed RPCs it would have answered) before the client starts; a value the operator put in the environment
-(before hybridkv was imported) is kept. The variables are process-wide and Mooncake reads them
-when a client starts / a connection is made: the latest client's bound applies, which is the
-supported case (one client per process); ``stall_bound_s`` reports the one in force. A transfer that makes no
-progress for that long has already failed for the caller (it waited ``timeout_s``); healthy
-transfers make progress continuously, so the bound only shortens stalls.
+How long an abandoned call stays inside Mooncake: until Mooncake's own waits end it
+(``MC_TCP_PROGRESS_TIMEOUT_SEC``, ``MC_TCP_STATUS_TIMEOUT_SEC``, ``MC_RPC_TIMEOUT_MS``, 30 s
+each by default), its buffers pinned meanwhile. The backend sets all three to
+``stall_bound_s`` (``timeout_s`` rounded up, at least ``STALL_FLOOR_S``) before the client
+starts, unless the operator set them; they are process-wide, so the latest client's bound
+applies (one client per process is the supported case). Healthy transfers progress
+continuously, so the bound only shortens stalls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import math
 import os
 import queue
@@ -142,6 +73,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from hybridkv.store.circuit import Circuit
 from hybridkv.store.cpu_affinity import unpinned
+from hybridkv.store.logs import get_logger
 
 __all__ = [
     "MooncakeBackend",
@@ -168,18 +100,18 @@ __all__ = [
     "NOT_INSTALLED",
 ]
 
-# --- Mooncake codes (mooncake-store/include/types.h ErrorCode; "seen" = observed here) -------
+# --- Mooncake codes (mooncake-store/include/types.h ErrorCode; comment: when it is answered) -
 OK = 0
-INTERNAL_ERROR = -1  # seen: setup() against an absent master, after ~90 s of retries
-NO_AVAILABLE_HANDLE = -200  # seen: put larger than the free segment space / segment not yet remounted
-INVALID_PARAMS = -600  # seen: buffer too small for get, size 0 put, double register_buffer
-OBJECT_NOT_FOUND = -704  # seen: get/get_size/remove of a missing key
+INTERNAL_ERROR = -1  # setup() against an absent master, after ~90 s of retries
+NO_AVAILABLE_HANDLE = -200  # put larger than the free segment space / segment not yet remounted
+INVALID_PARAMS = -600  # buffer too small for get, size 0 put, double register_buffer
+OBJECT_NOT_FOUND = -704  # get/get_size/remove of a missing key
 OBJECT_ALREADY_EXISTS = -705
-OBJECT_HAS_LEASE = -706  # seen: remove while the lease of a recently read/put object runs
-LEASE_EXPIRED = -707  # seen: get_into whose transfer outlived the lease (64 MiB batch, 100 ms TTL)
+OBJECT_HAS_LEASE = -706  # remove while the lease of a recently read/put object runs
+LEASE_EXPIRED = -707  # get_into whose transfer outlived the lease (64 MiB batch, 100 ms TTL)
 TRANSFER_FAIL = -800
-RPC_FAIL = -900  # seen: master SIGKILLed (first call at once, later calls after ~4.4 s)
-RPC_TIMEOUT = -901  # seen: master SIGSTOPped, after 30 s
+RPC_FAIL = -900  # master SIGKILLed (first call at once, later calls after ~4.4 s)
+RPC_TIMEOUT = -901  # master SIGSTOPped, after 30 s
 
 # --- hybridkv codes: the client refused or abandoned the call (outside Mooncake's range) ------
 CALL_TIMEOUT = -10_001
@@ -249,16 +181,16 @@ _UNREACHABLE_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
 _DATA_OPS = frozenset({"put_from", "get_into", "put_from_parts", "get_into_parts"})
 # The calls that read an object out of a segment. Mooncake 0.3.13's pip build waits for a
 # read's transfer by polling on the calling thread (TransferEngineOperationState::
-# wait_for_completion without USE_EVENT_DRIVEN_COMPLETION): measured, a get_into_parts from a
-# node SIGSTOPped for 3 s burned 2.89 s of CPU, a put_from_parts 0.00 s. They run on their own
+# wait_for_completion without USE_EVENT_DRIVEN_COMPLETION): a read from a stalled node burns a
+# core for as long as it waits; writes do not poll (bench/read_poll_cpu.py). They run on their own
 # threads at ``read_wait_nice`` (see MooncakeBackend).
 _READ_OPS = frozenset({"get_into", "get_into_parts", "get_bytes"})
 
 T = TypeVar("T")
 _DEFAULT = object()  # "use self.timeout_s" (None already means unbounded)
 _CLOSE_WAIT_S = 12.0  # close(): how long calls in flight may take to return first (a call
-# against a dead master was seen blocking about 9 s; closing under it aborts the process)
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+# against a dead master can block about 9 s; closing under it aborts the process)
+logger = get_logger(__name__)
 
 
 def code_name(code: int) -> str:
@@ -329,7 +261,7 @@ class _DaemonPool:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
             except OSError as e:  # pragma: no cover - lowering one's own priority is always allowed
-                logger.warning("hybridkv: could not lower the store read threads' priority: %s", e)
+                logger.warning("could not lower the store read threads' priority: %s", e)
         while True:
             item = self._q.get()
             if item is None:
@@ -351,8 +283,8 @@ class _DaemonPool:
         """Stop the threads; wait up to ``wait_s`` for calls in flight. True if all returned.
 
         Closing the Mooncake client while one of these threads is still inside a call
-        aborts the process (std::terminate, seen at interpreter exit after a test had
-        killed a master while an epoch check was in flight), so close() waits here first.
+        aborts the process (std::terminate, e.g. at interpreter exit with an epoch check in
+        flight against a killed master), so close() waits here first.
         """
         for _ in self._threads:
             self._q.put(None)
@@ -370,16 +302,16 @@ def _parse_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-# --- listeners on the configured host (issue 13) ---------------------------------------------
+# --- listeners on the configured host --------------------------------------------------------
 # Mooncake 0.3.13's store client opens two TCP listeners in setup() and binds both to ALL
-# interfaces, with no setting for the address (read in kvcache-ai/Mooncake and measured here):
+# interfaces, with no setting for the address (kvcache-ai/Mooncake's source):
 #   * the P2P handshake / RPC listener: findAvailableTcpPort() in
 #     mooncake-transfer-engine/src/transfer_metadata_plugin.cpp binds INADDR_ANY (IN6ADDR_ANY with
 #     MC_USE_IPV6); transfer_engine_impl.cpp only *advertises* local_hostname, and
 #     MC_TCP_BIND_ADDRESS is read only in the non-P2P "new RPC mapping" branch, to advertise too;
 #   * the TCP transport's data listener: TcpContext in tcp_transport_session_impl.h binds
 #     tcp::v6() (dual stack, "::") and falls back to tcp::v4() ("0.0.0.0").
-# Measured with a real master: 0.0.0.0:<port> and [::]:<port> per client, whatever
+# A real client listens on 0.0.0.0:<port> and [::]:<port> (tests/unit/test_store_listeners.py), whatever
 # local_hostname, MC_TCP_BIND_ADDRESS, MC_RDMA_BIND_ADDRESS, MC_HANDSHAKE_PORT, MC_USE_IPV6 or
 # MC_LEGACY_RPC_PORT_BINDING said; the whole registered KV cache is served on the data port.
 # So hybridkv interposes bind() for Mooncake's own libraries only: their PLT slot for bind
@@ -427,7 +359,7 @@ def _listen_addresses(host: str) -> tuple[bytes, bytes]:
         v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
         ip = ipaddress.ip_address(v4[0] if v4 else infos[0][4][0])
         if ip.is_loopback and host != "localhost":  # e.g. Debian's "127.0.1.1 <hostname>" line
-            logger.warning("hybridkv: local_hostname %r resolves to %s here, so Mooncake's listeners "
+            logger.warning("local_hostname %r resolves to %s here, so Mooncake's listeners "
                            "bind loopback and peers on other hosts cannot reach them; set "
                            "local_hostname to the IP address peers use", host, ip)
     if ip.version == 4:
@@ -451,7 +383,7 @@ def _wildcard_bind(fd: int, addr: int | None, addrlen: int) -> int:
                 ctypes.memmove(ctypes.addressof(sa) + 8, target[1], 16)
                 return int(_real_bind(fd, ctypes.addressof(sa), addrlen))
     except Exception:  # noqa: BLE001 - a callback must not raise (ctypes would answer 0 = bound)
-        logger.exception("hybridkv: bind interposer failed; binding as Mooncake asked")
+        logger.exception("bind interposer failed; binding as Mooncake asked")
     return int(_real_bind(fd, addr, addrlen))
 
 
@@ -557,7 +489,7 @@ def pin_listeners(local_hostname: str | None) -> list[str]:
                             _patched_libs.add(path)
                         _inspected_libs.add(path)
             except (OSError, ValueError) as e:
-                logger.warning("hybridkv: cannot pin Mooncake's listeners to %s (%s): they listen on ALL "
+                logger.warning("cannot pin Mooncake's listeners to %s (%s): they listen on ALL "
                                "interfaces; firewall their ports", local_hostname, e)
                 return []
         _bind_to = target
@@ -566,7 +498,7 @@ def pin_listeners(local_hostname: str | None) -> list[str]:
 
 # The circuit's longest window, as a multiple of retry_after_s (1 s: 1, 2, 4, 4, ... s between
 # probes while the master stays down): a master that comes back is noticed within 4 s (+ Mooncake's
-# own ~1 s reconnect), well inside the soak's 30 s recovery target, while a master that stays down
+# own ~1 s reconnect), well inside a 30 s recovery target (docs/soak.md), while a master that stays down
 # costs one probe per 4 s instead of one per caller per second.
 MAX_RETRY_FACTOR = 4.0
 # How long a probe's slot is held when calls are unbounded (timeout_s None) and none reported.
@@ -581,15 +513,11 @@ STALL_ENV = (*STALL_ENV_S, STALL_ENV_MS)  # every wait variable hybridkv may set
 
 
 # The shortest bound set: a master RPC that fails makes Mooncake's client ping fail, and 3
-# failed pings reconnect it (non-HA). At 1-2 s a 10 s master SIGSTOP, or a master slowed by a
-# loaded 2-core CI box, made master RPCs fail where they used to succeed (the final CI of stop
-# 15 failed test_pd_and_store_in_one_multiconnector_three_turns[2]: RPC_TIMEOUT task polls,
-# "prefill saved 0 of 16 objects"). 10 s still cuts Mooncake's 30 s waits to a third.
-# NOT what the floor fixes: the store soak's hit rate falling to 0.07 after a 10 s master SIGSTOP.
-# Objects were lost because a master stopped about its --client_ttl (10 s) or longer may expire
-# a segment owner when it resumes (before reading the pings queued meanwhile) and drop that
-# segment's objects, whatever this bound: measured 1 of 20 trials at 2 s, 2 of 20 at 10 s
-# (10 s stops), 1 of 6 at Mooncake's 30 s (15 s stops). StoreScheduler._forget_missing handles
+# failed pings reconnect it (non-HA). At 1-2 s a loaded master, or one stopped for 10 s, fails
+# RPCs it would answer; 10 s still cuts Mooncake's 30 s waits to a third.
+# What no bound fixes: a master stopped for about its --client_ttl (10 s) or longer may expire a
+# segment owner when it resumes (before reading the pings queued meanwhile) and drop that
+# segment's objects (rarely, at any bound: docs/soak.md). StoreScheduler._forget_missing handles
 # the loss (tests/unit/test_store_segment_loss.py).
 STALL_FLOOR_S = 10
 
@@ -601,9 +529,8 @@ def without_own_stall_bounds(env: "Mapping[str, str]") -> dict[str, str]:
     """``env`` (this process's environment) for a child process that will start its own store
     clients: minus the Mooncake wait variables ``bound_mooncake_stalls`` set here, keeping an
     operator's. Inherited, this process's bound would read as the operator's in the child and
-    replace the child's own (found by the P/D soak: its chaos client's 30 s bound reached the
-    restarted prefill, whose reads from the SIGKILLed prefill's segment then waited 30-60 s
-    instead of 10 while polling, and every session stalled for 2 minutes)."""
+    replace the child's own (e.g. a test's 30 s bound would reach a server it restarts, whose
+    reads from a dead segment then wait 30-60 s instead of 10)."""
     own = {n for n in STALL_ENV if n not in _OPERATOR_STALL_ENV}
     return {k: v for k, v in env.items() if k not in own}
 
@@ -627,14 +554,13 @@ def bound_mooncake_stalls(stall_s: float | None) -> float | None:
         return None
 
 
-# --- the global segment's memory (issue 14, RSS) ----------------------------------------------
+# --- the global segment's memory -------------------------------------------------------------
 # Mooncake maps the global segment as anonymous memory in setup() and never touches it, so a
 # page becomes resident only when the first object is written into it (by any client: peers'
 # puts land here over TCP). The process's RSS therefore grows with the bytes the master places
 # in untouched parts of the segment, up to global_segment_size, e.g. when a store node dies and
-# its objects are saved again here (measured, no engine: 57 MiB lost on a killed node, saved
-# again -> +57.5 MiB in the segment's mapping; failed gets/exists themselves: +0.4 MiB, no
-# thread, no malloc arena). Populating the segment right after setup() makes that memory
+# its objects are saved again here (the RSS steps up by what is saved again; failed gets and
+# exists themselves add no thread and no malloc arena). Populating the segment right after setup() makes that memory
 # resident once, at start, where the operator budgeted it, instead of a late step.
 # MADV_POPULATE_WRITE (Linux 5.14) faults the pages in without changing their content, so it
 # is safe even after a peer has already written an object there.
@@ -681,7 +607,7 @@ def fault_in_segment(before: list[tuple[int, int]], segment_size: int) -> int:
         if hi - lo < segment_size:
             continue
         if libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
-            logger.warning("hybridkv: cannot populate the store segment (madvise: %s); its pages become "
+            logger.warning("cannot populate the store segment (madvise: %s); its pages become "
                            "resident as objects land in it", os.strerror(ctypes.get_errno()))
             return done
         done += hi - lo
@@ -689,7 +615,7 @@ def fault_in_segment(before: list[tuple[int, int]], segment_size: int) -> int:
     if done < segment_size:
         # Mooncake mapped it otherwise (in pieces, e.g. MC_MAX_MR_SIZE chunks, or as hugepages):
         # nothing was populated, and the RSS grows as objects land, as without the setting.
-        logger.warning("hybridkv: populate_segment: no new mapping of the store segment's %d bytes was found; "
+        logger.warning("populate_segment: no new mapping of the store segment's %d bytes was found; "
                        "its pages become resident as objects land in it", segment_size)
     return done
 
@@ -717,12 +643,11 @@ class MooncakeBackend:
     run on their own threads at this nice level. Mooncake polls for a read's completion on
     the calling thread, so a read from a slow peer (a node whose own CPU is busy, e.g. the
     other engine on the same host) burns a core for as long as it waits, taking it from the
-    forward pass and from the very peer that has to serve the read: in the P/D + store soak
-    those polls took as much CPU as the prefill's forward pass and every session stalled
-    for 20-30 s at once. At nice 19 the poll only gets CPU nobody else wants (its bytes are
+    forward pass and from the very peer that has to serve the read: under load those polls
+    can take as much CPU as the forward pass. At nice 19 the poll only gets CPU nobody else wants (its bytes are
     moved by Mooncake's transfer threads, which keep their priority); the cost is noticing
     a finished read up to a scheduler period later on a saturated host. 0: one pool at
-    normal priority for every call, as before.
+    normal priority for every call.
     """
 
     def __init__(
@@ -789,9 +714,9 @@ class MooncakeBackend:
             ) from e
 
         # Mooncake binds its handshake and data listeners to all interfaces; bind them to the
-        # address this client advertises instead (pin_listeners, issue 13).
+        # address this client advertises instead (pin_listeners).
         self.listeners_pinned = bool(pin_listeners(local_hostname if listen_on_host else None)) and listen_on_host
-        # Before setup(): an abandoned call must end within this, not Mooncake's 30 s (issue 14).
+        # Before setup(): an abandoned call must end within this, not Mooncake's 30 s.
         self.stall_bound_s = bound_mooncake_stalls(self.timeout_s if stall_bound_s is _DEFAULT else stall_bound_s)
         self._store = MooncakeDistributedStore()
         setup_timeout = max(self.timeout_s or 0.0, 30.0) if self.timeout_s else None
@@ -1039,8 +964,8 @@ class MooncakeBackend:
         the call pool; the answers are joined in part order, so the result reads exactly like
         ``exists`` of the parts' keys concatenated. Why: the master serves concurrent calls
         on several threads, so a long query answers sooner than as one call, and the caller
-        can name the next part while the first ones are in flight (measured:
-        bench/exists_split.py, bench/lookup_cost.py). Still one round trip for the caller, with
+        can name the next part while the first ones are in flight (bench/exists_split.py,
+        bench/lookup_cost.py). Still one round trip for the caller, with
         one bound (``timeout_s``, as ``exists``; on expiry every part still running counts as a
         stuck metadata call until it returns), and the same codes: a negative one in any part
         fails the whole query (``StoreError`` with that code); a part answering a different
@@ -1207,8 +1132,8 @@ class MooncakeBackend:
     def close(self) -> None:
         """Idempotent. Blocks 1-2 s (about 10 s with a dead master) and CANNOT be bounded.
 
-        ``MooncakeDistributedStore.close`` holds the GIL for its whole duration (measured: a
-        ticker thread made 1 tick during a 2 s close), so neither a worker thread nor a timeout
+        ``MooncakeDistributedStore.close`` holds the GIL for its whole duration (no
+        other Python thread runs meanwhile), so neither a worker thread nor a timeout
         can shorten it; every other verb releases the GIL. Reuse backends; close once at exit.
         """
         with self._lock:
@@ -1220,14 +1145,14 @@ class MooncakeBackend:
         if not all([p.shutdown(wait_s=max(0.0, deadline - time.monotonic())) for p in pools]):
             # A call is still inside Mooncake: closing under it would abort the
             # process. Leave the client to the process's exit instead.
-            logger.warning("hybridkv: store client %s closed with a call still in flight; "
+            logger.warning("store client %s closed with a call still in flight; "
                            "not closing the Mooncake client under it", self.master_address)
             return
         store = getattr(self, "_store", None)
         if store is not None:
             store.close()
 
-    # --- helpers ------------------------------------------------------------------------------
+    # --- internals ----------------------------------------------------------------------------
 
     @staticmethod
     def _check_batch(

@@ -28,28 +28,23 @@ some layouts (LBHNC with several heads) the split reorders the block's bytes. Tw
 sharing a master can then write the same key in two byte orders, each with a valid check;
 only the writer's format code tells a reader the bytes are not in its order.
 
-Why XXH3-64 (measured in ``bench/store_data_path.py``, candidates table, and by hand on
-this 2-core VM at load < 2, 1 GiB cold buffers on 2 MiB pages): XXH3-64 16.8 GB/s, XXH3-128
-17.8, ISA-L CRC-32 17.6, hardware CRC32C 14.7, BLAKE3 6.1 (hot in L2: 45 / 47 / 62 / 29 / 8);
-every candidate runs at the memory's read speed, XXH3-64 as fast as any, twice as wide as a
-CRC (a misplaced or corrupted object passes with probability 2^-64, not 2^-32), releases the
-GIL (so the worker hashes one sub-batch while another is in its store call:
-``connector/store_worker.py``, issue 16), and ships cp311 wheels for x86_64 and aarch64.
+Why XXH3-64: every candidate (XXH3-64/128, CRC-32, CRC32C, BLAKE3) reads at about the
+memory's speed on cold buffers; XXH3-64 is as fast as any, twice as wide as a CRC (a misplaced
+or corrupted object passes with probability 2^-64, not 2^-32), releases the GIL (so the worker
+hashes one sub-batch while another is in its store call: ``connector/store_worker.py``), and
+ships cp311 wheels for x86_64 and aarch64 (``bench/store_data_path.py``, candidates table;
+docs/results.md).
 
-What that costs (issue 16): a store call on a local segment is one memcpy (6.6-7 GB/s here),
-so any separate pass over the bytes costs at best 1 / (1 + 17 / 6.8) ~ 28 % of the job when it
-cannot overlap; no faster hash changes that, only reading the bytes while they are in cache
-would, and the copy is inside Mooncake's call. Measured: hashing each object right before its
-put / after its get, 1-64 objects per call, gave 0.52-0.72 of one raw call (the per-call cost
-ate the cache gain). The overlap helps only where a core AND memory bandwidth are spare: on
-this VM a memcpy and a hash at once ran at 3.4 and 6.1 GB/s (alone 6.6 and 11.9), longer than
-one after the other. Page size matters: over torch's default 4 KiB pages the trailer's hash
-ran at 10.5 GB/s, on 2 MiB pages (``THP_MEM_ALLOC_ENABLE=1``) at 15. It is NOT a MAC:
+What it costs: a store call on a local segment is one memcpy, so a separate pass over the
+bytes adds about a quarter of the job where it cannot overlap; no faster hash changes that,
+only reading the bytes while they are in cache would, and the copy is inside Mooncake's call.
+Overlapping the hash with the store call helps only where a core AND memory bandwidth are
+spare. 2 MiB pages (``THP_MEM_ALLOC_ENABLE=1``) make the pass faster. It is NOT a MAC:
 an adversary who can write objects can forge it; the keyed tag kind is where a
 MAC over (key, length, check) or over the bytes belongs.
 
-The MAC (issue 13: anyone who reaches the master can write objects)
--------------------------------------------------------------------
+The MAC (anyone who reaches the master can write objects)
+---------------------------------------------------------
 With a deployment secret the check is a keyed BLAKE3 over ``u32 len(key) || key ||
 payload`` under a key derived from the secret (``derive_key_context`` =
 ``MAC_CONTEXT``, so the store MAC can never equal a P/D message MAC made from the same
@@ -60,10 +55,9 @@ write objects and read one genuine object (payload P, tag T) can compute P' != P
 XXH3(P') == XXH3(P) and store P' with T -- a MAC over the hash authenticates the
 hash, not the bytes. A MAC is only as strong as the collision resistance of what it
 covers, so it must cover the payload with a keyed cryptographic hash. BLAKE3 is the
-fastest such hash here and vLLM already depends on it (measured on this 2-core,
-loaded machine, 64 MiB cold buffers: XXH3-64 2.3-3.5 GB/s, keyed BLAKE3 0.8-1.9 GB/s,
-keyed BLAKE2b 0.2-0.4, HMAC-SHA256 0.06-0.8): one pass, roughly 0.5x XXH3's speed,
-paid only by deployments that set a secret. 64 bits of tag: a forgery is an online
+fastest such hash available and vLLM already depends on it (keyed BLAKE2b and
+HMAC-SHA256 are several times slower): one pass at about half XXH3's speed, paid only
+by deployments that set a secret. 64 bits of tag: a forgery is an online
 guess (one store write and one victim load per try) that succeeds with probability
 2^-64.
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import fcntl
 import json
-import logging
 import os
 import re
 import stat
@@ -32,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.store.embedded_master import EmbeddedMaster, MasterError, MasterSupervisor, _port_open
+from hybridkv.store.logs import get_logger
 from hybridkv.store.mooncake_backend import MooncakeBackend, StoreError
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__)
 
 _LOCK = threading.Lock()
 _CLIENTS: dict[str, MooncakeBackend] = {}
@@ -161,7 +161,7 @@ def embedded_master_address(engine_id: str, lease_ttl_ms: int) -> tuple[str, boo
                 address = _trusted_address(info)
                 if address is not None:
                     return address, False
-                logger.warning("hybridkv: ignoring untrusted master record %s: %s", record, info)
+                logger.warning("ignoring untrusted master record %s: %s", record, info)
             master = EmbeddedMaster(default_kv_lease_ttl_ms=lease_ttl_ms)
             _write_record(record, master.address, master.pid)
 
@@ -171,7 +171,7 @@ def embedded_master_address(engine_id: str, lease_ttl_ms: int) -> tuple[str, boo
             with _LOCK:
                 _OWNED_MASTERS[master.address] = master
                 _SUPERVISORS[master.address] = MasterSupervisor(master, on_restart=republish)
-            logger.info("hybridkv: started embedded mooncake_master at %s (log %s)", master.address, master.log_path)
+            logger.info("started embedded mooncake_master at %s (log %s)", master.address, master.log_path)
             return master.address, True
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
@@ -237,7 +237,7 @@ def _start_epoch_monitor(client: MooncakeBackend) -> threading.Event:
             except StoreError:
                 continue  # the master is down or slow: checked again once it answers
             if epoch != seen:
-                logger.warning("hybridkv: the store master at %s lost its objects (restarted?): epoch %d",
+                logger.warning("the store master at %s lost its objects (restarted?): epoch %d",
                                client.master_address, epoch)
                 seen = epoch
 
@@ -270,7 +270,7 @@ def release_all() -> None:
         try:
             client.close()
         except Exception:  # noqa: BLE001 - shutdown must go on
-            logger.debug("hybridkv: closing store client failed", exc_info=True)
+            logger.debug("closing store client failed", exc_info=True)
     for master in masters:
         master.stop()
 
