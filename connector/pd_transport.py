@@ -3,7 +3,9 @@
 Why a wrapper around ``nixl_agent``: the connector needs four things NIXL
 leaves to the caller — block ids turned into byte descriptors by the one
 addressing rule of ``block_layout`` (never re-derived here), one batched READ
-per request instead of one per block or group, a wait that cannot hang on a
+per request instead of one per block or group, in the fewest descriptors
+contiguous on both sides (``block_layout.coalesce``: each descriptor costs
+the link about the same up to MiBs), a wait that cannot hang on a
 dead peer, and NIXL's untyped exceptions turned into :class:`TransferError`
 with the peer and the size named. The lease (when prefill may free its blocks)
 stays in the connector, which releases it over its own gRPC side channel
