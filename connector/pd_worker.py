@@ -1,7 +1,8 @@
 """Worker side of HybridPDConnector: handshake service, NIXL reads, leases.
 
 Prefill workers register the KV cache with NIXL and serve the gRPC handshake;
-they report a finished request's blocks free (``finished_sending``) when the
+they report a lease ended (``finished_sending`` here; the connector hands it to the
+scheduler in its worker metadata, pd_lease_pins) when the
 decode side says it is done with them (``ReleaseBlocks`` on the gRPC side channel,
 after its READ or when it reads nothing) or the lease expires. Not a NIXL
 notification: polling NIXL for notifications on every engine step stalled the
