@@ -479,6 +479,8 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
     proxy_before = _counter_sum(http.get(stack.url + "/metrics", timeout=30).text, "hybridkv_proxy_hand_overs_total")
     decode_before, prefill_before = _pd_counters(http, stack.decode.url), _pd_counters(http, stack.prefill.url)
     prefill_log_before = len(Path(stack.prefill.log_path).read_text(errors="replace"))
+    decode_log_before = len(_log(stack))
+    causes_before = _failure_causes(http, stack.decode.url)
 
     stop = threading.Event()
     turns: list[tuple[list[int], Completion]] = []
@@ -544,7 +546,13 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
         time.sleep(0.5)
     print(f"hand-overs {hand_overs:.0f}, READ {reads:.0f}, "
           f"failed reads {dec['failed_reads'] - decode_before['failed_reads']:.0f}")
-    assert reads >= 0.9 * hand_overs, f"only {reads:.0f} of {hand_overs:.0f} hand-overs were READ"
+    causes = {c: n - causes_before.get(c, 0) for c, n in _failure_causes(http, stack.decode.url).items()
+              if n != causes_before.get(c, 0)}
+    print(f"failed reads by cause: {causes}")
+    warnings = [line for line in _log(stack)[decode_log_before:].splitlines() if "hybridkv" in line and "WARN" in line]
+    print("decode's last warnings:", *warnings[-6:], sep="\n  ")
+    assert reads >= 0.9 * hand_overs, (f"only {reads:.0f} of {hand_overs:.0f} hand-overs were READ; failed by cause "
+                                       f"{causes}; decode's warnings:\n" + "\n".join(warnings[-12:]))
 
     start = time.monotonic()
     for prompt, got in turns:
@@ -555,6 +563,15 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
     assert stack._proxy.poll() is None and stack.prefill.proc.poll() is None and stack.decode.proc.poll() is None
     for log in (stack.prefill.log_path, stack.decode.log_path):
         assert "EngineDeadError" not in Path(log).read_text(errors="replace")
+
+
+def _failure_causes(http, url: str) -> dict[str, float]:  # noqa: ANN001
+    out: dict[str, float] = {}
+    for line in http.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:hybridkv_pd_failures_total{") and 'cause="' in line:
+            cause = line.split('cause="', 1)[1].split('"', 1)[0]
+            out[cause] = out.get(cause, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _held(counters: dict[str, float]) -> float:
