@@ -7,9 +7,9 @@ forward as a restarted P/D prefill), and neither connector should import the oth
 
 from __future__ import annotations
 
-import logging
+from hybridkv.store.logs import get_logger
 
-logger = logging.getLogger("vllm." + __name__)
+logger = get_logger(__name__)
 
 
 def allow_amx() -> bool:
@@ -18,10 +18,10 @@ def allow_amx() -> bool:
     Why: on a CPU with AMX, Linux delivers SIGILL to a process whose first AMX instruction
     comes before it asked for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM). oneDNN asks on
     its first bf16 matmul; vLLM 0.32's CPU attention does not. So a CPU worker whose FIRST
-    forward is one token over a cached prefix died with SIGILL (exit -4): a restarted prefill
+    forward is one token over a cached prefix dies with SIGILL (exit -4): a restarted prefill
     whose first request is a store hit of all but the prompt's last token, which the P/D
-    prefill's cut to the hand-over + 1 makes the usual case (bench/soak.py --pd, the prefill
-    restarted after its SIGKILL: 2 of 2 runs, 2026-12-01). True when the permission is held."""
+    prefill's cut to the hand-over + 1 makes the usual case (a prefill restarted under load, as
+    in bench/soak.py --pd). True when the permission is held."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -32,7 +32,7 @@ def allow_amx() -> bool:
     try:
         return bool(init()) if init is not None else False
     except Exception as e:  # noqa: BLE001 - a CPU without AMX, or a torch without the call
-        logger.debug("hybridkv: AMX permission not requested: %s", e)
+        logger.debug("AMX permission not requested: %s", e)
         return False
 
 

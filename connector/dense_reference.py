@@ -35,10 +35,9 @@ A diverged hit is only worth reporting if the connector can extend it: vLLM
 0.32 asks the connector ONCE, with the diverged length, and if the answer is 0
 falls back to the convergent hit and loads nothing. When the store held exactly
 the diverged length (an agent's turn 2: the local cache kept the full-attention
-blocks but evicted the window tail; the store holds both), that threw away a
-whole hit that the store could have served from the convergent length (seen:
-5 of 126 later turns with no hit in the agentic replay, while the in-tree
-connector, which never reports diverged hits, hit all of them). So the
+blocks but evicted the window tail; the store holds both), that throws away a
+whole hit that the store could serve from the convergent length (the in-tree
+connector, which never reports diverged hits, serves it). So the
 installed lookup asks ``extends(request, length)`` first and falls back to the
 convergent hit itself when the answer is no; vLLM then asks from there.
 """

@@ -2,8 +2,8 @@
 
 Why: the parameters come from the request body (vLLM accepts them on /v1/completions
 and /v1/chat/completions), so any API client can send any JSON there. Read raw, a
-string in ``remote_num_tokens`` raised inside vLLM's ``schedule()`` and killed the
-engine, and well-formed forged values made decode READ any prefill block into its
+string in ``remote_num_tokens`` would raise inside vLLM's ``schedule()`` and kill the
+engine, and well-formed forged values would make decode READ any prefill block into its
 cache. Here every field is checked (type, range, length against this prompt and this
 instance's KV layout), the role is enforced, and, with a deployment secret, the
 prefill side's MAC is verified against THIS prompt's block hashes, before the

@@ -6,8 +6,8 @@ state the decode side receives is h(N-1) and decode recomputes token N itself
 (a state cannot "un-see" a token). With a sliding-window group the prompt is cut
 too, to the hand-over boundary + 1 (``prefill_tokens``): at finish vLLM frees the blocks outside the
 window of the LAST computed token, and decode, resuming at the boundary, needs the
-window before it (uncut, a prompt of N % block in {0, block-1} lost that block and
-decode read around the gap: silently wrong output). At finish the blocks are kept under a lease
+window before it (uncut, a prompt of N % block in {0, block-1} would lose that block and
+decode would read around the gap: silently wrong output). At finish the blocks are kept under a lease
 and ``kv_transfer_params`` tell the decode side where to read them.
 
 Decode (request carries ``do_remote_prefill``): offers the prompt up to the last
@@ -20,7 +20,7 @@ included), so dense groups read only the uncached suffix (end-trim) and sliding
 windows only their tail (a hand-over missing a block decode needs is recomputed, never
 read around); a Mamba group pairs the prefill side's state column
 with the decode side's (``state_column``: never a speculative-decoding scratch block). Decode always recomputes the last prompt token itself:
-vLLM 0.32's CPU attention crashed the worker (SIGILL) on the step that follows an
+vLLM 0.32's CPU attention crashes the worker (SIGILL) on the step that follows an
 external hit covering the whole prompt.
 
 Both: a request's ``kv_transfer_params`` are read once, by ``pd_params`` (validated
@@ -32,7 +32,6 @@ that request alone.
 
 from __future__ import annotations
 
-import logging
 import secrets
 from typing import TYPE_CHECKING, Any
 
@@ -52,13 +51,14 @@ from hybridkv.connector.pd_params import (
 )
 from hybridkv.connector.pd_tp import MAMBA_TP_NOT_ENABLED
 from hybridkv.store.geometry import state_column
+from hybridkv.store.logs import get_logger
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__, "P/D")
 
 
 def pair_by_position(remote: list[int], local_blocks) -> tuple[list[int], list[int]]:  # noqa: ANN001
@@ -161,7 +161,7 @@ class PDScheduler:
             )
             if isinstance(parsed, Refused):
                 action = "failing it" if self._fail_on_refusal else "recomputing"
-                logger.warning("hybridkv P/D: request %s refused: %s (%s)", rid, parsed, action)
+                logger.warning("request %s refused: %s (%s)", rid, parsed, action)
             self._params[rid] = parsed
         return self._params[rid]
 
@@ -182,7 +182,7 @@ class PDScheduler:
             return
         hosts = {m.host for m in ranks.values()}
         if sorted(ranks) != list(range(self._tp_size)) or len(hosts) != 1:
-            logger.error("hybridkv P/D: handshake addresses for ranks %s on hosts %s, expected ranks 0..%d on one "
+            logger.error("handshake addresses for ranks %s on hosts %s, expected ranks 0..%d on one "
                          "host; this prefill instance hands no KV over (decode recomputes)", sorted(ranks),
                          sorted(hosts), self._tp_size - 1)
             return
@@ -241,7 +241,7 @@ class PDScheduler:
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: nothing to hand over
         if self._handshake is None:
-            logger.warning("hybridkv P/D: no handshake address from the workers; cannot hand over %s",
+            logger.warning("no handshake address from the workers; cannot hand over %s",
                            request.request_id)
             return False, None
         remote = [list(group) for group in block_ids]
@@ -251,7 +251,7 @@ class PDScheduler:
         in_use = self._leased_blocks
         if self._lease_budget and in_use + held > self._lease_budget:
             self.leases_refused += 1
-            logger.warning("hybridkv P/D: not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
+            logger.warning("not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
                            "of the KV cache); its blocks are freed now and decode computes the prompt itself. "
                            "Many do_remote_decode requests whose decode leg never comes, or a slow decode: raise "
                            "max_lease_fraction or lower lease_s", request.request_id, in_use, self._lease_budget)
@@ -305,7 +305,7 @@ class PDScheduler:
             if missing:
                 # Reading around the gap would leave those blocks' KV unwritten (silently wrong
                 # output); recompute instead (the lease is released by the empty job).
-                logger.warning("hybridkv P/D: request %s: the prefill side's blocks miss (group, block) %s that "
+                logger.warning("request %s: the prefill side's blocks miss (group, block) %s that "
                                "decode needs to resume at token %d; recomputing from token %d", request.request_id,
                                missing, target, num_computed_tokens)
                 return 0, False

@@ -1,8 +1,8 @@
 """The store's object MAC key, from the same deployment secret as P/D.
 
 Why: anyone who reaches the Mooncake master can write objects; without a keyed tag a
-planted object with a correct XXH3 trailer loads into another request's KV cache
-(issue 13). The secret is found exactly as ``pd_auth.load_key`` finds it
+planted object with a correct XXH3 trailer loads into another request's KV cache.
+The secret is found exactly as ``pd_auth.load_key`` finds it
 (``auth_secret_file``, ``$HYBRIDKV_AUTH_SECRET_FILE``, ``$HYBRIDKV_AUTH_SECRET``): one
 loader, one set of file checks. Running without a secret stays allowed for the store
 (it is a cache; single-tenant loopback deployments are the default) and is logged.
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 from dataclasses import dataclass
 
 from hybridkv.connector import pd_auth
 from hybridkv.connector.store_config import StoreConnectorConfig
+from hybridkv.store.logs import get_logger
 from hybridkv.store.object_trailer import ObjectMac
 
-logger = logging.getLogger("vllm." + __name__)
+logger = get_logger(__name__, "store")
 
 
 def secret_configured(cfg: StoreConnectorConfig) -> bool:
@@ -44,7 +44,7 @@ class StoreSecret:
         """Raises ``ConfigError`` for a bad secret; warns when there is none."""
         if not secret_configured(cfg):
             logger.warning(
-                "hybridkv store: no deployment secret (auth_secret_file / $%s / $%s): stored objects carry "
+                "no deployment secret (auth_secret_file / $%s / $%s): stored objects carry "
                 "XXH3 only, so anyone who can reach the master can plant objects that load into requests' KV; "
                 "set auth_secret_file unless every process reaching the master is trusted",
                 pd_auth.SECRET_FILE_ENV, pd_auth.SECRET_ENV,
@@ -52,7 +52,7 @@ class StoreSecret:
             return cls(None)
         key = pd_auth.load_key(cfg.auth_secret_file or None, allow_unauthenticated=False)
         assert key is not None  # load_key returns None only when allow_unauthenticated is set
-        logger.info("hybridkv store: keys and object MACs from the deployment secret in %s", key.source)
+        logger.info("keys and object MACs from the deployment secret in %s", key.source)
         return cls(key)
 
     @property

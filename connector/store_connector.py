@@ -8,7 +8,6 @@ the constructor, so the engine fails at startup with the reason and the fix.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,6 +37,7 @@ from hybridkv.connector.store_stats import HybridStorePromMetrics, HybridStoreSt
 from hybridkv.connector.store_worker import StoreWorker
 from hybridkv.connector.vllm_hooks import StoreConnectorHooks
 from hybridkv.store.cpu_affinity import unpinned
+from hybridkv.store.logs import get_logger
 from hybridkv.store.session import ClientSettings, embedded_master_address, release_all, shared_client
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__, "store")
 
 
 def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
@@ -72,7 +72,7 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
                 )
             if isinstance(s, MambaSpec) and s.block_size != vllm_config.cache_config.block_size:
                 logger.warning(
-                    "hybridkv: KV cache group %d keeps Mamba states every %d tokens but --block-size is "
+                    "KV cache group %d keeps Mamba states every %d tokens but --block-size is "
                     "%s; vLLM 0.32 aligns prefill chunks to --block-size, so states at %d-token "
                     "boundaries are often never written and neither the local prefix cache nor the "
                     "store can hit them. Start vLLM with --block-size %d.",
@@ -117,7 +117,7 @@ class HybridStoreConnector(StoreConnectorHooks, KVConnectorBase_V1, SupportsHMA)
         tenant = secret.tenant  # the secret's id: its own keys per secret
         if role == KVConnectorRole.SCHEDULER:
             if warning := load_failure_policy_warning(ktc.kv_load_failure_policy):
-                logger.warning("hybridkv: %s", warning)
+                logger.warning("%s", warning)
             self._scheduler = StoreScheduler(
                 self._cfg,
                 store_key_schema(vllm_config, kv_cache_config, self._cfg.namespace, tenant=tenant),
@@ -138,7 +138,7 @@ class HybridStoreConnector(StoreConnectorHooks, KVConnectorBase_V1, SupportsHMA)
             )
             with unpinned():  # its job threads must not share the engine's pinned core
                 self._worker = StoreWorker(self._cfg, kv_cache_config, schema, client, secret=secret)
-        logger.info("hybridkv HybridStoreConnector (%s) on master %s", role.name, address)
+        logger.info("HybridStoreConnector (%s) on master %s", role.name, address)
 
     # ----------------------------------------------------------------- scheduler
     @property

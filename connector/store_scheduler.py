@@ -12,7 +12,6 @@ request frees its blocks at once and vLLM would hand them to another request.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -37,6 +36,7 @@ from hybridkv.connector.store_metadata import (
 from hybridkv.connector.store_stats import HybridStoreStats, RequestLedger, covered_tokens
 from hybridkv.store.geometry import GroupGeometry
 from hybridkv.store.keys import KeySchema
+from hybridkv.store.logs import get_logger
 from hybridkv.store.mirror import BlockKey, GroupedKeys, KeyAnswers, ProbedHit, StoreHit, StoreMirror
 from hybridkv.store.mooncake_backend import MooncakeBackend, StoreError, code_name
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__, "store")
 
 # Keys written by this engine recently: re-offering them costs a put round trip.
 _RECENT_SAVES = 1 << 17
@@ -54,11 +54,9 @@ _MAX_PENDING_LOADS = 65_536  # loads whose keys wait for the workers' report (bo
 _LOSS_CHECKS = 64  # absent keys per group a lookup checks against _recent (_forget_missing)
 # A lookup's existence query is asked as up to this many concurrent parts of at least
 # _LOOKUP_PART_KEYS keys each (MooncakeBackend.exists_parts; see _exists): the master serves
-# them on several threads. Measured at 131072 tokens (12314 keys in 2 round trips; 15
-# interleaved repeats, 2 cores): the whole lookup with 2, 3, 4, 6, 8 parts took 0.63-0.69 of
-# its time as one call per round trip, 4 parts 0.68; 4 fits the backend's smallest call
-# pool. Each part holds at least 2048 keys: a small query gains nothing from a split (4096
-# keys in 2 or 4 parts: ~1.0 of one call, bench/exists_split.py).
+# them on several threads, so a long lookup answers sooner (bench/lookup_cost.py and
+# bench/exists_split.py measure it: docs/results.md). 4 parts fit the backend's smallest call
+# pool; each part holds at least 2048 keys, since a small query gains nothing from a split.
 _LOOKUP_MAX_PARTS = 4
 _LOOKUP_PART_KEYS = 2048
 
@@ -145,7 +143,7 @@ class StoreScheduler:
         self._saves = saves
         self._geometry = install_reconciled_lookup(manager, self._extends if loads else None)
         self._mirror = StoreMirror(self._geometry)
-        logger.info("hybridkv store: KV cache groups %s", self._geometry.describe())
+        logger.info("KV cache groups %s", self._geometry.describe())
 
     @property
     def geometry(self) -> GroupGeometry | None:
@@ -210,7 +208,7 @@ class StoreScheduler:
         except StoreError as e:
             self._stats.add("lookup_errors")
             self._stats.add(f"fail.lookup_{code_name(e.code).lower()}")
-            warn_once(logger, f"lookup:{e.code}", "store lookup failed, treating as a miss: %s", e)
+            warn_once(logger, f"lookup:{e.code}", "lookup failed, treating as a miss: %s", e)
             self._ledger.offered(request.request_id, request.num_tokens, 0)
             return 0, False
         finally:
@@ -245,14 +243,12 @@ class StoreScheduler:
         Why: the store can lose objects with no master restart, so the epoch marker
         (``MooncakeBackend.check_master_epoch``) does not see it: the master expires a
         segment owner whose pings it did not see for its client TTL (10 s by default)
-        and drops every object in that segment. Measured with real processes: a master
-        SIGSTOPped 10-15 s sometimes (10 s: 1-2 of 20 trials at ``MC_RPC_TIMEOUT_MS`` 2-10 s; 15 s: 1 of 6 at 30 s)
-        expired one or both segment owners as it resumed, before reading the pings queued
-        meanwhile, and dropped their objects; the epoch marker survives when it sits in
-        a segment that was kept. Those blocks stayed in ``_recent``, so every later
-        request recomputed them and none saved them again (the store soak's hit rate
-        stayed at 0.07 after a master SIGSTOP until the next master restart). A node that
-        dies or an eviction does the same.
+        and drops every object in that segment. A master stopped for about its client TTL
+        can expire segment owners as it resumes, before reading their queued pings
+        (docs/soak.md); the epoch marker survives when it sits in a segment that is kept.
+        Kept in ``_recent``, such blocks would be recomputed by every later request and
+        saved by none, until the next master restart. A node that dies or an eviction
+        does the same.
 
         So once a lookup finds a key it believes saved missing, the keys of the request's
         prompt from the earliest such key on leave ``_recent`` (:func:`_first_lost_unit`),
@@ -262,7 +258,7 @@ class StoreScheduler:
         group only up to a block past it, so a group's keys further on may be lost unasked;
         forgotten now, the recompute saves them instead of each waiting for a later lookup
         to find it missing (one degraded hit each). Keys before that position stay
-        (forgetting the whole prompt made the recompute re-put every block it passed,
+        (forgetting the whole prompt would make the recompute re-put every block it passes,
         stored or not): between the hit and the loss this lookup asked every key (the
         coordinator reads each group down from its candidate to the hit) and found none
         lost; below the hit (held locally, or loaded) this request computes nothing, so
@@ -275,17 +271,11 @@ class StoreScheduler:
         shows: a block's hash covers its whole prefix, so saved keys rarely follow one
         never saved; after a skipped or failed save they can, and a loss behind more than
         ``_LOSS_CHECKS`` such keys is found by a later lookup, the hit ending earlier
-        meanwhile). Measured at 12314 keys asked: 0.18 ms all present, 0.03 ms all absent
-        (checking every absent key: 3-5 ms, against a ~57 ms lookup). The keys of save
+        meanwhile). This costs well under a millisecond at 12k keys asked, against a lookup
+        of tens of ms; checking every absent key would cost several ms. The keys of save
         jobs in flight are a running count (``_in_flight``), so telling in-flight keys
         from lost ones costs one probe per lost key, not a set of every pinned job's
-        keys rebuilt per call. Measured (a micro-benchmark calling this directly: 64
-        pinned save jobs of 200 keys, a 1000-hash-unit prompt in 3 groups, 564 answers
-        scanned; medians of 300 calls on 2 shared cores): absent keys that are a save
-        still in flight 0.54-0.64 ms with the rebuild, 0.04-0.05 ms with the count; a
-        loss at unit 500 1.10-1.26 ms with the rebuild and the whole prompt forgotten
-        (3000 keys), 0.44-0.46 ms now (the 1500 from unit 500 on; 0.73-0.81 ms for a
-        loss at unit 0, all 3000).
+        keys rebuilt per call.
         """
         recent, in_flight = self._recent, self._in_flight
         if not recent:
@@ -629,7 +619,7 @@ class StoreScheduler:
         self._rank_keys = AllRankKeys(self._schema)
         self._recent.clear()
         self._recent_lookups.clear()
-        logger.info("hybridkv store: connector reset: store keys move to generation %d", self._schema.generation)
+        logger.info("connector reset: store keys move to generation %d", self._schema.generation)
 
     def has_pending_saves(self) -> bool:
         return bool(self._pins or self._load_pins)

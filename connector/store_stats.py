@@ -5,7 +5,7 @@ bytes, latency, failures by cause); vLLM sums them per interval, logs
 ``reduce()`` and feeds ``observe()`` of the Prometheus class, so users see hit
 rates and bytes moved on ``/metrics`` as ``vllm:hybridkv_store_*``.
 
-What the request counters mean (issue 14): ``lookups``, ``query_tokens``,
+What the request counters mean: ``lookups``, ``query_tokens``,
 ``lookup_hits``, ``hit_tokens``, ``hit_tokens.g<id>`` and ``failed_loads`` count
 ONE decision per request admission, kept by :class:`RequestLedger`: a lookup's
 answer is only remembered (re-asks of a request the scheduler could not admit,

@@ -5,14 +5,13 @@ registered with the store client and every block moves zero-copy: batched
 ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` calls, each
 object gathered from its layers' regions in C++. A job is split into sub-batches
 (``plan_spans``) so that the trailer's hash of one sub-batch runs while another is
-in its store call (issue 16: a separate pass over every byte cost a third of the
-job; see ``_move_parts``). Moves run on
-background threads (a small load pool, one save thread) so the forward pass never
+in its store call (a separate pass over every byte would add up to a third of the
+job; see ``_move_parts``). Moves run on background threads (a small load pool, one save thread) so the forward pass never
 waits for the store; results are reported through vLLM's per-request channels:
 ``finished_recving``/``failed_recving`` (failed loads recompute) and worker
 metadata (finished saves release the scheduler's pins).
 
-Faults (issue 14): every store call goes through the backend's bounded call
+Faults: every store call goes through the backend's bounded call
 (``timeout_s``, or less where a deadline is nearer), so a call stuck on a hung
 master or segment owner counts in the backend's CLIENT_STUCK gate and later calls
 fail fast instead of piling up. Loads run on a small pool, each request under its
@@ -32,7 +31,6 @@ another, an object that then fails verification for as long as it is stored.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -54,6 +52,7 @@ from hybridkv.connector.store_staging import StagerPool, build_stager_pools, dev
 from hybridkv.connector.store_stats import HybridStoreStats
 from hybridkv.store import malloc_trim
 from hybridkv.store.keys import KeySchema
+from hybridkv.store.logs import get_logger
 from hybridkv.store.mooncake_backend import (
     CALL_TIMEOUT,
     INTERNAL_ERROR,
@@ -75,7 +74,7 @@ from hybridkv.store.object_trailer import (
     tag_kind,
 )
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__, "store")
 
 _MIN_CALL_S = 0.01  # less time left than this before a deadline: do not start the call
 _SNAPSHOT_SLOTS = 4  # objects per snapshot buffer (partial tails: about one per group and request)
@@ -189,7 +188,7 @@ class _JobThread:
             try:
                 fn()
             except Exception:  # noqa: BLE001 - a job failure is reported by the job itself
-                logger.exception("hybridkv store job crashed")
+                logger.exception("job crashed")
             finally:
                 with self._lock:
                     self._pending -= 1
@@ -264,7 +263,7 @@ class StoreWorker:
             for base, nbytes in self._layout.allocations:
                 self._client.register(base, nbytes)
         logger.info(
-            "hybridkv store worker: %d group(s), object bytes %s, %s",
+            "worker: %d group(s), object bytes %s, %s",
             len(self._layout.groups),
             [g.object_bytes if g else 0 for g in self._layout.groups],
             f"staged through host buffers ({ {g: p['save'].slots for g, p in self._staging.items()} } slots)"
@@ -334,7 +333,7 @@ class StoreWorker:
         """Not written (store too slow for the budget, or queue full): unpin now, count it."""
         self._stat("skipped_saves", len(job.blocks))
         self._stat(f"fail.{cause}", len(job.blocks))
-        warn_once(logger, cause, "hybridkv store: skipped saving %d block(s): %s", len(job.blocks),
+        warn_once(logger, cause, "skipped saving %d block(s): %s", len(job.blocks),
                   "this step's synchronous save budget is spent" if cause == "save_step_budget"
                   else f"the save queue holds {self._limits.save_queue_blocks} blocks already")
         self._ack_save(job.job_id, ok=False)
@@ -706,7 +705,7 @@ class StoreWorker:
         self._saves.stop()
         if self._trimmer is not None:
             t = self._trimmer
-            logger.info("hybridkv: malloc_trim every %.0f s: %d calls, %d released memory, %.1f ms mean, "
+            logger.info("malloc_trim every %.0f s: %d calls, %d released memory, %.1f ms mean, "
                         "%.1f ms max", t.interval_s, t.calls, t.released, 1e3 * t.total_s / max(1, t.calls),
                         1e3 * t.max_s)
             t.stop()
