@@ -12,8 +12,8 @@ Every turn is checked against a recompute: the same prompt is resent with a fres
 block's hash, so no local or stored block can match) and the greedy token ids and their
 logprobs must agree within a tolerance. The recompute itself must report 0 cached tokens.
 bf16 prefill over a different split (cached prefix + new tokens vs all at once) moves
-logits by an ulp or two, which can flip a greedy near-tie: measured here with vLLM's own
-local prefix cache, 1 turn in 16. So the top-5 logprobs are requested and a first
+logits by an ulp or two, which can flip a greedy near-tie, as vLLM's own local prefix
+cache does (about 1 turn in 16 on the tiny models). So the top-5 logprobs are requested and a first
 divergence where each run's token is the other's runner-up within the tolerance counts as a
 near-tie, not a mismatch (the tokens after it are not compared: their contexts differ).
 
@@ -57,15 +57,14 @@ DEFAULT_MAX_TOKENS = 16
 DEFAULT_FIRST_PROMPT_TOKENS = 1500
 DEFAULT_TURN_GROWTH_TOKENS = 600
 DEFAULT_MAX_MODEL_LEN = 4096
-# bf16 noise between a correct cache hit and its recompute, measured on the tiny gemma3 with
-# vLLM's own prefix cache (about 2000 output positions): p99.9 0.047, max 0.092 (logits are
-# O(3), a bf16 ulp there is 0.016). 0.05 flagged correct turns (about 1 in 60); a one-token
-# change of the prompt still fails this tolerance in most cases.
+# The tolerance sits above bf16 noise between a correct cache hit and its recompute (p99.9
+# 0.047, max 0.092 on the tiny gemma3; a bf16 ulp at logits O(3) is 0.016); a one-token change
+# of the prompt still fails it in most cases.
 DEFAULT_LOGPROB_TOL = 0.1
 # Top-k logprobs per output position, so a greedy flip can be told apart from a near-tie.
-# 5, not 2: bf16 logits of the tiny models tie exactly (gap 0.0000) often enough that a
-# three-way tie came up in the P/D replay (2 of ~100 checked turns): the recompute's token
-# was third in the served run, outside a top-2, and the tie could not be told from a flip.
+# 5, not 2: bf16 logits of the tiny models tie exactly (gap 0.0000) often enough that three-way
+# ties occur: the recompute's token can be third in the served run, outside a top-2, where the
+# tie could not be told from a flip.
 _TOP_LOGPROBS = 5
 # Re-tokenising a sampled answer can take more tokens than were sampled (a byte-level token
 # decodes to U+FFFD, which encodes to 3 bytes); the length budget assumes at most this many.

@@ -3,8 +3,8 @@
 Why: vLLM's CPU platform forces the ``spawn`` start method (``platforms/cpu.py`` sets
 ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, so that each worker's OpenMP reads the ``OMP_*``
 environment vLLM sets for it). Every spawned process then imports vLLM again: 8-13 s of a
-core each on the 2-core CI machine, two per engine (engine core, worker; one more per TP
-rank), the largest share of the e2e tests' time (issue 15). On GPU, vLLM starts both by fork
+core each, two per engine (engine core, worker; one more per TP rank), the largest share of
+the e2e tests' time. On GPU, vLLM starts both by fork
 (its default, ``VLLM_WORKER_MULTIPROC_METHOD=fork``, unless CUDA is already initialized), so
 fork is the path GPU users run; vLLM's CPU worker binds its OpenMP threads to the cores vLLM
 chose for it itself (``init_cpu_threads_env``), so a forked worker runs where a spawned one
@@ -12,8 +12,8 @@ would. Only the start method changes: the same processes, the same code in each,
 parent/child tree under a server.
 
 Asked for by ``HYBRIDKV_ENGINE_START=fork`` (unset or ``spawn``: vLLM's own spawn). The e2e
-tests set it unless the caller chose (tests/e2e/conftest.py: a whole e2e run 23 min instead of
-~40); the demo test keeps vLLM's own spawn path:
+tests set it unless the caller chose (tests/e2e/conftest.py, for the start time it saves); the
+demo test keeps vLLM's own spawn path:
 
 - a server: ``python -m hybridkv.cli.engine_start vllm.entrypoints.openai.api_server ARGS``
   (what :class:`hybridkv.cli.server.VllmServer` runs then): the API server forks its engine
@@ -23,8 +23,8 @@ tests set it unless the caller chose (tests/e2e/conftest.py: a whole e2e run 23 
   a fork server that imported vLLM once and runs no threads; the caller's environment, CPU
   affinity, working directory and stdout/stderr (fds 1 and 2, passed over the fork server's
   socket) at ``Process()`` are applied in the child (a fork server's children would otherwise
-  inherit the server's, frozen at its start: the e2e tests point fds 1 and 2 at a log file
-  they read, and found nothing there). The engine core forks its workers.
+  inherit the server's, frozen at its start, and a test that points fds 1 and 2 at a log
+  file would find nothing there). The engine core forks its workers.
 """
 
 from __future__ import annotations

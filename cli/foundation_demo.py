@@ -15,8 +15,8 @@ Runs without an engine, in a few seconds, against a REAL embedded
    what vLLM's ``get_computed_blocks_for_connector`` reports vs hybridkv's
    reconciled dense reference.
 
-The engine-level connector (HybridStoreConnector) is tracked in the issues; this
-demo exercises the parts it stands on.
+This demo exercises the parts the engine-level connector (HybridStoreConnector)
+stands on.
 """
 
 from __future__ import annotations
