@@ -106,8 +106,9 @@ def test_vllm_sizes_the_k3_blocks(k3_dir, shape):
     the drafter at twice it with its window kept; every page equal; scratch blocks on KDA."""
     plain = k3_shape(k3_dir, 0)
     assert plain.manager_block == 1920
-    assert [type(g.kv_cache_spec) for g in plain.kv_cache_config.kv_cache_groups] == [MambaSpec] * 3 + [MLAAttentionSpec]
-    assert {g.kv_cache_spec.page_size_bytes for g in plain.kv_cache_config.kv_cache_groups} == {1920 * 1152}
+    plain_groups = [g.kv_cache_spec for g in plain.kv_cache_config.kv_cache_groups]
+    assert [type(s) for s in plain_groups] == [MambaSpec] * 3 + [MLAAttentionSpec]
+    assert {s.page_size_bytes for s in plain_groups} == {1920 * 1152}
 
     groups = [g.kv_cache_spec for g in shape.kv_cache_config.kv_cache_groups]
     assert shape.manager_block == 2048
