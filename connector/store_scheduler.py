@@ -270,7 +270,7 @@ class StoreScheduler:
         group are looked up in ``_recent`` (a dense group's first absent key is where a loss
         shows: a block's hash covers its whole prefix, so saved keys rarely follow one
         never saved; after a skipped or failed save they can, and a loss behind more than
-        ``_LOSS_CHECKS`` such keys is found by a later lookup, the hit ending earlier
+        ``_LOSS_CHECKS`` such keys is caught by a later lookup, the hit ending earlier
         meanwhile). This costs well under a millisecond at 12k keys asked, against a lookup
         of tens of ms; checking every absent key would cost several ms. The keys of save
         jobs in flight are a running count (``_in_flight``), so telling in-flight keys

@@ -6,10 +6,10 @@ registered with the store client and every block moves zero-copy: batched
 object gathered from its layers' regions in C++. A job is split into sub-batches
 (``plan_spans``) so that the trailer's hash of one sub-batch runs while another is
 in its store call (a separate pass over every byte would add up to a third of the
-job; see ``_move_parts``). Moves run on background threads (a small load pool, one save thread) so the forward pass never
-waits for the store; results are reported through vLLM's per-request channels:
-``finished_recving``/``failed_recving`` (failed loads recompute) and worker
-metadata (finished saves release the scheduler's pins).
+job; see ``_move_parts``). Moves run on background threads (a small load pool, one
+save thread) so the forward pass never waits for the store; results are reported
+through vLLM's per-request channels: ``finished_recving``/``failed_recving`` (failed
+loads recompute) and worker metadata (finished saves release the scheduler's pins).
 
 Faults: every store call goes through the backend's bounded call
 (``timeout_s``, or less where a deadline is nearer), so a call stuck on a hung

@@ -195,7 +195,8 @@ class EmbeddedMaster:
 
     ``start_timeout_s`` bounds how long start() waits for the rpc port: 30 s, because a host
     whose cores are all busy (engines importing vLLM) can need more than 10 s to exec and link
-    mooncake_master (about 1 s on an idle host). A master that exits fails start() at once, whatever this bound.
+    mooncake_master (about 1 s on an idle host). A master that exits fails start() at once,
+    whatever this bound.
     """
 
     def __init__(

@@ -3,11 +3,12 @@ vLLM servers and proxy that the CLI and tests start).
 
 Why not just bind port 0: the kernel hands out port 0 from the EPHEMERAL range
 (``net.ipv4.ip_local_port_range``, 32768-60999 by default), the same range every outgoing
-connection and every ``get_open_port()`` of a vLLM engine draws from. A port chosen that way
-is released at once and bound by our server 10-60 s later (after its imports); meanwhile an
-engine's ZMQ / torch.distributed / NIXL socket on the same host can take it, and our server
-dies with "address already in use" (e.g. a proxy's port taken while engines boot). A port OUTSIDE the ephemeral range is never handed out implicitly, so only another
-explicit bind can take it. The callers still re-choose on a taken port (a race stays possible).
+connection and every ``get_open_port()`` of a vLLM engine draws from. A port chosen that way is
+released at once and bound by our server 10-60 s later (after its imports); meanwhile an
+engine's ZMQ / torch.distributed / NIXL socket on the same host can take it, and our server dies
+with "address already in use" (e.g. a proxy's port taken while engines boot). A port OUTSIDE the
+ephemeral range is never handed out implicitly, so only another explicit bind can take it. The
+callers still re-choose on a taken port (a race stays possible).
 """
 
 from __future__ import annotations

@@ -311,18 +311,18 @@ def _parse_address(addr: str) -> tuple[str, int]:
 #     MC_TCP_BIND_ADDRESS is read only in the non-P2P "new RPC mapping" branch, to advertise too;
 #   * the TCP transport's data listener: TcpContext in tcp_transport_session_impl.h binds
 #     tcp::v6() (dual stack, "::") and falls back to tcp::v4() ("0.0.0.0").
-# A real client listens on 0.0.0.0:<port> and [::]:<port> (tests/unit/test_store_listeners.py), whatever
-# local_hostname, MC_TCP_BIND_ADDRESS, MC_RDMA_BIND_ADDRESS, MC_HANDSHAKE_PORT, MC_USE_IPV6 or
-# MC_LEGACY_RPC_PORT_BINDING said; the whole registered KV cache is served on the data port.
-# So hybridkv interposes bind() for Mooncake's own libraries only: their PLT slot for bind
-# (the GOT entry, filled by the dynamic linker) is pointed at _wildcard_bind, which turns a
+# A real client listens on 0.0.0.0:<port> and [::]:<port> (tests/unit/test_store_listeners.py),
+# whatever local_hostname, MC_TCP_BIND_ADDRESS, MC_RDMA_BIND_ADDRESS, MC_HANDSHAKE_PORT,
+# MC_USE_IPV6 or MC_LEGACY_RPC_PORT_BINDING said; the whole registered KV cache is served on the
+# data port. So hybridkv interposes bind() for Mooncake's own libraries only: their PLT slot for
+# bind (the GOT entry, filled by the dynamic linker) is pointed at _wildcard_bind, which turns a
 # wildcard address into the host the client advertises (local_hostname) and calls libc's bind.
-# Peers connect to local_hostname anyway, so nothing reachable changes for them. An IPv6
-# wildcard becomes the IPv4-mapped host (::ffff:127.0.0.1): the socket stays dual stack and
-# keeps accepting the IPv4 connections peers make. Specific addresses pass unchanged.
-# Process-wide (one GOT per library): the host of the latest setup() applies; one host per
-# process is the supported case. Linux/glibc, x86_64 and aarch64 ELF; anything else logs a
-# warning and leaves the listeners as Mooncake opens them.
+# Peers connect to local_hostname anyway, so nothing reachable changes for them. An IPv6 wildcard
+# becomes the IPv4-mapped host (::ffff:127.0.0.1): the socket stays dual stack and keeps accepting
+# the IPv4 connections peers make. Specific addresses pass unchanged. Process-wide (one GOT per
+# library): the host of the latest setup() applies; one host per process is the supported case.
+# Linux/glibc, x86_64 and aarch64 ELF; anything else logs a warning and leaves the listeners as
+# Mooncake opens them.
 
 _BIND_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, use_errno=True)
 _JUMP_RELOCS = {62: (6, 7), 183: (1025, 1026)}  # e_machine -> (GLOB_DAT, JUMP_SLOT): x86_64, aarch64
@@ -498,8 +498,8 @@ def pin_listeners(local_hostname: str | None) -> list[str]:
 
 # The circuit's longest window, as a multiple of retry_after_s (1 s: 1, 2, 4, 4, ... s between
 # probes while the master stays down): a master that comes back is noticed within 4 s (+ Mooncake's
-# own ~1 s reconnect), well inside a 30 s recovery target (docs/soak.md), while a master that stays down
-# costs one probe per 4 s instead of one per caller per second.
+# own ~1 s reconnect), well inside a 30 s recovery target (docs/soak.md), while a master that stays
+# down costs one probe per 4 s instead of one per caller per second.
 MAX_RETRY_FACTOR = 4.0
 # How long a probe's slot is held when calls are unbounded (timeout_s None) and none reported.
 PROBE_TTL_UNBOUNDED_S = 30.0
@@ -557,11 +557,11 @@ def bound_mooncake_stalls(stall_s: float | None) -> float | None:
 # --- the global segment's memory -------------------------------------------------------------
 # Mooncake maps the global segment as anonymous memory in setup() and never touches it, so a
 # page becomes resident only when the first object is written into it (by any client: peers'
-# puts land here over TCP). The process's RSS therefore grows with the bytes the master places
-# in untouched parts of the segment, up to global_segment_size, e.g. when a store node dies and
-# its objects are saved again here (the RSS steps up by what is saved again; failed gets and
-# exists themselves add no thread and no malloc arena). Populating the segment right after setup() makes that memory
-# resident once, at start, where the operator budgeted it, instead of a late step.
+# puts land here over TCP). The process's RSS therefore grows with the bytes the master places in
+# untouched parts of the segment, up to global_segment_size, e.g. when a store node dies and its
+# objects are saved again here (the RSS steps up by what is saved again; failed gets and exists
+# themselves add no thread and no malloc arena). Populating the segment right after setup() makes
+# that memory resident once, at start, where the operator budgeted it, instead of a late step.
 # MADV_POPULATE_WRITE (Linux 5.14) faults the pages in without changing their content, so it
 # is safe even after a peer has already written an object there.
 _MADV_POPULATE_WRITE = 23
