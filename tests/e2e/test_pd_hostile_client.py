@@ -25,7 +25,7 @@ from hybridkv.cli.pd_stack import PDStack
 from hybridkv.connector.pd_auth import PURPOSE_PARAMS, DeploymentKey, load_key
 from hybridkv.connector.pd_handshake import AgentInfoRequest, HandshakeError, release_blocks, request_agent_info
 from hybridkv.connector.pd_params import RemotePrefill, covered_hashes, issue_remote_prefill
-from tests.e2e.engine_harness import LOOPBACK, Completion, Session, listeners, matches, tiny_model
+from tests.e2e.engine_harness import LOOPBACK, TOP_LOGPROBS, Completion, Session, listeners, matches, tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -50,9 +50,9 @@ def http():
 
 
 def _post(http, url: str, prompt: list[int], params=None, n: int = 1, salt: str | None = None,
-          max_tokens: int = 8):  # noqa: ANN001, ANN202
+          max_tokens: int = 8, top: int = 1):  # noqa: ANN001, ANN202
     body = {"model": _MODEL[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "n": n,
-            "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True}
+            "logprobs": top, "return_tokens_as_token_ids": True, "ignore_eos": True}
     if n > 1:  # vLLM refuses n > 1 with temperature 0; top_k 1 is greedy all the same
         body.update(temperature=1.0, top_k=1)
     if params is not None:
@@ -70,12 +70,14 @@ def _completions(r) -> list[Completion]:  # noqa: ANN001
     out = []
     for c in r.json()["choices"]:
         lp = c["logprobs"]
-        out.append(Completion([int(t.split(":")[1]) for t in lp["tokens"]], list(lp["token_logprobs"]), 0))
+        tops = [{int(t.split(":")[1]): v for t, v in (top or {}).items()} for top in lp.get("top_logprobs") or []]
+        out.append(Completion([int(t.split(":")[1]) for t in lp["tokens"]], list(lp["token_logprobs"]), 0,
+                              tops if len(tops) == len(lp["tokens"]) else []))
     return out
 
 
-def _recompute(http, stack: PDStack, prompt: list[int]) -> Completion:  # noqa: ANN001
-    return _completions(_post(http, stack.decode.url, prompt, salt=f"recompute-{uuid.uuid4()}"))[0]
+def _recompute(http, stack: PDStack, prompt: list[int], top: int = 1) -> Completion:  # noqa: ANN001
+    return _completions(_post(http, stack.decode.url, prompt, salt=f"recompute-{uuid.uuid4()}", top=top))[0]
 
 
 def _prefill_params(http, stack: PDStack, prompt: list[int]) -> dict:  # noqa: ANN001
@@ -490,7 +492,7 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
         s, own = Session(seed=seed, first_tokens=300, growth_tokens=200), requests.Session()
         while not stop.is_set():
             try:
-                got = _completions(_post(own, stack.url, s.prompt))[0]
+                got = _completions(_post(own, stack.url, s.prompt, top=TOP_LOGPROBS))[0]
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(f"session {seed}: {e!r}")
                 return
@@ -556,7 +558,8 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
 
     start = time.monotonic()
     for prompt, got in turns:
-        assert matches(got, _recompute(http, stack, prompt)), "a legitimate turn differs from a recompute"
+        ref = _recompute(http, stack, prompt, top=TOP_LOGPROBS)  # top-k: a greedy near-tie is told apart
+        assert matches(got, ref), f"a legitimate turn differs from a recompute: {got} vs {ref}"
     print(f"{len(turns)} recomputes {time.monotonic() - start:.1f} s")
     for url in (stack.url, stack.prefill.url, stack.decode.url):
         assert http.get(url + "/health", timeout=30).status_code == 200, url
