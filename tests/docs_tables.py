@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = (ROOT / "docs" / "results.md",)
+DOCS = (ROOT / "docs" / "results.md", ROOT / "docs" / "matrix.md")
 OBSERVED = Path(os.environ.get("HYBRIDKV_E2E_OBSERVED", "/tmp/hybridkv-e2e-observed.jsonl"))
 _MARKER = re.compile(r"^<!--\s*observed:\s*(?P<table>[\w.-]+)\s+rows:\s*(?P<rows>[^>]*?)\s*-->\s*$")
 
