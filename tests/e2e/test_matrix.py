@@ -162,7 +162,7 @@ def test_gemma4_with_drafter_in_every_deployment(monkeypatch, tmp_path):
             groups = layout["groups"]
             print(f"\ngroups: {[(g['spec'], g['block_size'], g['head_size']) for g in groups]}, "
                   f"scheduler block {layout['scheduler_block_size']}")
-            # The geometry: sliding + two target full-attention block sizes + the drafter's own group.
+            # Sliding + two target full-attention block sizes + the drafter's own group.
             assert [g["spec"] for g in groups].count("FullAttentionSpec") == 3, groups
             assert len({g["block_size"] for g in groups if g["spec"] == "FullAttentionSpec"}) == 3, groups
             assert layout["eagle_block_drop"]

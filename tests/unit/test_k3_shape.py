@@ -339,7 +339,7 @@ def test_mla_cache_is_one_latent_row_per_token_in_64_token_kernel_blocks(caches)
     s, kc, tensors, _ = caches
     mla = kc.kv_cache_groups[MLA].layer_names[0]
     t = tensors[mla]
-    # [kernel blocks, 1 latent "head", 64 tokens, 576]: no K/V dimension (a K/V cache has a 2 there).
+    # [kernel blocks, 1 latent "head", 64 tokens, 576]: no K/V dimension (K/V caches have a 2).
     assert tuple(t.shape) == (kc.num_blocks * 2048 // MLA_KERNEL_BLOCK, 1, MLA_KERNEL_BLOCK, 576)
 
 
