@@ -31,6 +31,9 @@ COUNTERS: dict[str, str] = {
              "once per TP rank per request)",
     "read_blocks": "Decode: blocks this rank read for the requests counted in reads, summed over KV cache groups",
     "read_bytes": "Decode: bytes this rank's READs moved for the requests counted in reads",
+    "read_descriptors": "Decode: NIXL descriptors the READs counted in reads posted (coalesced: one per run of "
+                        "blocks contiguous on both sides, per region)",
+    "read_regions": "Decode: (block, region) pairs those READs covered before coalescing",
     "read_seconds": "Decode: seconds the reads counted in reads took on their read thread (handshake with a "
                     "new peer, READs, lease claims, release)",
     "failed_reads": "Decode: requests whose read on this rank failed, timed out, was refused or discarded "

@@ -447,7 +447,8 @@ class PDWorker:
             # and operators match it; a failed or discarded READ never prints it).
             per_group = [len(ids) for ids in job.remote_block_ids]
             ranks = [part.prefill_rank for part in plan]
-            self._count_read(sum(per_group), sum(h.nbytes for h in handles), time.perf_counter() - t0)
+            self._count_read(sum(per_group), sum(h.nbytes for h in handles), time.perf_counter() - t0,
+                             sum(h.num_descs for h in handles), sum(h.num_regions for h in handles))
             logger.info("hybridkv P/D: read %d blocks (%d bytes) for %s from %s at %s:%d (per group %s) "
                         "rank %d/%d <- prefill ranks %s/%d",
                         sum(per_group), sum(h.nbytes for h in handles), job.req_id, job.remote_engine_id,
@@ -475,12 +476,17 @@ class PDWorker:
             self._failed("TransferTimeout" if isinstance(e, TransferTimeout) else "TransferError")
             return False, self._open_reads(handles)
 
-    def _count_read(self, blocks: int, nbytes: int, seconds: float) -> None:
-        """A request's read on this rank succeeded (its KV is used): the provenance line's numbers."""
+    def _count_read(
+        self, blocks: int, nbytes: int, seconds: float, descriptors: int = 0, regions: int = 0
+    ) -> None:
+        """A request's read on this rank succeeded (its KV is used): the provenance line's numbers,
+        and the descriptors its READs posted against the (block, region) pairs they covered."""
         with self._lock:
             self._stats.add("reads")
             self._stats.add("read_blocks", blocks)
             self._stats.add("read_bytes", nbytes)
+            self._stats.add("read_descriptors", descriptors)
+            self._stats.add("read_regions", regions)
             self._stats.add("read_seconds", seconds)
             self._stats.add_latency("read", seconds)
 

@@ -35,9 +35,13 @@ COUNTERS: dict[str, str] = {
     "hit_tokens": "Tokens loaded from the store beyond the local prefix cache (granted and loaded)",
     "saved_blocks": "Blocks written to the store",
     "saved_bytes": "Bytes written to the store",
+    "save_parts": "Parts of the objects written to the store, trailer excluded (regions back to back in a "
+                  "block are one part)",
     "save_seconds": "Seconds spent in store writes",
     "loaded_blocks": "Blocks read from the store",
     "loaded_bytes": "Bytes read from the store",
+    "load_parts": "Parts of the objects read from the store, trailer excluded (regions back to back in a "
+                  "block are one part)",
     "load_seconds": "Seconds spent in store reads",
     "failed_loads": "Request loads that failed or were refused (once per request; it recomputes)",
     "rank_failed_loads": "Worker-side loads that failed (once per TP rank of a failed request load)",

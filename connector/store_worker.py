@@ -420,7 +420,7 @@ class StoreWorker:
         schema = self._schema.at_generation(blocks.generation)
         for gid, idxs in by_group.items():
             layout = self._layout.groups[gid]
-            a, s = layout.regions([blocks.block_ids[i] for i in idxs])
+            a, s = layout.object_regions([blocks.block_ids[i] for i in idxs])
             keys.extend(schema.key(gid, blocks.hashes[i]) for i in idxs)
             addrs.extend(a)
             sizes.extend(s)
@@ -524,6 +524,7 @@ class StoreWorker:
             return None, err
         dt = time.perf_counter() - t0
         self._stat("load_seconds" if load else "save_seconds", dt)
+        self._stat("load_parts" if load else "save_parts", sum(len(run.addrs[j]) for j in range(lo, hi)))
         with self._lock:
             self._stats.add_latency("load" if load else "save", dt)
         return codes, None
