@@ -34,6 +34,7 @@ from hybridkv.connector.store_metadata import (
     StoreWorkerMetadata,
 )
 from hybridkv.connector.store_stats import HybridStoreStats, RequestLedger, covered_tokens
+from hybridkv.store import vllm_compat
 from hybridkv.store.geometry import GroupGeometry
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.logs import get_logger
@@ -178,6 +179,8 @@ class StoreScheduler:
             # could loop, and vLLM's stale reservation could stall admission (failed_loads.py).
             # Checked before the lookup cache, whose answer may predate the failure.
             return 0, False
+        if vllm_compat.skips_external_kv(request):
+            return 0, False  # vLLM discards this request's external hit: no store round trip
         cached = self._recent_lookups.get(request.request_id)
         if cached is not None:
             key, at, answer, plan = cached

@@ -91,6 +91,9 @@ VLLM033_TESTS=(
     tests/unit/test_pd_failed_reads_together.py tests/unit/test_pd_sliding_window_handover.py
     tests/unit/test_failed_read_then_store_hit.py
     tests/unit/test_store_segment_loss.py tests/unit/test_store_segment_loss_tp2.py tests/unit/test_pd_stats.py
+    tests/unit/test_pd_mamba_speculative_blocks.py tests/unit/test_store_pins_and_reset.py
+    tests/unit/test_pd_prefill_idle_steps.py tests/unit/test_pd_lease_budget_physical.py
+    tests/unit/test_k3_shape.py tests/unit/test_matrix_scheduler.py tests/unit/test_coalesce.py
 )
 [ "${HYBRIDKV_VLLM033_ALL:-0}" = "1" ] && VLLM033_TESTS=(tests/unit)
 VLLM034_TESTS=()

@@ -188,11 +188,10 @@ def test_store_hit_equals_the_managers_hit(shape):
 def _cached_ids(manager: KVCacheManager, gid: int) -> set[int]:
     from vllm.v1.core.kv_cache_utils import get_group_id
 
-    out = set()
-    for key, entry in manager.block_pool.cached_block_hash_to_block._cache.items():
-        if get_group_id(key) == gid:
-            out |= {b.block_id for b in (entry.values() if isinstance(entry, dict) else [entry])}
-    return out
+    from hybridkv.store import vllm_compat
+
+    cached = vllm_compat.cached_block_ids(manager.block_pool.cached_block_hash_to_block)
+    return {b for key, ids in cached.items() if get_group_id(key) == gid for b in ids}
 
 
 def test_strict_dense_reference_reports_the_min_over_mla_and_drafter(shape):

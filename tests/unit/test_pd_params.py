@@ -49,6 +49,12 @@ HOST, PORT = "127.0.0.1", 45678
 SECRET = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-params-")) / "secret"))
 
 
+def _step_output() -> SimpleNamespace:
+    """The fields of a SchedulerOutput the P/D connector reads when it builds a step's metadata
+    (a step that runs tokens, so no idle pacing applies)."""
+    return SimpleNamespace(kv_cache_block_copies=(), total_num_scheduled_tokens=1, finished_req_ids=set())
+
+
 def _connector(role: str, secret_file: str | None, policy: str = "recompute", geo: Geometry = GEO):
     extra: dict[str, Any] = {"auth_secret_file": secret_file} if secret_file else {"allow_unauthenticated": True}
     cfg = VllmConfig()
@@ -106,7 +112,7 @@ def _drive(conn, manager, tokens: list[int], raw: Any) -> tuple[int, list]:
                                     num_external_computed_tokens=n_ext, delay_cache_blocks=is_async)
     assert blocks is not None, "pool too small for the test prompt"
     conn.update_state_after_alloc(req, manager.get_blocks(req.request_id) if n_ext else blocks, n_ext)
-    meta = conn.build_connector_meta(SimpleNamespace(kv_cache_block_copies=()))
+    meta = conn.build_connector_meta(_step_output())
     # The worker's answer (reads over) unpins; then the request finishes and frees.
     conn.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PDWorkerMetadata({req.request_id: 1})))
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -277,8 +283,9 @@ def test_issued_params_round_trip_through_a_real_prefill_scheduler(secret_file, 
     req.num_computed_tokens = 200
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, params = prefill.request_finished_all_groups(req, blocks.get_block_ids())
-    assert delay is True and params["remote_mac"] and len(params["remote_lease_id"]) == 32
-    meta = prefill.build_connector_meta(SimpleNamespace(kv_cache_block_copies=()))
+    # The connector holds the lease's blocks itself (pd_lease_pins): vLLM frees the request now.
+    assert delay is False and params["remote_mac"] and len(params["remote_lease_id"]) == 32
+    meta = prefill.build_connector_meta(_step_output())
     assert [(x.req_id, x.lease_id, x.ttl_s) for x in meta.leases] == [(req.request_id, params["remote_lease_id"], 60.0)]
     conn, manager = decode
     n_ext, reads = _drive(conn, manager, tokens, params)

@@ -77,8 +77,8 @@ def test_agent_info_needs_the_secret(server):
         with pytest.raises(HandshakeError, match="UNAUTHENTICATED"):
             request_agent_info(server.address, req, 5.0, key)
     # a MAC copied from another body does not open this one
-    body = (b'{"version": %d, "engine_id": "d", "tp_rank": 0, "expected_layout": null, "nonce": "1"}'
-            % HANDSHAKE_VERSION)
+    body = (b'{"version": %d, "engine_id": "d", "tp_rank": 0, "expected_layout": null, "nonce": "1", "ts": %f}'
+            % (HANDSHAKE_VERSION, time.time()))
     stolen = request_mac(KEY, "GetAgentInfo", body.replace(b'"1"', b'"2"'))
     with pytest.raises(grpc.RpcError) as e:
         _raw(server.address, _FULL_METHOD, body, ((MAC_METADATA, stolen),))

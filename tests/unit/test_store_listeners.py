@@ -249,13 +249,13 @@ def test_a_name_that_resolves_to_loopback_here_is_warned_about(monkeypatch: pyte
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append  # type: ignore[method-assign]
-    mb.logger.addHandler(handler)
+    mb.logger.logger.addHandler(handler)
     try:
         assert _listen_addresses("node8")[0] == socket.inet_aton("10.9.8.7")
         assert records == []
         assert _listen_addresses("node7")[0] == socket.inet_aton("127.0.1.1")
     finally:
-        mb.logger.removeHandler(handler)
+        mb.logger.logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == [
         "hybridkv: local_hostname 'node7' resolves to 127.0.1.1 here, so Mooncake's listeners bind loopback "
         "and peers on other hosts cannot reach them; set local_hostname to the IP address peers use"]

@@ -78,7 +78,6 @@ def test_prompt_logprobs_read_no_cache_by_default(store):
     assert req.status == RequestStatus.RUNNING  # no external load was started either
 
 
-@pytest.mark.xfail(strict=True, reason="connector/store_scheduler.py does not ask vllm_compat.skips_external_kv yet")
 def test_the_store_is_not_asked_for_a_request_whose_external_hit_vllm_discards(store):
     """The store holds the prompt up to 512; a bounded request's external hit is discarded by
     vLLM's scheduler, so the connector must answer 0 without a store round trip."""
