@@ -70,6 +70,11 @@ if [ -n "$gpu_pid" ]; then
     gpu_pid=""
     export HYBRIDKV_GPU_RESOLUTION="$gpu_dir"  # read_result also refuses a failed or stale one
 fi
+if ! .venv/bin/ruff check --no-cache --quiet .; then
+    echo "ruff check failed (settings: ruff.toml)" >&2
+    exit 1
+fi
+echo "== ruff check: clean"
 if ! VLLM033="$(bash scripts/vllm033.sh)"; then
     echo "could not prepare vLLM 0.33's Python (scripts/vllm033.sh)" >&2
     exit 1
