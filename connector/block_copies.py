@@ -11,8 +11,8 @@ allocation at the same base address with different views, so only the first
 view's bytes of each block are copied (tiny qwen3-next: the GDN view's 35,840
 of 131,072 bytes) and the attention layer's K/V of the hit's partial block stay
 whatever the new block held: every turn resumed from a sub-block hit computes
-from a wrong prefix (measured: 4 of 8 turns wrong on one engine with no
-connector; P/D with unit 64 on prefill: 1-2 of 4-8 right, 12 of 12 with this).
+from a wrong prefix (tests/e2e/test_store_connector.py's local sub-block case
+shows it with no connector; docs/vllm_upstream.md).
 A hybridkv connector's worker therefore redoes each copy over every distinct
 layer view before the forward. Redoing is idempotent: nothing writes these
 blocks between vLLM's copy and this one. vLLM 0.34 dedups by view geometry

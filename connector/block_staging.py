@@ -31,15 +31,13 @@ staging) so that only a small gather is exposed before the first DMA starts;
 a scatter ramps down instead, so that only a small scatter is left after the
 last DMA. By default (``use_cuda_graphs=True``) the per-layer kernels of a
 chunk are replayed from a CUDA graph: one launch instead of one per layer
-(an eager launch cost ~20-30 us of host time on the worker's thread on the
-H200 VM measured), captured on first use per (op, chunk offset, chunk size,
+(an eager launch costs tens of microseconds of host time on the worker's
+thread), captured on first use per (op, chunk offset, chunk size,
 buffer), at most ``max_graphs`` of them (then eager); if capture fails the
-stager stays eager. Measured on an H200 (bench/gpu_block_path.py): the
-graph-replayed row kernels move ~0.9 TB/s, PCIe ~55 GB/s, so the overlapped
-pipeline reaches 0.91-0.99 of one contiguous pinned copy for blocks of 64+
-tokens; what is left is the fixed cost of the first/last chunk (~50 us of
-kernel latency for 32 layers) plus stream/event hops, visible only on small
-batches.
+stager stays eager. bench/gpu_block_path.py measures the pipeline against
+one contiguous pinned copy (docs/gpu_results.md): the row kernels outrun PCIe,
+so what is left is the fixed cost of the first/last chunk plus stream/event
+hops, visible only on small batches.
 
 On CPU tensors there is no device hop: the same row kernels run straight
 between the cache and the (unpinned) staging buffer. (The CPU engine can
@@ -89,7 +87,7 @@ __all__ = ["BlockStager", "StagingOp", "region_rows"]
 
 # Widest integer element that divides every block, stride and offset: the row
 # kernels move one element per thread step, so wider elements mean fewer steps
-# (16-byte complex128 measured no faster than int64 on the H200).
+# (16-byte elements are no faster than int64).
 _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 _DEFAULT_DEVICE_STAGING = 256 << 20  # two ping-pong chunks of 128 MiB

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import logging
 import os
 import secrets
 import stat
@@ -31,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.connector.store_config import ConfigError
+from hybridkv.store.logs import get_logger
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__, "P/D")
 
 SECRET_ENV = "HYBRIDKV_AUTH_SECRET"
 SECRET_FILE_ENV = "HYBRIDKV_AUTH_SECRET_FILE"
@@ -75,7 +75,7 @@ def _read_secret_file(path: str, what: str) -> bytes:
     if st.st_mode & 0o022:
         raise ConfigError(f"{what}={path!r}: writable by group or others (mode {st.st_mode & 0o777:o}); chmod 600 it")
     if st.st_mode & 0o044:
-        logger.warning("hybridkv P/D: secret file %s is readable by group or others (mode %o); chmod 600 it",
+        logger.warning("secret file %s is readable by group or others (mode %o); chmod 600 it",
                        path, st.st_mode & 0o777)
     return p.read_bytes().strip()
 
@@ -104,7 +104,7 @@ def load_key(secret_file: str | None, allow_unauthenticated: bool) -> Deployment
                 "or host reaching the side channel can read other requests' KV"
             )
         logger.warning(
-            "hybridkv P/D: RUNNING WITHOUT AUTHENTICATION (allow_unauthenticated=true): any API client can "
+            "RUNNING WITHOUT AUTHENTICATION (allow_unauthenticated=true): any API client can "
             "forge kv_transfer_params (make decode read any prefill block, poison decode's prefix cache), and "
             "anyone reaching the handshake port can fetch the NIXL agent metadata, free leases, and with that "
             "metadata READ and WRITE this prefill's registered KV memory over UCX (NIXL has no read-only "
@@ -118,7 +118,7 @@ def load_key(secret_file: str | None, allow_unauthenticated: bool) -> Deployment
             "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))' > FILE; chmod 600 FILE`)"
         )
     if allow_unauthenticated:
-        logger.warning("hybridkv P/D: a secret is configured (%s); allow_unauthenticated is ignored", source)
+        logger.warning("a secret is configured (%s); allow_unauthenticated is ignored", source)
     return DeploymentKey(secret, source)
 
 

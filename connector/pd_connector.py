@@ -8,7 +8,6 @@ prefill side's answer on the decode instance), which ``hybridkv proxy`` sets.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +37,7 @@ from hybridkv.connector.vllm_hooks import PDConnectorHooks
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.keys import kv_identity
 from hybridkv.connector.store_config import ConfigError, refuse_non_tensor_parallelism, refuse_unknown_keys
+from hybridkv.store.logs import get_logger
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__, "P/D")
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def _mamba_problem(cfg: PDConnectorConfig, kv_cache_config: "KVCacheConfig", mam
         problem = f"{MAMBA_TP_CROSS_SWITCH} is on, but this state is not re-sliced: {problem}"
     if mamba:
         logger.warning(
-            "hybridkv P/D %s: allow_mamba_cross_tp is ON: requests from prefill instances of another "
+            "%s: allow_mamba_cross_tp is ON: requests from prefill instances of another "
             "--tensor-parallel-size get their Mamba/GDN state (groups %s) re-sliced by heads%s. The state a "
             "prefill at another TP size computes is not the bits this size computes (vLLM's CPU GDN runs only "
             "in bfloat16), so outputs can differ from a local recompute", engine_id, list(mamba),
@@ -270,7 +270,7 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
         if in_use + self._lease_pins.added_by(block_ids) <= self._lease_budget:
             return False
         self.leases_refused += 1
-        logger.warning("hybridkv P/D: not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
+        logger.warning("not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
                        "of the KV cache); its blocks are freed now and decode computes the prompt itself. Many "
                        "do_remote_decode requests whose decode leg never comes, or a slow decode: raise "
                        "max_lease_fraction or lower lease_s", request.request_id, in_use, self._lease_budget)

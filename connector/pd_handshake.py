@@ -1,7 +1,7 @@
 """P/D side channel: the decode worker asks the prefill worker for its NIXL agent and KV layout.
 
 Why a hybridkv-owned channel: NIXL's own metadata listener binds 0.0.0.0 and
-its fetch never completed on loopback here, and decode must learn more than
+its fetch does not complete on loopback, and decode must learn more than
 the agent blob anyway — where every group's blocks live on the prefill side
 (base address and block stride per layer) and whether the two KV caches can
 be copied block for block at all. Two engines that disagree on a group's block
@@ -11,8 +11,8 @@ mismatch is refused with the field, both values and the fix named.
 
 One gRPC service, JSON bodies (no protoc step): ``GetAgentInfo``, ``ClaimLease``
 (right after its READ, decode asks whether the lease still holds the blocks; granted
-once per lease, judged on the PREFILL side's monotonic clock alone) and ``ReleaseBlocks``. With a deployment key every call carries
-``hkv-mac`` metadata, an HMAC over the method and the body (which holds a fresh
+once per lease, judged on the PREFILL side's monotonic clock alone) and ``ReleaseBlocks``.
+With a deployment key every call carries ``hkv-mac`` metadata, an HMAC over the method and the body (which holds a fresh
 nonce), and every answer a trailing ``hkv-mac`` over the method, the request and the
 answer: a caller without the secret is refused before its body is parsed, and a
 server without it cannot answer (no forged layout, no forged claim). Only prefill
@@ -30,7 +30,6 @@ import base64
 import hashlib
 import json
 import math
-import logging
 import secrets
 import threading
 import time
@@ -49,8 +48,9 @@ from hybridkv.connector.pd_refusal_log import RefusalLog
 from hybridkv.connector.pd_replay import ReplayGuard
 from hybridkv.connector.pd_tp import MAX_TP, StateSplit, head_outermost, ratio_problem, state_split_problem
 from hybridkv.connector.pd_transport import HOST, MemorySpace
+from hybridkv.store.logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__, "P/D")
 
 # Bump on any change of the JSON schema or of what a field means.
 # 2: ReleaseBlocks (decode tells prefill a request's blocks are done with).
@@ -916,9 +916,9 @@ def claim_lease(address: str, request_id: str, lease_id: str, timeout_s: float,
     """Claim the prefill side's lease on ``request_id``'s blocks once a READ of them ended.
 
     Success proves the blocks were held (not expired, released or claimed by another
-    reader) until after the READ; returns the seconds the lease had left, measured
-    there. Raises :class:`LeaseRefused` (unknown, claimed or released already, expired)
-    or :class:`HandshakeError`.
+    reader) until after the READ; returns the seconds the lease had left, on the prefill
+    host's clock. Raises :class:`LeaseRefused` (unknown, claimed or released already,
+    expired) or :class:`HandshakeError`.
 
     The prefill worker may not hold the lease yet (its next engine step delivers it): it
     then answers ``retry_s`` at once, and the claim is asked again until ``wait_s`` passed.

@@ -1,7 +1,7 @@
 """Refusal warnings of the P/D side channel, rate-limited per peer host.
 
 Anyone who reaches the handshake port can make it refuse (no MAC, a replay, a wrong
-layout); a warning per call let one peer flood the prefill worker's log and its CPU. Each
+layout); a warning per call would let one peer flood the prefill worker's log and its CPU. Each
 (peer host, kind) logs at most once per ``interval_s``; the next line says how many were
 left out. The table of peers is bounded (least recently seen dropped first).
 """
@@ -27,7 +27,7 @@ def peer_host(peer: str) -> str:
 class RefusalLog:
     """``warn(peer, kind, fmt, *args)``: logged unless this peer host logged this kind lately."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float = REFUSAL_LOG_INTERVAL_S,
+    def __init__(self, logger: logging.Logger | logging.LoggerAdapter, interval_s: float = REFUSAL_LOG_INTERVAL_S,
                  capacity: int = MAX_PEERS_TRACKED) -> None:
         self._logger = logger
         self._interval = interval_s

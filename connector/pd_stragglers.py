@@ -1,22 +1,20 @@
 """READs that timed out but may still write: their blocks stay pinned until each settles.
 
-NIXL cannot cancel a READ, and releasing its handle is not a fence (measured over UCX tcp: a READ
-from a stalled peer kept writing its destination after release once the peer resumed;
+NIXL cannot cancel a READ, and releasing its handle is not a fence (over UCX tcp a READ
+from a stalled peer keeps writing its destination after release once the peer resumes;
 pd_transport.release). So a decode rank whose READ timed out recomputes the request in OTHER
 blocks, and keeps the READ's destination blocks out of vLLM's hands until the READ reports DONE
 or fails (a dead peer fails at once); then ``on_settled(req_id)`` lets them go.
 
-Why a class and one thread: each straggler used to get its own thread polling every 50 ms for
-as long as its READ stayed open, with nothing telling the operator. A peer stopped for good
-(SIGSTOP, a hung host) then held one thread and the blocks of every request it stranded, forever
-and silently. Here one daemon thread polls them all, backing off to ``max_pause_s`` while
+Why a class and one thread for all stragglers: a thread per straggler would leave one thread
+and the blocks of every stranded request behind a peer stopped for good (SIGSTOP, a hung host),
+with nothing telling the operator. One daemon thread polls them all, backing off to ``max_pause_s`` while
 nothing settles, and a request whose READs are still open after ``warn_after_s`` is logged once
 with the blocks it pins; ``pending()`` says how many requests are waiting.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,8 +23,9 @@ from typing import Any
 
 from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.pd_transport import TransferError
+from hybridkv.store.logs import get_logger
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__, "P/D")
 
 FIRST_PAUSE_S = 0.05
 MAX_PAUSE_S = 1.0
@@ -61,7 +60,7 @@ class StragglerDrain:
             entry = self._pending.get(req_id)
             if entry is None:
                 self._pending[req_id] = _Straggler(list(handles), blocks, self._clock())
-            else:  # cannot happen today (one job per request), but must not drop handles
+            else:  # one job per request: unreachable, but must not drop handles
                 entry.handles.extend(handles)
             if (self._thread is None or not self._thread.is_alive()) and not self._stopped:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="hybridkv-pd-stragglers")
@@ -122,7 +121,7 @@ class StragglerDrain:
                         continue
                 if not entry.warned and self._clock() - entry.since >= self.warn_after_s:
                     entry.warned = True
-                    logger.warning("hybridkv P/D: a timed-out READ for %s is still in flight after %.0f s; its %d "
+                    logger.warning("a timed-out READ for %s is still in flight after %.0f s; its %d "
                                    "destination blocks stay out of use until it settles (is the prefill "
                                    "instance stopped? killing it ends the READ)", req_id,
                                    self._clock() - entry.since, entry.blocks)
@@ -130,7 +129,7 @@ class StragglerDrain:
                 try:
                     self._on_settled(req_id)
                 except Exception:  # noqa: BLE001 - the drain thread serves every other request too
-                    logger.exception("hybridkv P/D: freeing the blocks of %s failed", req_id)
+                    logger.exception("freeing the blocks of %s failed", req_id)
             pause = FIRST_PAUSE_S if settled else min(self.max_pause_s, pause * 2)
             with self._cond:
                 if not self._stopped:

@@ -10,10 +10,10 @@ dead peer, and NIXL's untyped exceptions turned into :class:`TransferError`
 with the peer and the size named. The lease (when prefill may free its blocks)
 stays in the connector, which releases it over its own gRPC side channel
 (``pd_handshake.release_blocks``); the NIXL notification API here
-(:meth:`PDTransport.get_notifs`, ``notif=``) is no longer used by the connector:
-polling it on every prefill engine step did not prevent the server-mode READ stall.
+(:meth:`PDTransport.get_notifs`, ``notif=``) is not used by the connector:
+polling notifications on every engine step stalls the READs it waits for.
 
-Facts this relies on (NIXL 1.5.1, UCX backend, checked on this CPU machine):
+Facts this relies on (NIXL 1.5.1, UCX backend, checked on a CPU host):
 
 - Regions are registered as ``(addr, len, dev, "")`` tuples under ONE memory
   type per registration: host KV caches as ``"DRAM"`` (dev 0), CUDA ones as
@@ -36,9 +36,9 @@ Facts this relies on (NIXL 1.5.1, UCX backend, checked on this CPU machine):
   ``NIXL_ERR_REMOTE_DISCONNECT`` at once; a descriptor outside registered memory
   makes ``initialize_xfer`` raise ``NIXL_ERR_NOT_FOUND``.
 - Releasing an in-flight READ is not a fence: over tcp, a READ from a stalled
-  (SIGSTOPped) peer kept landing bytes in the destination after
-  ``release_xfer_handle`` and ``remove_remote_agent`` once the peer resumed;
-  destroying the agent stopped it. So a timed-out READ stays open here and its
+  (SIGSTOPped) peer keeps landing bytes in the destination after
+  ``release_xfer_handle`` and ``remove_remote_agent`` once the peer resumes;
+  destroying the agent stops it. So a timed-out READ stays open here and its
   destination blocks stay the caller's until it settles.
 - ``UCX_NET_DEVICES`` (e.g. ``lo`` for single-host runs) is read when the agent
   is created; this module does not set it. ``UCX_TLS=`` (empty) makes agent
@@ -186,8 +186,8 @@ def _make_agent(name: str, backends: Sequence[str], progress_delay_us: int):
     """A ``nixl_agent`` whose progress thread sleeps ``progress_delay_us`` between polls.
 
     ``nixl_agent.__init__`` hard-codes ``pthrDelay = 0``: its UCX progress thread
-    then spins a whole core even when idle (measured: 98-100 % of a core per
-    agent; 10 us -> 4 %, 100 us -> 3 %). On a CPU inference host that core
+    then spins a whole core even when idle (a whole core per agent; a 10-100 us
+    delay brings it to a few percent). On a CPU inference host that core
     belongs to the engine. So the wrapper is built with no backend and no
     thread (cheap), its binding agent is swapped for one built with the
     delay, and the backends are created through the public ``create_backend``.
@@ -587,9 +587,9 @@ class PDTransport:
     def release(self, handle: ReadHandle) -> None:
         """Stop tracking a READ that is still in flight. Idempotent.
 
-        NOT a fence: measured over UCX tcp, a READ from a stalled peer kept
-        writing its destination after release (and after remove_peer) once the
-        peer resumed. Only reuse the destination blocks of a released READ
+        NOT a fence: over UCX tcp a READ from a stalled peer keeps writing its
+        destination after release (and after remove_peer) once the peer
+        resumes. Only reuse the destination blocks of a released READ
         when the peer is known dead; :meth:`shutdown` destroys the agent, which
         does stop late writes.
         """
@@ -614,7 +614,7 @@ class PDTransport:
     def shutdown(self) -> None:
         """Release open reads, drop peers, deregister the KV cache and destroy the agent.
 
-        Destroying the agent stops UCX's progress thread, the only measured way
+        Destroying the agent stops UCX's progress thread, the one way known
         to guarantee no in-flight READ writes the KV cache afterwards. Idempotent.
         """
         with self._lock:

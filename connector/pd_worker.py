@@ -5,9 +5,9 @@ they report a lease ended (``finished_sending`` here; the connector hands it to 
 scheduler in its worker metadata, pd_lease_pins) when the
 decode side says it is done with them (``ReleaseBlocks`` on the gRPC side channel,
 after its READ or when it reads nothing) or the lease expires. Not a NIXL
-notification: polling NIXL for notifications on every engine step stalled the
-very READs it waited for, until the lease expired (measured: every P/D request
-took lease_s). Decode workers
+notification: polling NIXL for notifications on every engine step stalls the
+very READs it waits for, until the lease expires (every P/D request then waits
+lease_s). Decode workers
 handshake once per peer (refusing a layout mismatch there), then pull each
 request's blocks with one batched READ on a background thread; a failed or
 timed-out read is reported per request (``failed_recving``), so vLLM recomputes
@@ -28,7 +28,6 @@ READ.) Decode-only workers serve no handshake.
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 from collections import OrderedDict
@@ -75,6 +74,7 @@ from hybridkv.connector.pd_transport import (
     allocation_spaces,
 )
 from hybridkv.store.cpu_affinity import unpinned
+from hybridkv.store.logs import get_logger
 
 # A claim can arrive before the prefill worker's next step hands it the lease (the
 # scheduler issued the params at finish): decode asks again for CLAIM_WAIT_S
@@ -91,7 +91,7 @@ PEER_IDLE_S = 60.0
 # READ in flight is removed past this (prefill restarts bring new ports).
 MAX_PEERS = 64
 
-logger = logging.getLogger("vllm." + __name__)  # vLLM configures the "vllm" logger tree
+logger = get_logger(__name__, "P/D")
 
 
 def _state_splits_or_raise(group) -> tuple[StateSplit, ...]:  # noqa: ANN001 - a vllm KVCacheGroupSpec
@@ -116,7 +116,7 @@ def group_state_splits(group) -> tuple[StateSplit, ...]:  # noqa: ANN001 - a vll
     try:
         return _state_splits_or_raise(group)
     except ValueError as e:
-        logger.info("hybridkv P/D: Mamba group state not re-sliced across TP sizes: %s", e)
+        logger.info("Mamba group state not re-sliced across TP sizes: %s", e)
         return ()
 
 
@@ -222,12 +222,12 @@ class PDWorker:
             layout=self._local,
         )
         if not self._s.serve_handshake:
-            logger.info("hybridkv P/D: NIXL agent %s (decode only: no handshake service)", name)
+            logger.info("NIXL agent %s (decode only: no handshake service)", name)
             return
         self._server = HandshakeServer(info, host=self._s.host, port=self._s.port, on_release=self._released_by_decode,
                                        on_claim=self._claim, key=self._s.key)
         port = self._server.start()
-        logger.info("hybridkv P/D: NIXL agent %s, handshake on %s:%d (%s)", name, self._s.host, port,
+        logger.info("NIXL agent %s, handshake on %s:%d (%s)", name, self._s.host, port,
                     "authenticated" if self._s.key is not None else "UNAUTHENTICATED")
 
     def handshake_metadata(self) -> PDHandshakeMetadata | None:
@@ -291,10 +291,10 @@ class PDWorker:
             try:
                 ok, straggler = self._read(job)
             except Exception:  # noqa: BLE001 - reported as a failed load, never a crash
-                logger.exception("hybridkv P/D: read for %s crashed", job.req_id)
+                logger.exception("read for %s crashed", job.req_id)
                 self._failed("crash")
             if not ok:  # every time (the cause may be a warn_once): provenance checks look for it
-                logger.warning("hybridkv P/D: READ for %s from %s:%d failed or was refused; no KV used, "
+                logger.warning("READ for %s from %s:%d failed or was refused; no KV used, "
                                "kv_load_failure_policy applies", job.req_id, job.remote_host, job.remote_port)
             with self._lock:
                 self._recv_done.add(job.req_id)
@@ -449,22 +449,22 @@ class PDWorker:
             ranks = [part.prefill_rank for part in plan]
             self._count_read(sum(per_group), sum(h.nbytes for h in handles), time.perf_counter() - t0,
                              sum(h.num_descs for h in handles), sum(h.num_regions for h in handles))
-            logger.info("hybridkv P/D: read %d blocks (%d bytes) for %s from %s at %s:%d (per group %s) "
+            logger.info("read %d blocks (%d bytes) for %s from %s at %s:%d (per group %s) "
                         "rank %d/%d <- prefill ranks %s/%d",
                         sum(per_group), sum(h.nbytes for h in handles), job.req_id, job.remote_engine_id,
                         job.remote_host, job.remote_port, per_group, self._s.tp_rank, self._s.tp_size, ranks,
                         prefill_tp)
             return True, None
         except LeaseRefused as e:
-            logger.warning("hybridkv P/D: read of request %s discarded, recomputing: %s", job.req_id, e)
+            logger.warning("read of request %s discarded, recomputing: %s", job.req_id, e)
             self._failed("LeaseRefused")
             return False, None
         except HandshakeError as e:
-            logger.error("hybridkv P/D: %s", e)  # a setup error: every occurrence matters
+            logger.error("%s", e)  # a setup error: every occurrence matters
             self._failed("HandshakeError")
             return False, self._open_reads(handles)
         except ValueError as e:  # a TP plan or span the layouts cannot serve
-            logger.error("hybridkv P/D: read of %s from %s refused: %s", job.req_id, failed_address, e)
+            logger.error("read of %s from %s refused: %s", job.req_id, failed_address, e)
             self._failed("plan")
             return False, self._open_reads(handles)
         except TransferError as e:
