@@ -2,7 +2,7 @@
 
 vLLM keeps stepping an engine while a finished request's blocks are held by its connector
 (``Scheduler.has_finished_requests`` counts requests waiting on a delayed free): a prefill
-instance holding unread leases ran empty schedules back to back, a core per engine process
+instance holding unread leases runs empty schedules back to back, a core per engine process
 (and on a GPU host one collective RPC to every worker per step), for up to ``lease_s``
 after every hand-over. Nothing changes on such a step except what the workers report
 (a decode's release ends a lease), so the steps can be paced.

@@ -3,7 +3,7 @@
 Returning ``delay_free=True`` from ``request_finished`` keeps the finished request in vLLM's
 scheduler until the workers report it in ``finished_sending``, and vLLM steps the engine
 for as long as such a request exists (``Scheduler.has_finished_requests``): a prefill
-holding unread leases ran empty steps back to back, and each step wakes every worker, whose
+holding unread leases would run empty steps back to back, and each step wakes every worker, whose
 message-queue reader then spins for a second (vLLM's ``SpinCondition``). So the connector
 takes its own reference on the lease's blocks (``BlockPool.touch``, as a prefix hit does),
 vLLM frees the request at once, and the engine goes idle when nothing else runs.

@@ -1,8 +1,9 @@
 """HybridPDConnector's counters, in vLLM's connector-stats pipeline.
 
-Without them a P/D deployment showed nothing on ``/metrics`` about its hand-overs: how many
+They show on ``/metrics`` what the provenance log lines say one request at a time: how many
 requests really got their KV over NIXL, how many fell back to recompute and why, how long
-the reads took; the provenance log lines were the only record. Shaped like
+the reads took and how many descriptors they posted (``read_descriptors``, against the
+``read_regions`` before coalescing). Shaped like
 :mod:`hybridkv.connector.store_stats`: the workers count (the scheduler side counts
 nothing), vLLM sums every worker's stats per interval, logs ``reduce()`` and feeds
 ``observe()`` of the Prometheus class, so they show as ``vllm:hybridkv_pd_*``.

@@ -8,9 +8,9 @@ or fails (a dead peer fails at once); then ``on_settled(req_id)`` lets them go.
 
 Why a class and one thread for all stragglers: a thread per straggler would leave one thread
 and the blocks of every stranded request behind a peer stopped for good (SIGSTOP, a hung host),
-with nothing telling the operator. One daemon thread polls them all, backing off to ``max_pause_s`` while
-nothing settles, and a request whose READs are still open after ``warn_after_s`` is logged once
-with the blocks it pins; ``pending()`` says how many requests are waiting.
+with nothing telling the operator. One daemon thread polls them all, backing off to
+``max_pause_s`` while nothing settles, and a request whose READs are still open after
+``warn_after_s`` is logged once with the blocks it pins; ``pending()`` says how many requests are waiting.
 """
 
 from __future__ import annotations

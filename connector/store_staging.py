@@ -1,7 +1,7 @@
 """Host staging for KV caches the store client cannot read in place.
 
-A GPU KV cache cannot be handed to a TCP Mooncake client (and the CRC trailer
-is computed on the host), so each batch of blocks goes through a registered
+A GPU KV cache cannot be handed to a TCP Mooncake client (and the object trailer's
+checksum is computed on the host), so each batch of blocks goes through a registered
 host buffer: ``BlockStager`` gathers a group's blocks into contiguous slots
 (one slot = one store object, the same bytes in the same layer order as the
 zero-copy path, so objects are interchangeable between the two) and scatters
