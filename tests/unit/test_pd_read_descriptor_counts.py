@@ -83,6 +83,7 @@ def test_contiguous_handover_counts_fewer_descriptors_than_regions(monkeypatch, 
         stats = worker.take_stats()
         assert stats is not None
         regions = len(p_layout.groups[0].bases)
+        assert regions == LAYERS  # LBHNC: a layer's K and V of one block are one row
         assert stats.data.get("reads") == 1, stats.data
         assert stats.data["read_regions"] == len(remote) * regions
         assert stats.data["read_descriptors"] == regions  # one per region: the 8 blocks are one run
