@@ -171,7 +171,7 @@ class FakeTransport:
 
     def read_blocks(self, peer, remote_block_ids, local_block_ids, slices=None):  # noqa: ANN001, ANN201
         rank = int(peer.rsplit("-", 1)[1])
-        return ReadHandle(peer=peer, num_descs=1, nbytes=HANDLE_BYTES[rank])
+        return ReadHandle(peer=peer, num_descs=1, nbytes=HANDLE_BYTES[rank], num_regions=3)
 
     def wait(self, handle: ReadHandle, timeout_s: float) -> None:
         self.waits += 1
@@ -229,7 +229,8 @@ def test_a_successful_read_counts_the_provenance_lines_numbers(monkeypatch, vllm
         assert stats is not None
         seconds = stats.data.pop("read_seconds")
         assert stats.data.pop("lat.read") == [seconds] and seconds > 0
-        assert stats.data == {"reads": 1, "read_blocks": 4, "read_bytes": 1234}
+        assert stats.data == {"reads": 1, "read_blocks": 4, "read_bytes": 1234, "read_descriptors": 2,
+                              "read_regions": 6}
         (line,) = [r.getMessage() for r in vllm_caplog.records if "hybridkv P/D: read " in r.getMessage()]
         assert line.startswith("hybridkv P/D: read 4 blocks (1234 bytes) for ok "), line
         assert worker.take_stats() is None  # taken: the next interval starts empty
