@@ -18,11 +18,11 @@ def test_loggers_sit_under_vllms_tree() -> None:
     )
 
 
-def test_every_message_carries_the_prefix(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="vllm.hybridkv"):
+def test_every_message_carries_the_prefix(vllm_caplog: pytest.LogCaptureFixture) -> None:
+    with vllm_caplog.at_level(logging.INFO, logger="vllm.hybridkv"):
         get_logger("hybridkv.store.x").warning("segment %s lost", "a")
         get_logger("hybridkv.connector.pd_x", "P/D").info("peer %s refused", "p")
-    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+    assert [(r.name, r.getMessage()) for r in vllm_caplog.records] == [
         ("vllm.hybridkv.store.x", "hybridkv: segment a lost"),
         ("vllm.hybridkv.connector.pd_x", "hybridkv P/D: peer p refused"),
     ]
