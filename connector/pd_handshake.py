@@ -98,7 +98,7 @@ class LeasePending(Exception):
 # A handshake thread never waits for a lease: a ClaimLease that comes before the lease
 # is answered "ask again in CLAIM_RETRY_S", and the decode side asks until CLAIM_WAIT_S.
 CLAIM_RETRY_S = 0.05
-CLAIM_WAIT_S = 2.0
+CLAIM_WAIT_S = 5.0  # covers a prefill step that starts late on a loaded host
 # Handshake threads, and the calls the server holds at once (threads + queued); past
 # MAX_CONCURRENT_RPCS a call is answered RESOURCE_EXHAUSTED at once.
 HANDSHAKE_THREADS = 4
