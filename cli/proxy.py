@@ -51,7 +51,6 @@ import asyncio
 import copy
 import itertools
 import json
-import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -59,8 +58,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridkv.cli.proxy_batch import MalformedAnswer, batch_prompts, merge_answers, samples, split_request
+from hybridkv.store.logs import get_logger
 
-logger = logging.getLogger("hybridkv.proxy")
+logger = get_logger(__name__, "proxy")
 
 PREFILL_PARAMS = {
     "do_remote_decode": True,
@@ -312,7 +312,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
                                      stream=stream)
         except retry_errors as e:
             counts["decode_retries"] += 1
-            logger.warning("hybridkv proxy: decode %s dropped the connection before answering (%s: %s); "
+            logger.warning("decode %s dropped the connection before answering (%s: %s); "
                            "sending the request once more", url, type(e).__name__, e)
             return await client.send(client.build_request("POST", url, json=dreq, timeout=decode_timeout),
                                      stream=stream)
@@ -341,7 +341,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
                 else:
                     failure = JSONResponse(status_code=502, content=_error(r, f"prefill {prefill}"))
             counts["prefill_errors"] += 1
-            logger.warning("hybridkv proxy: prefill %s could not serve a request: %s", prefill,
+            logger.warning("prefill %s could not serve a request: %s", prefill,
                            bytes(failure.body)[:300].decode(errors="replace"))
         raise _PrefillFailed(failure)
 
@@ -358,14 +358,14 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
             release = await slots.acquire()
             if release is None:
                 counts["decode_only_rejected"] += 1
-                logger.warning("hybridkv proxy: no prefill instance served the request and %d decode-only requests "
+                logger.warning("no prefill instance served the request and %d decode-only requests "
                                "are running (--max-decode-only); answered 503", slots.limit)
                 return _error_response(
                     503, f"no prefill instance can serve the request and the decode instances already compute "
                          f"{slots.limit} requests alone (--max-decode-only); retry later",
                     headers=retry_after, detail=json.loads(bytes(failed.response.body) or b"{}"))
             counts["decode_only_fallbacks"] += 1
-            logger.warning("hybridkv proxy: no prefill instance served the request; decode computes the "
+            logger.warning("no prefill instance served the request; decode computes the "
                            "prompt itself (--no-fallback answers 502 instead)")
             return decode_only_request(leg), {"x-hybridkv-pd-fallback": "prefill-unavailable"}, release
 
