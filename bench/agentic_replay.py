@@ -1,4 +1,4 @@
-"""Multi-turn agentic replay at 1/2/4 concurrent users, connectors side by side (issue 5).
+"""Multi-turn agentic replay at 1/2/4 concurrent users, connectors side by side.
 
     .venv/bin/python bench/agentic_replay.py [--duration 40] [--users 1,2,4]
         [--configs none,hybrid,mooncake,pd,pd-store] [--num-gpu-blocks 48] [--quick]
@@ -46,7 +46,7 @@ Writes ``bench/results/agentic_replay.{md,json,png}`` (``--out-dir``) after ever
 killed run keeps what it measured; SIGTERM stops the servers and masters it started) and
 prints the table at the end.
 
-Geometries (issue 16): ``--models gemma4,gemma3-eagle,qwen3next-pmu64`` runs the single-engine
+Geometries: ``--models gemma4,gemma3-eagle,qwen3next-pmu64`` runs the single-engine
 configs (default none, hybrid, mooncake) on each named model of :data:`MODELS` in turn, one
 model's engines at a time: the tiny seeded-random-weight models of ``cli/tiny_models.py`` whose
 KV-cache layouts are what hybridkv exists for (two dense groups at different block sizes; a

@@ -263,7 +263,7 @@ def swapped_plan(worker, plan_fn):
 
 
 def ssm_off_by_one(worker, slices_fn):
-    """``ssm``: the SSM span (the one landing in the local SSM state) one v head off:
+    """``ssm``: the SSM span (the one written into the local SSM state) one v head off:
     remote offset + one head's bytes, one head shorter (stays inside both pages)."""
     def slices(part, peer_layout, job):
         out = slices_fn(part, peer_layout, job)

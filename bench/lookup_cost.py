@@ -82,7 +82,7 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("GLOG_minloglevel", "2")  # mooncake's per-call INFO lines
 
 SIZES = (4096, 32768, 131072)
-TARGET_FIRST = 0.25  # issue 5: hybridkv first lookup <= 1/4 of in-tree at 128k
+TARGET_FIRST = 0.25  # target: hybridkv's first lookup <= 1/4 of in-tree at 128k
 TARGET_REPEAT = 0.10  # repeated lookup <= 1/10 of first
 
 

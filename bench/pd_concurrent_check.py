@@ -1,4 +1,4 @@
-"""Reproducer (helper-26, issue 14 soak finding): P/D hand-overs under concurrent sessions vs a salted recompute.
+"""Reproducer: P/D hand-overs of concurrent sessions against a salted recompute (sliding-window hand-over).
 
     flock /tmp/hybridkv-engine.lock .venv/bin/python bench/pd_concurrent_check.py [--sessions 16] [--samples 60]
 
@@ -7,18 +7,15 @@ tiny gemma3, 256 KV blocks per instance. ``--sessions`` agentic sessions (the de
 Trajectory, 2 trajectories x 6 turns each) run at once through ``hybridkv proxy``; when all
 are done, ``--samples`` served turns (seeded pick) are re-sent to the decode server alone
 under a fresh ``cache_salt`` and compared with the demo's rule (agentic_demo.compare).
-Measured 2026-12-01 on the 2-core box: 16 sessions -> 6 of 60 sampled turns differ (three
-with disjoint top-5 at the first token); 1 session (``--sessions 1``) -> 0 of 36. The
-store-only soak (one engine, same concurrency, same rule) -> 0 of 96. Exit status 1 when any
-sampled turn differs.
+Exit status 1 when any sampled turn differs.
 
-Cause (helper-28): not concurrency but prompt length. vLLM frees a prefill's sliding-window
-blocks outside the window of its LAST prompt token before handing the block table over;
-decode resumes at the last block boundary before that token and needs the window before
-the boundary. For N % 128 in {0, 127} that block was null in the hand-over and decode read
-around it (seed 1001, trajectory 1, turn 2: 895 tokens; turns 4-5 inherited the bad KV from
-decode's prefix cache). ``--sessions 1 --first-slot 1 --blocks 2048``: 3 of 12 differ before
-the fix (connector/pd_scheduler.py prefill_tokens / missing_blocks), 0 of 12 after.
+What it checks: concurrency only makes long prompts likely; the hazard is prompt length.
+vLLM frees a prefill's sliding-window blocks outside the window of its LAST prompt token
+before handing the block table over; decode resumes at the last block boundary before that token and needs the window before
+the boundary. For N % 128 in {0, 127} that block is null in the hand-over unless the
+connector asks for it (connector/pd_scheduler.py prefill_tokens / missing_blocks); without
+that, decode reads around it and later turns inherit the bad KV from decode's prefix cache.
+``--sessions 1 --first-slot 1 --blocks 2048`` reaches such a prompt length with one session.
 """
 
 from __future__ import annotations

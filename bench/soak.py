@@ -109,8 +109,8 @@ PLANTS = ("no-restart", "leak-master", "sealed-corruption", "policy-fail", "no-p
 # DATA_FAULT_SAMPLES x more, since only the turns that loaded a faulted object can show it.
 DATA_FAULT_PHASES = ("corrupt", "after-corrupt", "node-kill", "after-node-kill")
 DATA_FAULT_SAMPLES = 3
-# Runs before 2026-12-01 SIGKILLed the prefill this long after the burst's decode legs were posted
-# (their table says so when re-rendered); prefill_kill_mid_read now waits for evidence instead.
+# Older recorded runs SIGKILLed the prefill this long after the burst's decode legs were posted
+# (their table says so when re-rendered); prefill_kill_mid_read waits for evidence instead.
 OLD_KILL_AFTER_POST_S = 0.05
 POLL_S = 0.05  # prefill_kill_mid_read polls the decode's p2p admissions this often while the prefill is frozen
 BURST_HANDOVER_WAIT_S = 60.0  # a burst prefill leg answered without a hand-over (lease budget full) is asked again this long
@@ -836,8 +836,8 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
     then says which were cut: no provenance line (printed only for a READ whose claim was
     granted) and a READ failure line for its request. They must be answered all the same
     (policy recompute) and equal a salted recompute (sampled always). The burst's turns are
-    records with ``slot`` -1. Before 2026-12-01 the kill came a fixed 0.05 s after the
-    posts, behind a scrape of the busy prefill's /metrics: once the READs finished first."""
+    records with ``slot`` -1. The kill waits for evidence of a READ in flight, not a fixed
+    delay after the posts: behind a scrape of the busy prefill's /metrics, the READs can finish first."""
     import requests
 
     from hybridkv.cli.agentic_demo import Client, Completion, Trajectory, _absorb_choice
@@ -862,8 +862,7 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
             with requests.Session() as http:
                 # Under 16 sessions the prefill's lease budget (max_lease_fraction) is often full:
                 # it then answers without a hand-over. That is its policy, not a fault: ask again
-                # until it hands one over (the full run of 2026-12-03 10:43 lost its mid-READ kill
-                # to one such leg).
+                # until it hands one over (otherwise one such leg loses the mid-READ kill).
                 deadline = time.monotonic() + BURST_HANDOVER_WAIT_S
                 for attempt in range(1, 1000):
                     r = http.post(stack.prefill.url + "/v1/completions", json=prefill_request(body), timeout=120)

@@ -1,4 +1,4 @@
-"""Who had the CPU while a soak's turns stalled (issue 14).
+"""Who had the CPU while a soak's turns stalled.
 
 The soak's turns stall together for 15-50 s on the shared 2-core machine. Whether that is
 the host taking the CPU away (steal), the machine idling while something waits, or one

@@ -191,7 +191,7 @@ else
     junit32="$(mktemp --suffix=.xml)"
     HYBRIDKV_EXPECT_VLLM=0.32.0 "${PYTEST32[@]}" --junitxml="$junit32" tests "$@"
     rc32=$?
-    .venv/bin/python -m tests.durations "$junit32" || true  # information only (issue 15)
+    .venv/bin/python -m tests.durations "$junit32" || true  # information only: where the CI time budget goes
     pass33
     rc33=$?
     pass34

@@ -1,6 +1,6 @@
 """Where the suite's time goes, from pytest's JUnit XML: seconds per directory and per file.
 
-Why: the suite must stay well under its CI budget (issue 15), and ``--durations`` names only
+Why: the suite must stay well under its CI budget, and ``--durations`` names only
 the slowest tests, not what the unit tests cost together or which files to shrink first.
 ``scripts/test.sh`` prints this after pass 1. Usage: ``python -m tests.durations JUNIT.xml``.
 """

@@ -337,8 +337,8 @@ class TestGemma3Pair:
     @pytest.fixture(scope="class")
     def spare_prefill(self, pair):  # noqa: ANN001, ANN201
         """A second prefill engine with a 2 s lease, shared by the expired-lease test (first)
-        and the killed-before-the-read test (last: it kills it). One boot for both (issue 15:
-        a boot is ~20-30 s of the suite)."""
+        and the killed-before-the-read test (last: it kills it). One boot for both (a boot
+        is ~20-30 s of the suite)."""
         model = pair[0]
         before = _children()
         prefill = make_llm(model, pd_config("kv_producer", lease_s=2))

@@ -1,8 +1,8 @@
 """A hostile API client against a real P/D pair (``PDStack``: prefill, decode, proxy servers).
 
-Before the trust boundary (issue 13) one POST of ``remote_num_tokens: "abc"`` to the
-decode server killed its engine, and well-formed forged parameters made it connect to
-any host:port and READ any prefill block into its cache. Here every attack goes over
+Without the trust boundary one POST of ``remote_num_tokens: "abc"`` to the decode
+server kills its engine, and well-formed forged parameters make it connect to any
+host:port and READ any prefill block into its cache. Here every attack goes over
 HTTP as a client would send it, and after each one the decode server must still be
 healthy and answer a normal request exactly as a recompute does. Forged parameters
 point the decode side at a socket this test listens on, which must see no connection

@@ -66,12 +66,12 @@ os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes 
 ALIGN = 128  # gemma3 tiny model: scheduler block (SW 128 + FA 128)
 NAMESPACE = "pd-store-multi"
 LEASE_S = 60.0  # prefill's P/D lease; a release must come long before it
-# The store children's call bound. Raised from the 5 s default: at TP2 on 2 shared cores (4
-# workers, 2 engine cores) the prefill's first puts sometimes took over 5 s with both engines
-# idle, so nothing was saved and the test's wait for the saves failed ("prefill logged 0
-# objects", 1 of 3 runs alone here, 2026-12-02, the put_from_parts timeouts in the prefill
-# workers' log). What this test checks is which child serves and that the output is right;
-# a put's latency is the soak's and bench's business.
+# The store children's call bound, above the 5 s default: at TP2 on 2 shared cores (4
+# workers, 2 engine cores) the prefill's first puts can take over 5 s with both engines idle,
+# and then nothing is saved and the test's wait for the saves fails ("prefill logged 0
+# objects", put_from_parts timeouts in the prefill workers' log). What this test checks is
+# which child serves and that the output is right; a put's latency is the soak's and bench's
+# business.
 STORE_TIMEOUT_S = 15.0
 SAVES_WAIT_S = 2 * STORE_TIMEOUT_S  # < LEASE_S: the decode leg still finds the lease
 # vLLM's scheduler adds remote_prefill_cached_tokens to any do_remote_prefill answer.

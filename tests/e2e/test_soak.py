@@ -9,14 +9,13 @@ recompute), every sampled turn equal to a salted recompute, the misplaced object
 the trailer check, store loads back within ``soak.recovery_bound_s`` of the new master and a
 non-zero hit rate after that, nothing left after shutdown.
 
-How each check was shown to fail: ``soak_problems`` over this configuration with
-``SoakConfig.plant`` (bench/soak.py ``--plant``), 2026-12-01. no-restart + sealed-corruption +
-policy-fail in one run: "store loads back after None s", "hit rate after recovery None"
-(no-restart); "none of 8 corrupted objects was refused" and 3 of 9 sampled turns differ from
-recompute in corrupt and in after-corrupt (sealed-corruption: misplaced KV re-sealed under the
-victim's key loads and changes the answers); 4 + 24 failed requests in after-corrupt /
-after-node-kill (policy-fail: failed loads fail the request). leak-master alone: "left after
-shutdown: processes [master, its watchdog], dirs [its temp dir]", every other check met.
+What each check catches (``soak_problems`` over this configuration with ``SoakConfig.plant``,
+bench/soak.py ``--plant``): no-restart fails "store loads back after None s" and "hit rate
+after recovery None"; sealed-corruption (misplaced KV re-sealed under the victim's key loads
+and changes the answers) fails "none of N corrupted objects was refused" and sampled turns
+differ from recompute in corrupt and after-corrupt; policy-fail (failed loads fail the request)
+fails the failed-request count of after-corrupt / after-node-kill; leak-master alone fails
+"left after shutdown: processes [master, its watchdog], dirs [its temp dir]" and nothing else.
 """
 
 from __future__ import annotations
@@ -34,40 +33,29 @@ pytestmark = pytest.mark.e2e
 CI = SoakConfig(sessions=5, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_blocks=32, samples=3)
 
 
-# How the P/D checks were shown to fail (soak_problems over CI_PD with SoakConfig.plant,
-# 2026-12-01): policy-fail + leak-prefill in one run -> "prefill-kill: 28 of 1032 requests
-# failed" (the burst's decode legs answered 500: their READs cut by the kill fail the request),
-# "1 of 3 burst turns compared with a recompute", "left after shutdown: processes [4 pids of
-# the prefill]"; no-prefill-restart alone -> only "P/D READs resumed after None s of the
-# restarted prefill (bound 22.9 s)"; "differ from recompute" failed without a plant until the bug below was fixed.
 # The P/D + store variant (bench/soak.py --pd): prefill and decode behind the hybridkv proxy,
 # each MultiConnector(HybridPDConnector + HybridStoreConnector) on one mooncake_master; one store
 # fault (master SIGSTOPped 6 s) and the prefill SIGKILLed while the decode holds hand-overs it
-# has not read, then restarted. 170-203 s on this box (two engine boots, the prefill's re-boot
-# 62-73 s under the sessions' load, 2 x 12 s + the after-restart phase >= its bound, the
-# sampled recomputes). Its "= recompute" check found a P/D bug (turns with
-# disjoint top-5: a prefill's sliding-window block the decode needed was freed before the
-# hand-over when N % 128 was 0 or 127; fixed in 232955c/6f84790, bench/pd_concurrent_check.py:
-# 16 sessions 6 of 60 differ before, 0 of 60 after). The store fault here is the SIGSTOP.
-# In CI since 2026-12-01 (it was opt-in: two failures in stop 14's clean-clone run). Robust on 2
-# cores through: (1) the kill is tied to evidence, not a fixed 0.05 s: the prefill is frozen
-# (SIGSTOP) the moment the burst's decode legs are posted, so no READ of it can complete, and
-# SIGKILLed once decode's p2p admissions counter shows READs issued (a READ cut, in CI's
-# failing run, had finished 0.9 s after posting, before the late kill); (2) the phase after
-# the restart lasts at least pd_recovery_bound_s; (3) think time between a session's turns
-# (2 s: agents read answers and run tools) lowers the decode-only load while the prefill is
-# down; (4) the restarted prefill no longer dies of SIGILL on its first request (a store hit
-# of all but the last token: its first forward ran vLLM's AMX attention before oneDNN had
-# asked Linux for the AMX tile state; HybridPDConnector's workers now ask, allow_amx). Before
-# (4) 2 of 2 runs here failed "READs resumed after None s" with the prefill's engine dead
-# (worker exit -4, SIGILL) right after it was healthy; stop 14's "135 s restart" then no READs fits it too.
-# After: 4 of 4 in a row passed under the engine lock, 170 / 203 / 192 / 152 s (2026-12-01, helper-30):
-# each time 3 of 3 burst READs in flight at the kill (prefill frozen 0.36-0.73 s, 2688-3200 P/D
-# tokens admitted meanwhile), READs back 3.0-4.9 s after the restart, 0 failures. Plants
-# policy-fail + kill-before-read + no-prefill-restart in one run: "prefill-kill: 4 of 6 requests
-# failed", "after-prefill-kill: 4 of 56", "no READ was issued while the prefill was frozen (0.0 in
-# 0.48 s)", "no hand-over was cut by the kill", "0 of 3 burst turns compared", "P/D READs resumed
-# after None s".
+# has not read, then restarted. About 3 minutes on 2 cores (two engine boots, the prefill's
+# re-boot under the sessions' load, 2 x 12 s + the after-restart phase >= its bound, the
+# sampled recomputes; docs/soak.md). Its "= recompute" check catches a prefill's sliding-window
+# block that the decode needs being freed before the hand-over (N % 128 of 0 or 127;
+# bench/pd_concurrent_check.py reproduces it alone).
+# What the P/D checks catch (soak_problems over CI_PD with SoakConfig.plant): policy-fail fails
+# "prefill-kill: N of M requests failed" (READs cut by the kill fail the request) and
+# "after-prefill-kill: N of M"; leak-prefill fails "left after shutdown: processes [the
+# prefill's pids]"; kill-before-read fails "no READ was issued while the prefill was frozen",
+# "no hand-over was cut by the kill" and "0 of N burst turns compared"; no-prefill-restart fails
+# "P/D READs resumed after None s".
+# Robust on 2 cores through: (1) the kill is tied to evidence, not a fixed delay: the prefill is
+# frozen (SIGSTOP) the moment the burst's decode legs are posted, so no READ of it can complete,
+# and SIGKILLed once decode's p2p admissions counter shows READs issued (with a fixed delay a
+# READ can finish before the kill); (2) the phase after the restart lasts at least
+# pd_recovery_bound_s; (3) think time between a session's turns (2 s: agents read answers and
+# run tools) lowers the decode-only load while the prefill is down; (4) HybridPDConnector's
+# workers ask Linux for the AMX tile state (allow_amx), so the restarted prefill's first forward
+# (a store hit of all but the last token, which runs vLLM's AMX attention before oneDNN asks)
+# does not die of SIGILL and leave "READs resumed after None s".
 CI_PD = SoakConfig(sessions=4, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_blocks=64, samples=2,
                    pd=True, faults=["stop", "prefill-kill"], think_s=2.0)
 
@@ -81,7 +69,7 @@ def timed_phases(doc: dict) -> tuple[str, ...]:
 def soak_problems(doc: dict) -> list[str]:
     """Every target the run missed, as one line each (empty: all met). A store-only run with
     every fault checks what it always did; a run with fewer faults checks each fault it ran;
-    a --pd run also the prefill kill: a hand-over in flight at the kill, P/D READs landing
+    a --pd run also the prefill kill: a hand-over in flight at the kill, P/D READs completing
     again within ``pd_recovery_bound_s`` of the restarted prefill, its burst compared."""
     problems = []
     rows = {r["phase"]: r for r in doc["phases"]}

@@ -71,7 +71,7 @@ def observe_store_turns(row: str, rows: list[TurnRow]) -> None:
 
 
 def assert_store_stack_on_loopback(master) -> None:  # noqa: ANN001 - EmbeddedMaster
-    """Trust boundary (issue 13): every socket this test's process tree listens on -- the
+    """Trust boundary: every socket this test's process tree listens on -- the
     master, the engine core, its worker with Mooncake's handshake and data listeners (the
     data port serves the whole registered KV cache) -- is on loopback. The listing's power:
     it must show the master's port and at least two listeners in another process (the

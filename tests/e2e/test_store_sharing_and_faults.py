@@ -157,7 +157,7 @@ def test_objects_lost_between_lookup_and_load_recompute(tmp_path):
             assert matches(got, ref)
             # The lookup still found the objects (the master lists them) and a load was
             # attempted and failed: one failed load. A hit counts only when its load
-            # succeeded (issue 14: hits are counted once per request decision), so none.
+            # succeeded (hits are counted once per request decision), so none.
             assert metric(llm, "vllm:hybridkv_store_lookup_hits") - hits_before == 0
             assert metric(llm, "vllm:hybridkv_store_failed_loads") == 1
             assert elapsed <= fault_bound(base_s), "lost objects must cost at most the configured timeouts"

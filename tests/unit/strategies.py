@@ -31,8 +31,8 @@ from tests.unit.harness import Geometry, evict_random, fa, mamba, run_prefill, s
 # vLLM managers, so per-example deadlines are off.
 #
 # CI is derandomized: the same examples every run, so whether a change lands does
-# not depend on which random examples a run drew (a random CI run once found a
-# false positive of a check, 2026-12-01, after many passing runs). Exploration is a
+# not depend on which random examples a run drew (a rare false positive of a check would
+# otherwise fail an unrelated change). Exploration is a
 # separate, explicit mode: HYBRIDKV_HYPOTHESIS_EXPLORE=N draws N fresh random
 # examples per property (hypothesis prints a reproducer for any failure); what it
 # finds becomes an @example or a regression test.

@@ -184,7 +184,7 @@ def _prefill_in_chunks(manager, geo, tokens, chunks):
 
 
 def _seed_case_fa16_64_fa32_128_mamba_128(keep_mamba_state_at_64: bool):
-    """The seed scenario of issue 12: FA16 hit 64, FA32 hit 128, Mamba hit 128.
+    """The seed scenario: FA16 hit 64, FA32 hit 128, Mamba hit 128.
 
     Chunks 64 + 64 + 129 leave Mamba states at 64, 128 and the prompt's end;
     evictions then cut FA16 at 64, FA32 at 128 and Mamba beyond 128 (and at

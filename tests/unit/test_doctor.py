@@ -308,7 +308,7 @@ def test_prefix_caching_off_is_refused_by_the_store_check(capsys, models):
 def test_qwen3next_groups_and_pd_serves_them(capsys, models, secret):
     # The SSM state's dtype pinned as the tiny models pin it (tiny_models.pinned_engine_args):
     # left to 'auto' it is bf16 on a CPU without AVX512-BF16 and the engine's Mamba block is
-    # 128, not 256 (seen on an AMD EPYC, 2026-12-03); the doctor reports what vLLM computes.
+    # 128, not 256 (e.g. on an AMD EPYC); the doctor reports what vLLM computes.
     rc, c = run(capsys, pd({"auth_secret_file": secret}), "--model", models["qwen3next"],
                 "--vllm-args=--mamba-ssm-cache-dtype float32")
     assert rc == 0

@@ -1,6 +1,6 @@
 """tests/e2e/conftest.py's "server logs" section of a failed e2e test: besides each log's last
-lines, the lines before the server's shutdown, polls left out (a soak's stalled decode was
-seen in CI only through its shutdown lines)."""
+lines, the lines before the server's shutdown, polls left out (a soak's stalled decode shows
+only in its shutdown lines)."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def test_a_foreign_listener_on_the_rpc_port_is_refused_not_served() -> None:
 
 def test_ports_it_chose_are_chosen_again_when_one_was_taken_meanwhile(monkeypatch) -> None:
     """``_free_port`` releases a port before the master binds it; on a busy host another
-    process can take it (CI 2026-12-03 ran the unit tests beside the engines). A master that
+    process can take it (CI runs the unit tests beside the engines). A master that
     chose its ports itself and exits with "Address already in use" is started again on new
     ports. Planted: the first port handed out (the rpc port) is held by a listener of this
     process; without the re-choice start() raises "exited with code 1"."""

@@ -78,8 +78,8 @@ def _write_where_stdout_points(line: str) -> None:
 def test_a_fork_server_child_writes_where_the_callers_stdout_points_at_its_start(tmp_path, monkeypatch):
     """The e2e tests point fds 1 and 2 at a log file and read the engine workers' lines there
     (tests/e2e/engine_harness.engine_output_to); a fork server's child inherits the server's fds
-    instead, unless the caller's travel with it (found by a whole e2e run under fork: "expected
-    one P/D read line, got []"). Its environment and directory are the caller's too."""
+    instead, unless the caller's travel with it (otherwise an e2e test under fork fails with
+    "expected one P/D read line, got []"). Its environment and directory are the caller's too."""
     import multiprocessing.forkserver
     import os
 

@@ -9,8 +9,8 @@ reserves ``_inflight_prefill_reserved_blocks()``: that stale entry's whole promp
 request's own included. So if any connector then offers this request an async load (the
 store holds its prefix), vLLM needs its prompt's blocks twice over; when that does not fit
 it stops the waiting loop at this request, every step, with nothing running: the engine
-admits nothing until the client gives up (issue 14: the P/D soak's decode sat at "Running
-0, Waiting 7, KV fetch: 1 waiting to start" for 2 minutes with 0 % KV cache used).
+admits nothing until the client gives up (a P/D decode then logs "Running 0, Waiting N,
+KV fetch: 1 waiting to start" with 0 % KV cache used).
 
 hybridkv's answer: after ANY connector's load of a request failed, the store offers that
 request nothing (it recomputes: a plain admission, which clears the stale entry). The vLLM

@@ -20,7 +20,7 @@ The resolver is pip 26.3, fetched as a wheel (~1.8 MB) and run from it, not the 
 pip 23.2 (the venv's) took 94 s (x86_64) and 141 s (aarch64) for the same resolution.
 
 The resolution itself lives in tests/gpu_resolution.py: scripts/test.sh runs it beside setup
-(off the suite's critical path, issue 15) and this file checks its result.
+(off the suite's critical path) and this file checks its result.
 """
 
 from __future__ import annotations

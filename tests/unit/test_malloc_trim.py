@@ -1,5 +1,5 @@
 """store/malloc_trim.py: the periodic trimmer, and that glibc's malloc_trim(0) really hands back
-freed memory held inside a thread's arena (the mechanism issue 14's fix relies on)."""
+freed memory held inside a thread's arena (the mechanism the store's RSS bound relies on)."""
 
 from __future__ import annotations
 

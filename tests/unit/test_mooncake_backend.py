@@ -348,11 +348,11 @@ def test_hung_master_call_times_out_and_backend_recovers() -> None:
         m.stop()
 
 
-# --- issue 14: an external master SIGKILLed and restarted under two clients --------------------
-# The P/D + store soak (two engines, each with its own client and segment, on ONE external
-# master) once saw no store service for 170 s after the master's restart. The hypotheses were:
-# segments not re-mounted on the new master, a reconnect that differs with two clients, a
-# breaker that never half-opens. This reproduces exactly that without an engine: two real
+# --- an external master SIGKILLed and restarted under two clients ------------------------------
+# Two engines, each with its own client and segment, on ONE external master must get store
+# service back after the master's restart. What could break it: segments not re-mounted on the
+# new master, a reconnect that differs with two clients, a breaker that never half-opens. This
+# checks exactly that without an engine: two real
 # client PROCESSES (one client per process, as in the engines), each contributing a segment,
 # writing and reading back every 0.2 s across a SIGKILL and a restart on the same port.
 _RESTART_CLIENT = r"""

@@ -160,7 +160,7 @@ def test_checksum_reads_memory_in_place(size):
     assert checksum_parts("x", addrs, sizes) == checksum_bytes("x", buf.tobytes())
 
 
-# --- the keyed tag (issue 13) ----------------------------------------------------------
+# --- the keyed tag ------------------------------------------------------------------
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 

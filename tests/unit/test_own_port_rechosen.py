@@ -1,8 +1,8 @@
 """Ports our own servers choose: outside the ephemeral range, and chosen again when taken.
 
-Seen in CI (stop 29's landing): a P/D stack chose its proxy's port, booted two engines for a
-minute, and the proxy then died with "[Errno 98] ... address already in use" (the port, from
-the ephemeral range, had been taken meanwhile). Eight e2e tests errored on that one port.
+Why: a P/D stack chooses its proxy's port, boots two engines for a minute, and only then starts
+the proxy; a port from the ephemeral range can be taken meanwhile, and the proxy then dies with
+"[Errno 98] ... address already in use", erroring every e2e test on that stack.
 Real sockets, real processes and the real proxy; the vLLM servers are stand-in HTTP servers
 (named as such: only their port handling is under test, and a real engine boot costs 47 s).
 """

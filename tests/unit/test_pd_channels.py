@@ -1,4 +1,4 @@
-"""P/D side-channel calls reuse one gRPC channel per peer (issue 14: a channel per call).
+"""P/D side-channel calls reuse one gRPC channel per peer, not a channel per call.
 
 Real gRPC: a real HandshakeServer, the real client functions; the count of channels is
 read off the client's own channel cache (how many it created), not a fake.

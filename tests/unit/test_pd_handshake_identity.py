@@ -1,4 +1,4 @@
-"""The P/D handshake refuses peers whose KV identity differs (issue 13, handshake version 5).
+"""The P/D handshake refuses peers whose KV identity differs (handshake version 5).
 
 Two fp8 variants (e4m3 / e5m2) or two revisions of one checkpoint have equal block
 bytes, dtypes and formats, so the geometry checks pass; only the identity

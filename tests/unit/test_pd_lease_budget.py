@@ -1,4 +1,4 @@
-"""A prefill instance bounds the KV blocks unread P/D leases may hold (issue 13).
+"""A prefill instance bounds the KV blocks unread P/D leases may hold.
 
 Any API client can send ``do_remote_decode``; each finished request then keeps its blocks
 for ``lease_s`` unless a decode leg reads or releases them. Without a bound, requests whose

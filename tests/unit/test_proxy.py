@@ -388,11 +388,12 @@ def test_a_decode_instance_that_hangs_up_is_a_502_naming_it_not_a_truncated_answ
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_decode_connection_dropped_before_the_answer_is_sent_once_more(stream):
-    """The P/D soak of 2026-12-03: 2 of 2882 requests failed with the proxy's 502 "decode
-    instance ... unreachable: ReadError" while both instances kept idle connections 75 s. The
-    decode leg is now sent once more when its connection fails before any answer (a replayed
-    hand-over is refused by decode and recomputed; tests/e2e/test_pd_hostile_client.py): the
-    client gets the decode's answer, and the retry is counted. Without the retry: 502, fails."""
+    """A pooled connection can drop with a ReadError even when both instances keep idle
+    connections 75 s, which would fail the request with the proxy's 502 "decode instance ...
+    unreachable: ReadError". The decode leg is sent once more when its connection fails before
+    any answer (a replayed hand-over is refused by decode and recomputed;
+    tests/e2e/test_pd_hostile_client.py): the client gets the decode's answer, and the retry
+    is counted. Without the retry: 502, fails."""
     import json as _json
 
     from fastapi.testclient import TestClient

@@ -3,9 +3,9 @@
 ``bound_mooncake_stalls`` puts Mooncake's wait variables (MC_TCP_PROGRESS_TIMEOUT_SEC, ...) in
 this process's environment for its store client; a variable present when hybridkv is imported
 counts as the operator's and is never overridden. So a harness that used a store client (the
-soak's chaos client, 30 s) and then started a server passed its bound on as if an operator had
-set it: the restarted prefill's store reads waited 30-60 s instead of its own 10 s, polling,
-and every session stalled for 2 minutes (bench/soak.py --pd, 2026-12-04). The child here is a
+soak's chaos client, 30 s) and then starts a server would pass its bound on as if an operator
+had set it: the restarted prefill's store reads would wait 30-60 s instead of its own 10 s,
+polling, and stall every session (bench/soak.py --pd). The child here is a
 real interpreter importing hybridkv afresh, as a server's engine and workers do.
 """
 

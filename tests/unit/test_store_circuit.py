@@ -1,7 +1,7 @@
 """The store client's circuit breaker (store/circuit.py): exponential backoff between probes and
 ONE probe at a time (half-open), on its own clock, then on a real mooncake_master killed and
-restarted on its port (issue 14: "External master restart: reconnect with backoff, breaker
-half-open")."""
+restarted on its port (an external master restart: reconnect with backoff, breaker
+half-open)."""
 
 from __future__ import annotations
 

@@ -410,7 +410,7 @@ def test_a_call_stuck_on_one_node_leaves_lookups_alone_a_hung_master_refuses_all
         client.close()
 
 
-# --- issue 14: how long an ABANDONED call keeps its blocks ------------------------------------
+# --- how long an ABANDONED call keeps its blocks ---------------------------------------------
 # The caller gives up after timeout_s, but a Mooncake call cannot be cancelled: its KV blocks stay
 # pinned until it really returns. Left to Mooncake that is 30 s (TCP "no transfer progress" /
 # master RPC timeout); under the P/D + store soak such pins, in a prefill whose small cache was

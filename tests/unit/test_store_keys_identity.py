@@ -1,4 +1,4 @@
-"""Store keys carry every field that changes the KV bytes or their meaning (issue 13).
+"""Store keys carry every field that changes the KV bytes or their meaning.
 
 Each test builds two real vLLM configs (``VllmConfig`` over a tiny local checkpoint,
 ``KVCacheConfig`` from vLLM's own spec classes) that differ ONLY in one field and

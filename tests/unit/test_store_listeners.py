@@ -1,4 +1,4 @@
-"""Every socket a Mooncake store client listens on is on the configured host (issue 13).
+"""Every socket a Mooncake store client listens on is on the configured host.
 
 Real parts only: a real ``mooncake_master`` (EmbeddedMaster) and real ``MooncakeBackend``
 clients, one of them in a child process that owns the segment, so puts and gets really cross

@@ -1,4 +1,4 @@
-"""Store objects MACed with the deployment secret (issue 13), against a REAL mooncake_master.
+"""Store objects MACed with the deployment secret, against a REAL mooncake_master.
 
 Why real: the attack is a process that reaches the master and writes an object; here a
 second Mooncake client (holding the store's memory, no secret) plants objects with

@@ -1,4 +1,4 @@
-"""Request counters mean one decision per request (issue 14): exact counts.
+"""Request counters mean one decision per request: exact counts.
 
 The ledger is driven the way the scheduler drives it (lookup answers, admission, the
 workers' per-request load outcome); each test is a sequence the old counting got wrong

@@ -1,4 +1,4 @@
-"""The REAL StoreScheduler counts one decision per request (issue 14), exact counts.
+"""The REAL StoreScheduler counts one decision per request, exact counts.
 
 Real KVCacheManager, real mooncake_master, the grants geometry (full attention 16,
 sliding window 16/64, Mamba align 64). Needs the RequestLedger wiring in

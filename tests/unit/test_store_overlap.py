@@ -1,4 +1,4 @@
-"""The overlapped trailer check (issue 16) catches what the serial one catches, and writes the same bytes.
+"""The overlapped trailer check catches what the serial one catches, and writes the same bytes.
 
 Why: the store data path now hashes sub-batch i+1 while sub-batch i is in the put and
 verifies sub-batch i-1 while sub-batch i is in the get. A pipeline like that can lose a

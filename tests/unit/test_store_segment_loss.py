@@ -1,16 +1,13 @@
-"""Objects lost with no master restart must not stay "saved recently" (issue 14, finding 5).
+"""Objects lost with no master restart must not stay "saved recently".
 
-What happened: in the full store soak the hit rate after a 10 s master SIGSTOP fell from
-0.92 to 0.07 and stayed there until the next master restart. Mechanism (reproduced with real
-processes, no engine): ``mooncake_master`` expires a client whose pings it has not seen for
+Why: otherwise the hit rate after a long master SIGSTOP falls to almost nothing and stays
+there until the next master restart (docs/soak.md). Mechanism (real processes, no engine):
+``mooncake_master`` expires a client whose pings it has not seen for
 ``--client_ttl`` (10 s by default) and unmounts its segment, dropping every object in it.
 A master stopped ~10 s or more finds every client's TTL run out when it resumes; a client is
 expired when the master's monitor thread runs before the pings queued during the stop are read
-(a race; the expiry is logged within 1 ms of the resume). Measured with a master, a node
-(256 MiB segment), a "worker" (128 MiB) and a scheduler-like client (no segment), 240 keys:
-10 s stops lost keys in 1 of 20 trials at MC_RPC_TIMEOUT_MS=2000, 2 of 20 at 10000 (the current
-floor) and 0 of 10 at 30000; 15 s stops in 1 of 6 at 30000 (one segment: 102 of 240 keys).
-The client then remounts an EMPTY segment.
+(a race; the expiry is logged within 1 ms of the resume), rarely and at any
+MC_RPC_TIMEOUT_MS (docs/soak.md). The client then remounts an EMPTY segment.
 The scheduler's epoch marker (``MooncakeBackend.check_master_epoch``) lives in one segment: when
 another segment is dropped, the epoch does not change, ``_recent`` keeps the lost keys, and
 every later request recomputes those blocks without ever saving them again.

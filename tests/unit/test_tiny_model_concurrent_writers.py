@@ -3,8 +3,8 @@
 Why: scripts/test.sh runs the unit lane beside the e2e lane, and on a clean machine both
 build the same tiny model (~/.cache/hybridkv/models) in their first seconds. Without a lock
 the writers share ``model.safetensors.tmp`` and the second ``os.replace`` finds it already
-moved: 8 spawned writers released by one barrier failed 1 run in 3 here with
-"FileNotFoundError" (2026-12-03). That race is too rare to be the test; this test holds the
+moved and fails with "FileNotFoundError" (8 spawned writers released by one barrier hit
+it only some of the time). That race is too rare to be the test; this test holds the
 lock as another writer would and checks that a writer neither writes nor returns meanwhile,
 then completes once the lock is released (without the lock it returns at once: fails).
 """
