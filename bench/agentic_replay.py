@@ -847,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=None,
                    help=f"default: {','.join(ALL_CONFIGS)}; with --models: {','.join(SINGLE_ENGINE)}")
     p.add_argument("--models", default=None,
-                   help=f"NAME[:BLOCKS],... of {', '.join(MODELS)}: the geometries run (issue 16), one model "
+                   help=f"NAME[:BLOCKS],... of {', '.join(MODELS)}: the geometries run, one model "
                    "after the other; BLOCKS overrides --num-gpu-blocks for that model")
     p.add_argument("--per-request-split", action=argparse.BooleanOptionalAction, default=None,
                    help="at 1 user, read the engine's /metrics after every request: each turn's own local / "
