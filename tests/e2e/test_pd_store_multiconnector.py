@@ -169,9 +169,17 @@ def _shutdown(*llms) -> None:
 
 def _release_seconds(prefill) -> float:
     """Time until prefill's blocks are all free: its request's P/D lease released and its
-    store saves acknowledged (vLLM refuses a prefix-cache reset while any block is held)."""
+    store saves acknowledged (vLLM refuses a prefix-cache reset while any block is held).
+
+    An idle prefill does not step (the connector holds a lease's blocks itself, so vLLM has
+    nothing to run): it learns that decode released the lease at its next step. A one-token
+    request of another prompt is that step, as the next user request would be."""
     t0 = time.monotonic()
-    reset_local_cache(prefill, timeout_s=LEASE_S / 2)
+    deadline = t0 + LEASE_S / 2
+    while not prefill.reset_prefix_cache():
+        assert time.monotonic() < deadline, "prefill's blocks still held at half the lease: release lost?"
+        generate(prefill, [7, 8, 9], max_tokens=1, cache_salt=f"step-{uuid.uuid4()}")
+        time.sleep(0.05)
     return time.monotonic() - t0
 
 
