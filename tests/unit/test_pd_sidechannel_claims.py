@@ -23,21 +23,7 @@ from hybridkv.connector.pd_handshake import (
     request_agent_info,
 )
 from hybridkv.connector.pd_metadata import Lease, PDConnectorMetadata
-from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
-from tests.unit.test_pd_params_auth import INFO, KEY
-
-
-@pytest.fixture()
-def worker():
-    w = PDWorker(PDWorkerSettings("prefill-engine", 0, 1, "127.0.0.1", 0, 5.0, 5.0, key=KEY), None)
-    yield w
-    w.shutdown()
-
-
-@pytest.fixture()
-def server(worker):
-    with HandshakeServer(INFO, on_release=worker._released_by_decode, on_claim=worker._claim, key=KEY) as s:
-        yield s
+from tests.unit.test_pd_params_auth import INFO, KEY, server, worker  # noqa: F401 (fixtures)
 
 
 def test_agent_info_answers_while_eight_unknown_claims_are_pending(server):
