@@ -68,10 +68,22 @@ def pd_scheduler(model_dir: Path, role: str, geo: Geometry, secret_file: str, *,
                  "kv_connector_module_path": "hybridkv.connector", "kv_load_failure_policy": "recompute",
                  "kv_connector_extra_config": {"master_address": store_master,
                                                "namespace": store_namespace}}]})
+    sched = real_scheduler(model_dir, geo, transfer, CacheConfig(block_size=block, enable_prefix_caching=True),
+                           max_num_seqs=max_num_seqs)
+    if store_master is None:
+        assert isinstance(sched.connector, HybridPDConnector)
+    return sched
+
+
+def real_scheduler(model_dir: Path, geo: Geometry, transfer: KVTransferConfig, cache_config: CacheConfig, *,
+                   max_num_seqs: int = 8) -> Scheduler:
+    """What ``EngineCore`` builds in the scheduler process over ``geo`` (no workers): block
+    sizes and cache-hit alignment resolved by vLLM's own functions, the connector built by
+    vLLM from ``transfer``."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                                  enforce_eager=True, max_model_len=geo.max_model_len),
-        cache_config=CacheConfig(block_size=block, enable_prefix_caching=True),
+        cache_config=cache_config,
         scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max_num_seqs,
                                          max_model_len=geo.max_model_len, is_encoder_decoder=False),
         kv_transfer_config=transfer,
@@ -82,12 +94,9 @@ def pd_scheduler(model_dir: Path, role: str, geo: Geometry, secret_file: str, *,
     kv_cache_config.hash_block_size = hash_block_size
     kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
         kv_cache_config, vllm_config, block_size, hash_block_size)
-    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                      structured_output_manager=StructuredOutputManager(vllm_config),
-                      block_size=block_size, hash_block_size=hash_block_size)
-    if store_master is None:
-        assert isinstance(sched.connector, HybridPDConnector)
-    return sched
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=block_size, hash_block_size=hash_block_size)
 
 
 def pd_request(req_id: str, prompt: list[int], params: dict, block_size: int) -> Request:

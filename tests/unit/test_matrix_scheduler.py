@@ -31,16 +31,14 @@ import torch
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
+from vllm.config import CacheConfig, KVTransferConfig
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.structured_output import StructuredOutputManager
 
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.connector.pd_connector import HybridPDConnector
 from hybridkv.connector.store_connector import HybridStoreConnector
 from tests.unit.harness import Geometry, fa
-from tests.unit.pd_real_scheduler import model_dir, pd_request, prefill_leg  # noqa: F401 (fixture)
+from tests.unit.pd_real_scheduler import model_dir, pd_request, prefill_leg, real_scheduler  # noqa: F401 (fixture)
 from tests.unit.test_real_scheduler import (  # noqa: F401 (store: a fixture)
     UNIT,
     _admit,
@@ -80,28 +78,12 @@ PREFIX_MATCH_UNIT = {"block+drafter": None, "partial+drafter": UNIT}
 
 
 def _sched(model_dir, geo: Geometry, mode: str, transfer: KVTransferConfig) -> Scheduler:  # noqa: F811
-    """What ``EngineCore`` builds in the scheduler process over ``geo`` in ``mode``
-    (tests/unit/test_real_scheduler.py and pd_real_scheduler.py build the same, without a
-    prefix-match unit)."""
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                                 enforce_eager=True, max_model_len=geo.max_model_len),
-        cache_config=CacheConfig(block_size=UNIT, enable_prefix_caching=True, mamba_cache_mode="align",
-                                 prefix_match_unit=PREFIX_MATCH_UNIT[mode]),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
-                                         max_model_len=geo.max_model_len, is_encoder_decoder=False),
-        kv_transfer_config=transfer,
-    )
-    kv_cache_config = geo.kv_cache_config()
-    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    kv_cache_config.hash_block_size = hash_block_size
-    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-        kv_cache_config, vllm_config, block_size, hash_block_size)
-    assert hash_block_size == UNIT, (mode, block_size, hash_block_size)
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=block_size, hash_block_size=hash_block_size)
+    """What ``EngineCore`` builds in the scheduler process over ``geo`` in ``mode``."""
+    sched = real_scheduler(model_dir, geo, transfer, CacheConfig(
+        block_size=UNIT, enable_prefix_caching=True, mamba_cache_mode="align",
+        prefix_match_unit=PREFIX_MATCH_UNIT[mode]))
+    assert sched.kv_cache_config.hash_block_size == UNIT, (mode, sched.block_size)
+    return sched
 
 
 def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, mode: str) -> Scheduler:  # noqa: F811
