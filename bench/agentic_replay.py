@@ -103,8 +103,8 @@ from hybridkv.cli.agentic_demo import (  # noqa: E402
     compare,
     counter,
 )
-from hybridkv.cli.server import HOST, VllmServer, free_port  # noqa: E402
 from hybridkv.cli.pd_stack import disjoint_core_envs  # noqa: E402
+from hybridkv.cli.server import HOST, VllmServer, free_port  # noqa: E402
 from hybridkv.connector.pd_auth import SECRET_ENV, SECRET_FILE_ENV, write_secret_file  # noqa: E402
 
 ALL_CONFIGS = ("none", "hybrid", "mooncake", "pd", "pd-store")
@@ -131,16 +131,33 @@ class ModelSpec:
 
 
 NUM_SPECULATIVE_TOKENS = 2  # as tests/e2e/test_store_eagle.py
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (
-    ModelSpec("gemma3", "gemma3", "sliding (bs 128) + full attention (bs 128): one dense group"),
-    ModelSpec("gemma4", "gemma4", "sliding (bs 256) + full attention bs 128 (head 128) + full attention "
-              "bs 256 (head 64): two dense groups at different block sizes"),
-    ModelSpec("gemma3-eagle", "gemma3", "gemma3 sliding + full (bs 256) + EAGLE drafter full attention "
-              "(bs 128, head 128)", drafter="eagle-gemma3"),
-    ModelSpec("qwen3next-pmu64", "qwen3next", "Gated-DeltaNet (Mamba align) + full attention, bs 256, "
-              "--prefix-match-unit 64 (sub-block hits)",
-              engine_args=("--block-size", "256", "--prefix-match-unit", "64")),
-)}
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        ModelSpec(
+            "gemma3", "gemma3", "sliding (bs 128) + full attention (bs 128): one dense group"
+        ),
+        ModelSpec(
+            "gemma4",
+            "gemma4",
+            "sliding (bs 256) + full attention bs 128 (head 128) + full attention "
+            "bs 256 (head 64): two dense groups at different block sizes",
+        ),
+        ModelSpec(
+            "gemma3-eagle",
+            "gemma3",
+            "gemma3 sliding + full (bs 256) + EAGLE drafter full attention (bs 128, head 128)",
+            drafter="eagle-gemma3",
+        ),
+        ModelSpec(
+            "qwen3next-pmu64",
+            "qwen3next",
+            "Gated-DeltaNet (Mamba align) + full attention, bs 256, "
+            "--prefix-match-unit 64 (sub-block hits)",
+            engine_args=("--block-size", "256", "--prefix-match-unit", "64"),
+        ),
+    )
+}
 
 
 def parse_models(value: str) -> list[ModelSpec]:
@@ -184,8 +201,9 @@ class Bench:
         self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="hybridkv-agentic-replay-"))
         self.model = self._model()
         self.drafter = self._tiny(spec.drafter) if spec and spec.drafter else None
-        self.num_gpu_blocks = (spec.num_gpu_blocks if spec and spec.num_gpu_blocks
-                               else args.num_gpu_blocks)
+        self.num_gpu_blocks = (
+            spec.num_gpu_blocks if spec and spec.num_gpu_blocks else args.num_gpu_blocks
+        )
 
     # -- model
     @staticmethod
@@ -193,7 +211,9 @@ class Bench:
         from hybridkv.cli.tiny_models import write_tiny_model
 
         base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-        return str(write_tiny_model(kind, base / "hybridkv" / "tiny-models" / f"{kind}-seed0", seed=0))
+        return str(
+            write_tiny_model(kind, base / "hybridkv" / "tiny-models" / f"{kind}-seed0", seed=0)
+        )
 
     def _model(self) -> str:
         if self.spec is not None:
@@ -205,9 +225,14 @@ class Bench:
     def model_summary(self) -> dict:
         path = pathlib.Path(self.model)
         cfg = json.loads((path / "config.json").read_text())
-        info = {"path": str(path), "architecture": cfg.get("architectures", ["?"])[0],
-                "hidden_size": cfg.get("hidden_size"), "layers": cfg.get("num_hidden_layers"),
-                "layer_types": cfg.get("layer_types"), "sliding_window": cfg.get("sliding_window")}
+        info = {
+            "path": str(path),
+            "architecture": cfg.get("architectures", ["?"])[0],
+            "hidden_size": cfg.get("hidden_size"),
+            "layers": cfg.get("num_hidden_layers"),
+            "layer_types": cfg.get("layer_types"),
+            "sliding_window": cfg.get("sliding_window"),
+        }
         st = path / "model.safetensors"
         if st.is_file():
             from safetensors import safe_open
@@ -220,24 +245,50 @@ class Bench:
             info["parameters"] = n
             info["safetensors_mib"] = round(st.stat().st_size / 2**20, 1)
         if self.spec is not None:
-            info.update(name=self.spec.name, kind=self.spec.kind, geometry=self.spec.geometry,
-                        drafter=self.drafter, engine_args=list(self.spec.engine_args),
-                        num_gpu_blocks=self.num_gpu_blocks)
+            info.update(
+                name=self.spec.name,
+                kind=self.spec.kind,
+                geometry=self.spec.geometry,
+                drafter=self.drafter,
+                engine_args=list(self.spec.engine_args),
+                num_gpu_blocks=self.num_gpu_blocks,
+            )
         return info
 
     # -- servers
     def _server(self, tag: str, kv: dict | None, env: dict | None = None) -> VllmServer:
-        extra = ["--num-gpu-blocks-override", str(self.num_gpu_blocks),
-                 "--max-num-batched-tokens", str(self.args.max_num_batched_tokens),
-                 "--max-num-seqs", str(self.args.max_num_seqs), "--seed", "0"]
+        extra = [
+            "--num-gpu-blocks-override",
+            str(self.num_gpu_blocks),
+            "--max-num-batched-tokens",
+            str(self.args.max_num_batched_tokens),
+            "--max-num-seqs",
+            str(self.args.max_num_seqs),
+            "--seed",
+            "0",
+        ]
         if self.spec is not None:
             extra += list(self.spec.engine_args)
         if self.drafter:
-            extra += ["--speculative-config", json.dumps(
-                {"method": "eagle", "model": self.drafter, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})]
-        return VllmServer(self.model, max_model_len=self.args.max_model_len, kv_transfer_config=kv,
-                          extra_args=extra, log_path=self.workdir / f"vllm-{tag}.log",
-                          startup_timeout_s=self.args.startup_timeout, env=env)
+            extra += [
+                "--speculative-config",
+                json.dumps(
+                    {
+                        "method": "eagle",
+                        "model": self.drafter,
+                        "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+                    }
+                ),
+            ]
+        return VllmServer(
+            self.model,
+            max_model_len=self.args.max_model_len,
+            kv_transfer_config=kv,
+            extra_args=extra,
+            log_path=self.workdir / f"vllm-{tag}.log",
+            startup_timeout_s=self.args.startup_timeout,
+            env=env,
+        )
 
     @staticmethod
     def _start_all(servers: list[VllmServer]) -> None:
@@ -261,9 +312,13 @@ class Bench:
             raise errors[0]
 
     def _store_child(self, master: str) -> dict:
-        return {"kv_connector": "HybridStoreConnector", "kv_connector_module_path": "hybridkv.connector",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"master_address": master, "global_segment_size": SEGMENT}}
+        return {
+            "kv_connector": "HybridStoreConnector",
+            "kv_connector_module_path": "hybridkv.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"master_address": master, "global_segment_size": SEGMENT},
+        }
 
     @contextlib.contextmanager
     def deploy(self, name: str):
@@ -280,37 +335,80 @@ class Bench:
                     kv = self._store_child(master.address)
                 else:
                     cfg_path = self.workdir / "mooncake_store.json"
-                    cfg_path.write_text(json.dumps({
-                        "metadata_server": "P2PHANDSHAKE", "master_server_address": master.address,
-                        "protocol": "tcp", "device_name": "", "mode": "embedded",
-                        "global_segment_size": "512MB", "local_buffer_size": self.args.mooncake_local_buffer,
-                    }, indent=2))
+                    cfg_path.write_text(
+                        json.dumps(
+                            {
+                                "metadata_server": "P2PHANDSHAKE",
+                                "master_server_address": master.address,
+                                "protocol": "tcp",
+                                "device_name": "",
+                                "mode": "embedded",
+                                "global_segment_size": "512MB",
+                                "local_buffer_size": self.args.mooncake_local_buffer,
+                            },
+                            indent=2,
+                        )
+                    )
                     env = {"MOONCAKE_CONFIG_PATH": str(cfg_path)}
-                    kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                          "kv_load_failure_policy": "recompute",
-                          "kv_connector_extra_config": {"save_decode_cache": True}}
+                    kv = {
+                        "kv_connector": "MooncakeStoreConnector",
+                        "kv_role": "kv_both",
+                        "kv_load_failure_policy": "recompute",
+                        "kv_connector_extra_config": {"save_decode_cache": True},
+                    }
                 srv = self._server(name, kv, env)
                 self._start_all([srv])
                 stack.callback(srv.stop)
-                yield Deployment(name, srv.url, srv.url, {"engine": srv.url}, "engine",
-                                 [shlex.join(srv.command())], [str(srv.log_path)])
+                yield Deployment(
+                    name,
+                    srv.url,
+                    srv.url,
+                    {"engine": srv.url},
+                    "engine",
+                    [shlex.join(srv.command())],
+                    [str(srv.log_path)],
+                )
                 return
             # P/D: prefill + decode engines, then the proxy in front.
             if name == "pd":
-                pre_kv = {"kv_connector": "HybridPDConnector", "kv_connector_module_path": "hybridkv.connector",
-                          "kv_role": "kv_producer"}
-                dec_kv = {"kv_connector": "HybridPDConnector", "kv_connector_module_path": "hybridkv.connector",
-                          "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
+                pre_kv = {
+                    "kv_connector": "HybridPDConnector",
+                    "kv_connector_module_path": "hybridkv.connector",
+                    "kv_role": "kv_producer",
+                }
+                dec_kv = {
+                    "kv_connector": "HybridPDConnector",
+                    "kv_connector_module_path": "hybridkv.connector",
+                    "kv_role": "kv_consumer",
+                    "kv_load_failure_policy": "recompute",
+                }
             else:  # pd-store: as tests/e2e/test_pd_store_multiconnector.py (store first on decode)
-                pd_child = {"kv_connector": "HybridPDConnector", "kv_connector_module_path": "hybridkv.connector"}
-                pre_kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                          "kv_load_failure_policy": "recompute",
-                          "kv_connector_extra_config": {"connectors": [
-                              {**pd_child, "kv_role": "kv_producer"}, self._store_child(master.address)]}}
-                dec_kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                          "kv_load_failure_policy": "recompute",
-                          "kv_connector_extra_config": {"connectors": [
-                              self._store_child(master.address), {**pd_child, "kv_role": "kv_both"}]}}
+                pd_child = {
+                    "kv_connector": "HybridPDConnector",
+                    "kv_connector_module_path": "hybridkv.connector",
+                }
+                pre_kv = {
+                    "kv_connector": "MultiConnector",
+                    "kv_role": "kv_both",
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {
+                        "connectors": [
+                            {**pd_child, "kv_role": "kv_producer"},
+                            self._store_child(master.address),
+                        ]
+                    },
+                }
+                dec_kv = {
+                    "kv_connector": "MultiConnector",
+                    "kv_role": "kv_both",
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {
+                        "connectors": [
+                            self._store_child(master.address),
+                            {**pd_child, "kv_role": "kv_both"},
+                        ]
+                    },
+                }
             # Disjoint cores, as PDStack does: on shared cores the two engines starve each other.
             pre_env, dec_env = disjoint_core_envs()
             # The pair's deployment secret (signs kv_transfer_params and the P/D side channel;
@@ -324,10 +422,18 @@ class Bench:
             self._start_all([pre, dec])
             stack.callback(pre.stop)
             stack.callback(dec.stop)
-            proxy = stack.enter_context(ProxyCM(pre.url, dec.url, self.workdir / f"proxy-{name}.log"))
-            yield Deployment(name, proxy.url, dec.url, {"prefill": pre.url, "decode": dec.url}, "prefill",
-                             [shlex.join(pre.command()), shlex.join(dec.command()), shlex.join(proxy.cmd)],
-                             [str(pre.log_path), str(dec.log_path), str(proxy.log)])
+            proxy = stack.enter_context(
+                ProxyCM(pre.url, dec.url, self.workdir / f"proxy-{name}.log")
+            )
+            yield Deployment(
+                name,
+                proxy.url,
+                dec.url,
+                {"prefill": pre.url, "decode": dec.url},
+                "prefill",
+                [shlex.join(pre.command()), shlex.join(dec.command()), shlex.join(proxy.cmd)],
+                [str(pre.log_path), str(dec.log_path), str(proxy.log)],
+            )
 
 
 SINGLE_ENGINE = ("none", "hybrid", "mooncake")
@@ -338,6 +444,7 @@ def enter_concurrently(cms: dict, errors: dict[str, str], log=None) -> dict:  # 
     A deployment that fails to start lands in ``errors`` (and ``log``, which keeps the
     progress bar out of the line); the caller exits the others."""
     if log is None:
+
         def log(msg: str) -> None:
             print(msg, file=sys.stderr, flush=True)
 
@@ -383,7 +490,9 @@ class EmbeddedMasterCM:
     def __enter__(self):
         from hybridkv.store.embedded_master import EmbeddedMaster
 
-        self.m = EmbeddedMaster(default_kv_lease_ttl_ms=self.lease_ttl_ms, log_dir=str(self.log_dir))
+        self.m = EmbeddedMaster(
+            default_kv_lease_ttl_ms=self.lease_ttl_ms, log_dir=str(self.log_dir)
+        )
         return self
 
     @property
@@ -401,17 +510,32 @@ class ProxyCM:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log = log
-        self.cmd = [sys.executable, "-m", "hybridkv.cli.proxy", "--prefill", prefill, "--decode", decode,
-                    "--host", HOST, "--port", str(self.port)]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "hybridkv.cli.proxy",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+        ]
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self):
         with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"proxy exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -450,7 +574,9 @@ class Record:
     prompt: str = field(repr=False, default="")
     completion: Completion | None = field(repr=False, default=None)
     seed: int = 0  # the session's Trajectory seed: with turn, the request's input
-    local_hits: int | None = None  # this request's local / external hit tokens (--per-request-split)
+    local_hits: int | None = (
+        None  # this request's local / external hit tokens (--per-request-split)
+    )
     external_hits: int | None = None
 
 
@@ -522,7 +648,10 @@ def _metrics(url: str) -> dict[str, float]:
 
     out = parse_prometheus(r.text)
     for line in r.text.splitlines():
-        if line.startswith(("vllm:hybridkv_store_", "vllm:mooncake_store_")) and "_bucket" not in line:
+        if (
+            line.startswith(("vllm:hybridkv_store_", "vllm:mooncake_store_"))
+            and "_bucket" not in line
+        ):
             key, _, value = line.rpartition(" ")
             key = _drop_engine_labels(key)
             try:
@@ -536,25 +665,36 @@ def _drop_engine_labels(key: str) -> str:
     if "{" not in key:
         return key
     name, _, labels = key.partition("{")
-    keep = [x for x in labels.rstrip("}").split(",") if x and not x.startswith(("engine=", "model_name="))]
+    keep = [
+        x
+        for x in labels.rstrip("}").split(",")
+        if x and not x.startswith(("engine=", "model_name="))
+    ]
     return name + ("{" + ",".join(keep) + "}" if keep else "")
 
 
 def _metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     out = {}
-    for key, name in (("local_queries", METRIC_LOCAL_QUERIES), ("local_hits", METRIC_LOCAL_HITS),
-                      ("external_queries", METRIC_STORE_QUERIES), ("external_hits", METRIC_STORE_HITS)):
+    for key, name in (
+        ("local_queries", METRIC_LOCAL_QUERIES),
+        ("local_hits", METRIC_LOCAL_HITS),
+        ("external_queries", METRIC_STORE_QUERIES),
+        ("external_hits", METRIC_STORE_HITS),
+    ):
         out[key] = (counter(after, name) or 0.0) - (counter(before, name) or 0.0)
     for key in after:
-        if key.startswith("store|") and (key.endswith("_total") or "_total{" in key or "_sum" in key
-                                         or "_count" in key):
+        if key.startswith("store|") and (
+            key.endswith("_total") or "_total{" in key or "_sum" in key or "_count" in key
+        ):
             d = after[key] - before.get(key, 0.0)
             if d:
-                out[key[len("store|"):]] = round(d, 4)
+                out[key[len("store|") :]] = round(d, 4)
     return out
 
 
-def run_level(dep: Deployment, model: str, users: int, level: int, args: argparse.Namespace) -> LevelResult:
+def run_level(
+    dep: Deployment, model: str, users: int, level: int, args: argparse.Namespace
+) -> LevelResult:
     records: list[Record] = []
     failures: list[str] = []
     lock = threading.Lock()
@@ -583,7 +723,9 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
             slot = slots[i % len(slots)]
             i += 1
             s = state[slot]
-            traj = Trajectory(_seed(level, slot, s["gen"]), args.first_prompt_tokens, args.turn_growth_tokens)
+            traj = Trajectory(
+                _seed(level, slot, s["gen"]), args.first_prompt_tokens, args.turn_growth_tokens
+            )
             prompt = traj.prompt(s["turn"], s["prompt"], s["answer"])
             if args.reset_local:  # every hit must come from the store (POST /reset_prefix_cache)
                 try:
@@ -603,14 +745,29 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
                     raise RuntimeError("empty completion")
             except Exception as e:  # noqa: BLE001 - counted as a failure; the session restarts
                 with lock:
-                    failures.append(f"user {user} slot {slot} turn {s['turn'] + 1}: {type(e).__name__}: "
-                                    f"{str(e)[:300]}")
+                    failures.append(
+                        f"user {user} slot {slot} turn {s['turn'] + 1}: {type(e).__name__}: "
+                        f"{str(e)[:300]}"
+                    )
                 state[slot] = dict(gen=s["gen"] + 1, turn=0, prompt="", answer="")
                 time.sleep(1.0)  # a dead server must not turn this loop into a CPU hog
                 continue
             latency = time.perf_counter() - t_start
-            rec = Record(user, slot, s["gen"], s["turn"], t_start, c.prompt_tokens, c.cached_tokens or 0,
-                         c.ttft_s * 1e3, latency * 1e3, len(c.token_ids), prompt, c, traj.seed)
+            rec = Record(
+                user,
+                slot,
+                s["gen"],
+                s["turn"],
+                t_start,
+                c.prompt_tokens,
+                c.cached_tokens or 0,
+                c.ttft_s * 1e3,
+                latency * 1e3,
+                len(c.token_ids),
+                prompt,
+                c,
+                traj.seed,
+            )
             if split_url:
                 split(rec)
             with lock:
@@ -643,8 +800,12 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
     checked_turns: list[dict] = []
     for r in sample:
         try:
-            ref = checker.complete(model, r.prompt, args.max_tokens,
-                                   cache_salt=f"agentic-replay-recompute-{uuid.uuid4().hex}")
+            ref = checker.complete(
+                model,
+                r.prompt,
+                args.max_tokens,
+                cache_salt=f"agentic-replay-recompute-{uuid.uuid4().hex}",
+            )
         except Exception as e:  # noqa: BLE001 - not a comparison: counted apart from "differ"
             check_errors += 1
             notes.append(f"recompute request failed: {type(e).__name__}: {str(e)[:200]}")
@@ -655,18 +816,37 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
         ties += cmp.tie_at is not None
         identical += r.completion.token_ids == ref.token_ids
         if not ok or cmp.tie_at is not None:
-            notes.append(f"turn {r.turn + 1} (cached {r.cached_tokens}/{r.prompt_tokens}): "
-                         f"{cmp.why or 'recompute was not a miss'}")
-        checked_turns.append({"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
-                              "cached_tokens": r.cached_tokens, "local_hits": r.local_hits,
-                              "external_hits": r.external_hits, "matches": ok})
+            notes.append(
+                f"turn {r.turn + 1} (cached {r.cached_tokens}/{r.prompt_tokens}): "
+                f"{cmp.why or 'recompute was not a miss'}"
+            )
+        checked_turns.append(
+            {
+                "seed": r.seed,
+                "turn": r.turn + 1,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "local_hits": r.local_hits,
+                "external_hits": r.external_hits,
+                "matches": ok,
+            }
+        )
         if not ok:
-            failing.append({"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
-                            "cached_tokens": r.cached_tokens, "local_hits": r.local_hits,
-                            "external_hits": r.external_hits, "recompute_cached": ref.cached_tokens or 0,
-                            "prompt": r.prompt,
-                            "why": cmp.why or "recompute was not a miss",
-                            "served_tokens": list(r.completion.token_ids), "recompute_tokens": list(ref.token_ids)})
+            failing.append(
+                {
+                    "seed": r.seed,
+                    "turn": r.turn + 1,
+                    "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": r.cached_tokens,
+                    "local_hits": r.local_hits,
+                    "external_hits": r.external_hits,
+                    "recompute_cached": ref.cached_tokens or 0,
+                    "prompt": r.prompt,
+                    "why": cmp.why or "recompute was not a miss",
+                    "served_tokens": list(r.completion.token_ids),
+                    "recompute_tokens": list(ref.token_ids),
+                }
+            )
 
     later = [r for r in records if r.turn > 0]
     hit_later = [r for r in later if r.cached_tokens > 0]
@@ -677,24 +857,48 @@ def run_level(dep: Deployment, model: str, users: int, level: int, args: argpars
     out_tokens = sum(r.output_tokens for r in records)
     ttft = [r.ttft_ms for r in records]
     return LevelResult(
-        config=dep.name, users=users, duration_s=args.duration, wall_s=round(wall, 2),
-        requests=len(records), failures=len(failures), failure_examples=failures[:5],
-        prompt_tokens=prompt, cached_tokens=cached,
+        config=dep.name,
+        users=users,
+        duration_s=args.duration,
+        wall_s=round(wall, 2),
+        requests=len(records),
+        failures=len(failures),
+        failure_examples=failures[:5],
+        prompt_tokens=prompt,
+        cached_tokens=cached,
         hit_rate=cached / prompt if prompt else None,
         hit_rate_turn2plus=lc / lp if lp else None,
-        hit_turns=len(hit_later), later_turns=len(later),
-        ttft_p50_ms=_pct(ttft, 0.5), ttft_p90_ms=_pct(ttft, 0.9),
+        hit_turns=len(hit_later),
+        later_turns=len(later),
+        ttft_p50_ms=_pct(ttft, 0.5),
+        ttft_p90_ms=_pct(ttft, 0.9),
         ttft_p50_hit_ms=_pct([r.ttft_ms for r in hit_later], 0.5),
         ttft_p90_hit_ms=_pct([r.ttft_ms for r in hit_later], 0.9),
         ttft_p50_later_ms=_pct([r.ttft_ms for r in later], 0.5),
         ttft_p50_miss_ms=_pct([r.ttft_ms for r in records if r.cached_tokens == 0], 0.5),
-        output_tokens=out_tokens, output_tok_s=out_tokens / wall if wall else 0.0,
-        engine_metrics=engine_metrics, checked=len(sample) - check_errors, differ=differ, near_ties=ties,
-        identical_tokens=identical, check_errors=check_errors, check_notes=notes[:10],
-        failing_inputs=failing, checked_turns=checked_turns,
-        turns=[{"seed": r.seed, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens,
-                "cached_tokens": r.cached_tokens, "local_hits": r.local_hits, "external_hits": r.external_hits,
-                "ttft_ms": round(r.ttft_ms, 1)} for r in records],
+        output_tokens=out_tokens,
+        output_tok_s=out_tokens / wall if wall else 0.0,
+        engine_metrics=engine_metrics,
+        checked=len(sample) - check_errors,
+        differ=differ,
+        near_ties=ties,
+        identical_tokens=identical,
+        check_errors=check_errors,
+        check_notes=notes[:10],
+        failing_inputs=failing,
+        checked_turns=checked_turns,
+        turns=[
+            {
+                "seed": r.seed,
+                "turn": r.turn + 1,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "local_hits": r.local_hits,
+                "external_hits": r.external_hits,
+                "ttft_ms": round(r.ttft_ms, 1),
+            }
+            for r in records
+        ],
     )
 
 
@@ -719,11 +923,19 @@ def _ext_share(r: LevelResult, dep_hit_engine: str) -> str:
     return f"{int(loc)}/{int(ext)}"
 
 
-HIT_ENGINE = {"none": "engine", "hybrid": "engine", "mooncake": "engine", "pd": "prefill", "pd-store": "prefill"}
+HIT_ENGINE = {
+    "none": "engine",
+    "hybrid": "engine",
+    "mooncake": "engine",
+    "pd": "prefill",
+    "pd-store": "prefill",
+}
 
-TABLE_HEAD = ("| config | users | requests | failures | hit rate | hit rate turns 2+ | local/external hit tokens "
-              "| TTFT p50 ms | TTFT p90 ms | TTFT p50 hit turns ms | TTFT p50 miss ms | out tok/s "
-              "| checked | differ | near-ties |")
+TABLE_HEAD = (
+    "| config | users | requests | failures | hit rate | hit rate turns 2+ | local/external hit tokens "
+    "| TTFT p50 ms | TTFT p90 ms | TTFT p50 hit turns ms | TTFT p50 miss ms | out tok/s "
+    "| checked | differ | near-ties |"
+)
 
 
 def table_rows(results: list[LevelResult]) -> list[str]:
@@ -734,7 +946,8 @@ def table_rows(results: list[LevelResult]) -> list[str]:
             f"| {_f(_pc(r.hit_rate_turn2plus))} % | {_ext_share(r, HIT_ENGINE[r.config])} "
             f"| {_f(r.ttft_p50_ms)} | {_f(r.ttft_p90_ms)} | {_f(r.ttft_p50_hit_ms)} ({r.hit_turns}/{r.later_turns}) "
             f"| {_f(r.ttft_p50_miss_ms)} | {r.output_tok_s:.1f} "
-            f"| {r.checked}{f' (+{r.check_errors} failed)' if r.check_errors else ''} | {r.differ} | {r.near_ties} |")
+            f"| {r.checked}{f' (+{r.check_errors} failed)' if r.check_errors else ''} | {r.differ} | {r.near_ties} |"
+        )
     return lines
 
 
@@ -764,16 +977,22 @@ def store_io(r: LevelResult) -> dict[str, float] | None:
                     secs += v
                 elif k.startswith("vllm:mooncake_store_operation_failed_keys_total"):
                     failed += v
-    return {"loaded_mib": round(mib, 1), "load_s": round(secs, 3), "failed": failed} if seen else None
+    return (
+        {"loaded_mib": round(mib, 1), "load_s": round(secs, 3), "failed": failed} if seen else None
+    )
 
 
 def store_rows(results: list[LevelResult]) -> list[str]:
-    lines = ["| config | users | loaded from store MiB | seconds in store loads | failed loads (hybridkv: loads; in-tree: keys) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| config | users | loaded from store MiB | seconds in store loads | failed loads (hybridkv: loads; in-tree: keys) |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         io = store_io(r)
         if io:
-            lines.append(f"| {r.config} | {r.users} | {io['loaded_mib']} | {io['load_s']} | {int(io['failed'])} |")
+            lines.append(
+                f"| {r.config} | {r.users} | {io['loaded_mib']} | {io['load_s']} | {int(io['failed'])} |"
+            )
     return lines if len(lines) > 2 else []
 
 
@@ -787,22 +1006,30 @@ def targets(results: list[LevelResult]) -> list[str]:
             if not h or not m:
                 continue
             hit_ok = (h.hit_rate or 0) >= (m.hit_rate or 0)
-            ratio = (h.ttft_p50_hit_ms / m.ttft_p50_hit_ms
-                     if h.ttft_p50_hit_ms and m.ttft_p50_hit_ms else None)
+            ratio = (
+                h.ttft_p50_hit_ms / m.ttft_p50_hit_ms
+                if h.ttft_p50_hit_ms and m.ttft_p50_hit_ms
+                else None
+            )
             lines.append(
                 f"- {u} user(s): hit rate hybridkv {_f(_pc(h.hit_rate))} % vs in-tree {_f(_pc(m.hit_rate))} % "
                 f"-> {'MET' if hit_ok else 'NOT met'}; TTFT p50 on hit turns hybridkv {_f(h.ttft_p50_hit_ms)} ms "
                 f"vs in-tree {_f(m.ttft_p50_hit_ms)} ms = {_f(ratio, '.2f')}x (target <= 0.80) -> "
-                f"{'MET' if ratio is not None and ratio <= 0.8 else 'NOT met'}")
+                f"{'MET' if ratio is not None and ratio <= 0.8 else 'NOT met'}"
+            )
     mine = [r for r in results if r.config in ("hybrid", "pd", "pd-store")]
     d = sum(r.differ for r in mine)
     c = sum(r.checked for r in mine)
-    lines.append(f"- outputs differing from recompute (hybridkv configs): {d} of {c} checked -> "
-                 f"{('MET' if d == 0 else 'NOT met') if c else 'not measured'}")
+    lines.append(
+        f"- outputs differing from recompute (hybridkv configs): {d} of {c} checked -> "
+        f"{('MET' if d == 0 else 'NOT met') if c else 'not measured'}"
+    )
     others = [r for r in results if r.config not in ("hybrid", "pd", "pd-store")]
     if others:
-        lines.append(f"- (for reference, other configs: {sum(r.differ for r in others)} of "
-                     f"{sum(r.checked for r in others)} checked differ)")
+        lines.append(
+            f"- (for reference, other configs: {sum(r.differ for r in others)} of "
+            f"{sum(r.checked for r in others)} checked differ)"
+        )
     return lines
 
 
@@ -813,18 +1040,22 @@ def plot(results: list[LevelResult], path: pathlib.Path, model: str = "tiny gemm
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-    panels = [("hit rate (%)", lambda r: _pc(r.hit_rate)),
-              ("TTFT p50, hit turns (ms)", lambda r: r.ttft_p50_hit_ms),
-              ("TTFT p50 / p90, all (ms)", None),
-              ("output tok/s", lambda r: r.output_tok_s)]
+    panels = [
+        ("hit rate (%)", lambda r: _pc(r.hit_rate)),
+        ("TTFT p50, hit turns (ms)", lambda r: r.ttft_p50_hit_ms),
+        ("TTFT p50 / p90, all (ms)", None),
+        ("output tok/s", lambda r: r.output_tok_s),
+    ]
     configs = [c for c in ALL_CONFIGS if any(r.config == c for r in results)]
     for ax, (title, get) in zip(axes, panels):
         for c in configs:
             rs = sorted((r for r in results if r.config == c), key=lambda r: r.users)
             xs = [r.users for r in rs]
             if get is None:
-                line, = ax.plot(xs, [r.ttft_p50_ms for r in rs], marker="o", label=c)
-                ax.plot(xs, [r.ttft_p90_ms for r in rs], marker="x", ls="--", color=line.get_color())
+                (line,) = ax.plot(xs, [r.ttft_p50_ms for r in rs], marker="o", label=c)
+                ax.plot(
+                    xs, [r.ttft_p90_ms for r in rs], marker="x", ls="--", color=line.get_color()
+                )
             else:
                 ax.plot(xs, [get(r) for r in rs], marker="o", label=c)
         ax.set_title(title)
@@ -844,44 +1075,74 @@ def plot(results: list[LevelResult], path: pathlib.Path, model: str = "tiny gemm
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/agentic_replay.py", description=__doc__.splitlines()[0])
-    p.add_argument("--configs", default=None,
-                   help=f"default: {','.join(ALL_CONFIGS)}; with --models: {','.join(SINGLE_ENGINE)}")
-    p.add_argument("--models", default=None,
-                   help=f"NAME[:BLOCKS],... of {', '.join(MODELS)}: the geometries run, one model "
-                   "after the other; BLOCKS overrides --num-gpu-blocks for that model")
-    p.add_argument("--per-request-split", action=argparse.BooleanOptionalAction, default=None,
-                   help="at 1 user, read the engine's /metrics after every request: each turn's own local / "
-                   "external hit tokens (default: on with --models)")
-    p.add_argument("--reset-local", action="store_true",
-                   help="empty every engine's local prefix cache before each request (all hits external: "
-                   "isolates the store's load path from the local cache)")
-    p.add_argument("--out-stem", default=None,
-                   help="result file names (default agentic_replay; with --models agentic_replay_geometries)")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help=f"default: {','.join(ALL_CONFIGS)}; with --models: {','.join(SINGLE_ENGINE)}",
+    )
+    p.add_argument(
+        "--models",
+        default=None,
+        help=f"NAME[:BLOCKS],... of {', '.join(MODELS)}: the geometries run, one model "
+        "after the other; BLOCKS overrides --num-gpu-blocks for that model",
+    )
+    p.add_argument(
+        "--per-request-split",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="at 1 user, read the engine's /metrics after every request: each turn's own local / "
+        "external hit tokens (default: on with --models)",
+    )
+    p.add_argument(
+        "--reset-local",
+        action="store_true",
+        help="empty every engine's local prefix cache before each request (all hits external: "
+        "isolates the store's load path from the local cache)",
+    )
+    p.add_argument(
+        "--out-stem",
+        default=None,
+        help="result file names (default agentic_replay; with --models agentic_replay_geometries)",
+    )
     p.add_argument("--users", default="1,2,4")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of traffic per (config, users)")
+    p.add_argument(
+        "--duration", type=float, default=40.0, help="seconds of traffic per (config, users)"
+    )
     p.add_argument("--kind", default="gemma3")
     p.add_argument("--model", default=None, help="model folder instead of the tiny --kind")
-    p.add_argument("--sessions", type=int, default=6,
-                   help="agent sessions in flight, split evenly over the users (round robin per user)")
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=6,
+        help="agent sessions in flight, split evenly over the users (round robin per user)",
+    )
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--first-prompt-tokens", type=int, default=768)
     p.add_argument("--turn-growth-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--num-gpu-blocks", type=int, default=48, help="--num-gpu-blocks-override of every engine")
+    p.add_argument(
+        "--num-gpu-blocks", type=int, default=48, help="--num-gpu-blocks-override of every engine"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--mooncake-local-buffer", default="64MB")
     p.add_argument("--lease-ttl-ms", type=int, default=30_000)
-    p.add_argument("--check-sample", type=int, default=6, help="turns re-sent as a salted recompute per level")
+    p.add_argument(
+        "--check-sample", type=int, default=6, help="turns re-sent as a salted recompute per level"
+    )
     p.add_argument("--logprob-tolerance", type=float, default=DEFAULT_LOGPROB_TOL)
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--out-dir", type=pathlib.Path, default=REPO / "bench" / "results")
     p.add_argument("--quick", action="store_true", help="smoke run: 10 s per level, 3 checks")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="a bar of (config, users) levels on stderr, below the log lines (default: only "
-                   "when stderr is a terminal; --no-progress for logs)")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a bar of (config, users) levels on stderr, below the log lines (default: only "
+        "when stderr is a terminal; --no-progress for logs)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.check_sample = 10.0, 3
@@ -900,18 +1161,28 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown config(s) {bad}; choose from {', '.join(ALL_CONFIGS)}")
     levels = [int(u) for u in args.users.split(",")]
-    if Trajectory(0, args.first_prompt_tokens, args.turn_growth_tokens).prompt_budget(
-            args.turns, args.max_tokens) > args.max_model_len:
+    if (
+        Trajectory(0, args.first_prompt_tokens, args.turn_growth_tokens).prompt_budget(
+            args.turns, args.max_tokens
+        )
+        > args.max_model_len
+    ):
         p.error("--turns/--first-prompt-tokens/--turn-growth-tokens exceed --max-model-len")
 
     started = time.monotonic()
     load_start = os.getloadavg()
     results: list[LevelResult] = []
-    progress = Progress(len(configs) * len(levels) * (len(specs) if specs else 1), desc="levels", unit="level",
-                        enabled=args.progress)
+    progress = Progress(
+        len(configs) * len(levels) * (len(specs) if specs else 1),
+        desc="levels",
+        unit="level",
+        enabled=args.progress,
+    )
 
     def log(msg: str) -> None:
-        progress.write(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr)  # above the bar
+        progress.write(
+            f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr
+        )  # above the bar
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     if specs is None:  # the original bench: one model, all configs
@@ -920,10 +1191,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model_info}\nlogs: {bench.workdir}", file=sys.stderr)
         deployments: dict[str, dict] = {}
         errors: dict[str, str] = {}
-        write_report = make_reporter(args, argv, configs, started, load_start, model_info, deployments, errors)
+        write_report = make_reporter(
+            args, argv, configs, started, load_start, model_info, deployments, errors
+        )
         try:
-            run_configs(bench, configs, levels, args, log, progress, deployments, errors,
-                        lambda r: (results.append(r), write_report(results, final=False)))
+            run_configs(
+                bench,
+                configs,
+                levels,
+                args,
+                log,
+                progress,
+                deployments,
+                errors,
+                lambda r: (results.append(r), write_report(results, final=False)),
+            )
         except KeyboardInterrupt as e:
             log(f"interrupted ({e}); stopping what this run started, writing the partial report")
             errors["(run)"] = f"interrupted: {e}; results are partial"
@@ -934,31 +1216,60 @@ def main(argv: list[str] | None = None) -> int:
     # Geometries: one model's engines at a time (three CPU engines of one model are what the
     # 2-core machine holds), the same configs and seeds on each.
     per_model: dict[str, dict] = {}
-    write_report = make_geometries_reporter(args, argv, configs, specs, started, load_start, per_model)
+    write_report = make_geometries_reporter(
+        args, argv, configs, specs, started, load_start, per_model
+    )
     try:
         for spec in specs:
             bench = Bench(args, spec)
-            entry = per_model[spec.name] = {"model": bench.model_summary(), "deployments": {}, "errors": {}}
-            log(f"model {spec.name}: {spec.geometry}; --num-gpu-blocks-override {bench.num_gpu_blocks}; "
-                f"logs {bench.workdir}")
+            entry = per_model[spec.name] = {
+                "model": bench.model_summary(),
+                "deployments": {},
+                "errors": {},
+            }
+            log(
+                f"model {spec.name}: {spec.geometry}; --num-gpu-blocks-override {bench.num_gpu_blocks}; "
+                f"logs {bench.workdir}"
+            )
 
             def done(r: LevelResult, name: str = spec.name) -> None:
                 r.model = name
                 results.append(r)
                 write_report(results, final=False)
 
-            run_configs(bench, configs, levels, args, log, progress, entry["deployments"], entry["errors"], done)
+            run_configs(
+                bench,
+                configs,
+                levels,
+                args,
+                log,
+                progress,
+                entry["deployments"],
+                entry["errors"],
+                done,
+            )
             write_report(results, final=False)  # a config that never started shows up at once
     except KeyboardInterrupt as e:
         log(f"interrupted ({e}); stopping what this run started, writing the partial report")
-        per_model.setdefault("(run)", {"errors": {}})["errors"]["(run)"] = f"interrupted: {e}; results are partial"
+        per_model.setdefault("(run)", {"errors": {}})["errors"]["(run)"] = (
+            f"interrupted: {e}; results are partial"
+        )
     finally:
         progress.close()
     return write_report(results, final=True)
 
 
-def run_configs(bench: Bench, configs: list[str], levels: list[int], args: argparse.Namespace, log, progress,
-                deployments: dict[str, dict], errors: dict[str, str], on_result) -> None:  # noqa: ANN001
+def run_configs(
+    bench: Bench,
+    configs: list[str],
+    levels: list[int],
+    args: argparse.Namespace,
+    log,
+    progress,
+    deployments: dict[str, dict],
+    errors: dict[str, str],
+    on_result,
+) -> None:  # noqa: ANN001
     """Every (config, users) level of one model; ``on_result(LevelResult)`` after each.
 
     Single-engine configs are up together and their levels interleaved (users level by users
@@ -981,7 +1292,9 @@ def run_configs(bench: Bench, configs: list[str], levels: list[int], args: argpa
             errors.pop(name, None)
             log(f"{name}: up in {boot:.0f} s (local KV cache {info['kv_cache_tokens']} tokens)")
             try:
-                Client(dep.url).complete(bench.model, "warm up", 2, cache_salt=f"warmup-{uuid.uuid4().hex}")
+                Client(dep.url).complete(
+                    bench.model, "warm up", 2, cache_salt=f"warmup-{uuid.uuid4().hex}"
+                )
             except Exception as e:  # noqa: BLE001 - reported; the levels will show failures
                 log(f"{name}: warm-up failed: {e}")
 
@@ -1010,7 +1323,7 @@ def run_configs(bench: Bench, configs: list[str], levels: list[int], args: argpa
             up(group)
             names = [n for n in group if n in live]
             for li, users in enumerate(levels):
-                order = names[li % len(names):] + names[: li % len(names)] if names else []
+                order = names[li % len(names) :] + names[: li % len(names)] if names else []
                 for name in order:
                     r = None
                     for attempt in (1, 2):
@@ -1020,20 +1333,26 @@ def run_configs(bench: Bench, configs: list[str], levels: list[int], args: argpa
                         if healthy(live[name][1]):
                             break
                         r.note = "a server died during this level"
-                        log(f"{name} x{users}: a server died during the level"
-                            + ("; rerunning it on a fresh deployment" if attempt == 1 else ""))
+                        log(
+                            f"{name} x{users}: a server died during the level"
+                            + ("; rerunning it on a fresh deployment" if attempt == 1 else "")
+                        )
                     progress.update()
                     if r is None:
                         continue
                     if attempt == 2:
                         r.note = (r.note + "; " if r.note else "") + "rerun after a server died"
                     on_result(r)
-                    log(f"{name} x{users}: {r.requests} req, {r.failures} failed, hit {_f(_pc(r.hit_rate))} %, "
+                    log(
+                        f"{name} x{users}: {r.requests} req, {r.failures} failed, hit {_f(_pc(r.hit_rate))} %, "
                         f"TTFT p50 {_f(r.ttft_p50_ms)} ms (hit turns {_f(r.ttft_p50_hit_ms)}), "
                         f"{r.output_tok_s:.1f} tok/s, differ {r.differ}/{r.checked}, "
-                        "local/external hit tokens " + ", ".join(
+                        "local/external hit tokens "
+                        + ", ".join(
                             f"{role} {int(m['local_hits'])}/{int(m['external_hits'])}"
-                            for role, m in r.engine_metrics.items()))
+                            for role, m in r.engine_metrics.items()
+                        )
+                    )
                 for name in [n for n in group if n not in live and n in errors]:
                     progress.update()  # a config that never started: its level is done (as an error)
             for name in group:
@@ -1050,7 +1369,9 @@ def _kv_cache_tokens(logs: list[str]) -> int | None:
 
     for path in logs:
         try:
-            m = re.findall(r"KV cache size: ([\d,]+) tokens", pathlib.Path(path).read_text(errors="replace"))
+            m = re.findall(
+                r"KV cache size: ([\d,]+) tokens", pathlib.Path(path).read_text(errors="replace")
+            )
         except OSError:
             continue
         if m:
@@ -1075,23 +1396,44 @@ def make_reporter(args, argv, configs, started, load_start, model_info, deployme
             print("\n".join(tgt))
             print(f"runtime {runtime:.0f} s")
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        mpl_version = (plot(results, args.out_dir / f"{args.out_stem}.png",
-                            f"tiny {args.kind}" if not args.model else pathlib.Path(args.model).name)
-                       if results else "n/a")
+        mpl_version = (
+            plot(
+                results,
+                args.out_dir / f"{args.out_stem}.png",
+                f"tiny {args.kind}" if not args.model else pathlib.Path(args.model).name,
+            )
+            if results
+            else "n/a"
+        )
         given = argv if argv is not None else sys.argv[1:]
         cmd = "python bench/agentic_replay.py" + (" " + shlex.join(given) if given else "")
         doc = {
-            "command": cmd, "complete": final and "(run)" not in errors,
+            "command": cmd,
+            "complete": final and "(run)" not in errors,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                     "python": platform.python_version(), "loadavg_start": load_start,
-                     "loadavg_end": os.getloadavg()},
-            "matplotlib": mpl_version, "model": model_info,
-            "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-            "deployments": deployments, "errors": errors, "runtime_s": round(runtime, 1),
-            "results": [asdict(r) for r in results], "targets": tgt, "store_rows": store_rows(results),
+            "host": {
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "loadavg_start": load_start,
+                "loadavg_end": os.getloadavg(),
+            },
+            "matplotlib": mpl_version,
+            "model": model_info,
+            "settings": {
+                k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()
+            },
+            "deployments": deployments,
+            "errors": errors,
+            "runtime_s": round(runtime, 1),
+            "results": [asdict(r) for r in results],
+            "targets": tgt,
+            "store_rows": store_rows(results),
         }
-        (args.out_dir / f"{args.out_stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        (args.out_dir / f"{args.out_stem}.json").write_text(
+            json.dumps(doc, indent=2, default=str) + "\n"
+        )
         (args.out_dir / f"{args.out_stem}.md").write_text(_markdown(doc, lines, tgt, args))
         if final:
             print(f"wrote {args.out_dir / (args.out_stem + '.md')}, .json, .png", file=sys.stderr)
@@ -1138,8 +1480,16 @@ def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
         "",
         *table,
         "",
-        *(["Store reads over each level (the connectors' own counters on /metrics):", "",
-            *doc["store_rows"], ""] if doc["store_rows"] else []),
+        *(
+            [
+                "Store reads over each level (the connectors' own counters on /metrics):",
+                "",
+                *doc["store_rows"],
+                "",
+            ]
+            if doc["store_rows"]
+            else []
+        ),
         "## Issue targets",
         "",
         *tgt,
@@ -1149,17 +1499,27 @@ def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
         out += ["## Configs that did not run", ""]
         out += [f"- {k}: ```{v[-800:]}```" for k, v in doc["errors"].items()]
         out.append("")
-    notes = [f"- {r['config']} x{r['users']}: " + "; ".join(([r["note"]] if r.get("note") else [])
-                                                          + r["check_notes"])
-             for r in doc["results"] if r["check_notes"] or r.get("note")]
+    notes = [
+        f"- {r['config']} x{r['users']}: "
+        + "; ".join(([r["note"]] if r.get("note") else []) + r["check_notes"])
+        for r in doc["results"]
+        if r["check_notes"] or r.get("note")
+    ]
     restarts = {k: v.get("restarts", 0) for k, v in doc["deployments"].items() if v.get("restarts")}
     if restarts:
-        out += ["## Redeployments", "",
-                "A server of these configs was found dead between levels (on this shared machine other "
-                "jobs' clean-ups have killed vLLM servers) and the config was redeployed (fresh engine(s), "
-                f"fresh master): {restarts}", ""]
-    fails = [f"- {r['config']} x{r['users']}: " + "; ".join(r["failure_examples"]) for r in doc["results"]
-             if r["failure_examples"]]
+        out += [
+            "## Redeployments",
+            "",
+            "A server of these configs was found dead between levels (on this shared machine other "
+            "jobs' clean-ups have killed vLLM servers) and the config was redeployed (fresh engine(s), "
+            f"fresh master): {restarts}",
+            "",
+        ]
+    fails = [
+        f"- {r['config']} x{r['users']}: " + "; ".join(r["failure_examples"])
+        for r in doc["results"]
+        if r["failure_examples"]
+    ]
     if notes:
         out += ["## Check notes", "", *notes, ""]
     if fails:
@@ -1169,10 +1529,16 @@ def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
 
 # ------------------------------------------------------------------------ geometries report
 
-GEO_HEAD = ("| model | config | requests | hit rate | local / external hit tokens (% of prompt) | hit turns "
-            "| TTFT p50 / p90 hit turns ms | TTFT p50 miss ms | differ / sampled | near-ties |")
-_GENERIC_ERRORS = ("ServerStartError", "Engine core initialization failed", "RuntimeError: Engine process failed",
-                   "see root cause above")
+GEO_HEAD = (
+    "| model | config | requests | hit rate | local / external hit tokens (% of prompt) | hit turns "
+    "| TTFT p50 / p90 hit turns ms | TTFT p50 miss ms | differ / sampled | near-ties |"
+)
+_GENERIC_ERRORS = (
+    "ServerStartError",
+    "Engine core initialization failed",
+    "RuntimeError: Engine process failed",
+    "see root cause above",
+)
 
 
 def error_line(text: str) -> str:
@@ -1188,7 +1554,9 @@ def error_line(text: str) -> str:
     return pick[:400]
 
 
-def _hits_vs(results: list[LevelResult], model: str, base: str, other: str) -> tuple[list[dict], int]:
+def _hits_vs(
+    results: list[LevelResult], model: str, base: str, other: str
+) -> tuple[list[dict], int]:
     """Turns where ``other`` cached fewer tokens than ``base`` on the same input (seed, turn,
     prompt length), and how many such inputs both served. With one user both configs replay
     the same request sequence, so the local cache saw the same history up to that turn."""
@@ -1204,33 +1572,49 @@ def _hits_vs(results: list[LevelResult], model: str, base: str, other: str) -> t
             continue
         common += 1
         if t["cached_tokens"] < b[k]:
-            lost.append({"seed": k[0], "turn": k[1], "prompt_tokens": k[2], base: b[k], other: t["cached_tokens"]})
+            lost.append(
+                {
+                    "seed": k[0],
+                    "turn": k[1],
+                    "prompt_tokens": k[2],
+                    base: b[k],
+                    other: t["cached_tokens"],
+                }
+            )
     return lost, common
 
 
-def geometries_headline(results: list[LevelResult], specs: list[ModelSpec], per_model: dict) -> list[str]:
+def geometries_headline(
+    results: list[LevelResult], specs: list[ModelSpec], per_model: dict
+) -> list[str]:
     """One line per model: in-tree vs hybridkv on correctness and hits (users 1)."""
     out = []
     for spec in specs:
         by = {r.config: r for r in results if r.model == spec.name and r.users == 1}
         errs = per_model.get(spec.name, {}).get("errors", {})
         if "mooncake" in errs:
-            out.append(f"- `{spec.name}`: in-tree did not start (`{error_line(errs['mooncake'])[:200]}`)")
+            out.append(
+                f"- `{spec.name}`: in-tree did not start (`{error_line(errs['mooncake'])[:200]}`)"
+            )
             continue
         h, m = by.get("hybrid"), by.get("mooncake")
         if not h or not m:
             continue
         lost, common = _hits_vs(results, spec.name, "hybrid", "mooncake")
         won, _ = _hits_vs(results, spec.name, "mooncake", "hybrid")
-        out.append(f"- `{spec.name}`: outputs differing from recompute: in-tree {m.differ}/{m.checked}{_by_kind(m)}, "
-                   f"hybridkv {h.differ}/{h.checked}{_by_kind(h)}; hit rate in-tree {_f(_pc(m.hit_rate))} %, "
-                   f"hybridkv {_f(_pc(h.hit_rate))} %; on the {common} turns both served with the same input, "
-                   f"in-tree cached fewer tokens on {len(lost)}, more on {len(won)}; TTFT p50 on hit turns in-tree "
-                   f"{_f(m.ttft_p50_hit_ms)} ms, hybridkv {_f(h.ttft_p50_hit_ms)} ms")
+        out.append(
+            f"- `{spec.name}`: outputs differing from recompute: in-tree {m.differ}/{m.checked}{_by_kind(m)}, "
+            f"hybridkv {h.differ}/{h.checked}{_by_kind(h)}; hit rate in-tree {_f(_pc(m.hit_rate))} %, "
+            f"hybridkv {_f(_pc(h.hit_rate))} %; on the {common} turns both served with the same input, "
+            f"in-tree cached fewer tokens on {len(lost)}, more on {len(won)}; TTFT p50 on hit turns in-tree "
+            f"{_f(m.ttft_p50_hit_ms)} ms, hybridkv {_f(h.ttft_p50_hit_ms)} ms"
+        )
     return out
 
 
-def geometries_findings(results: list[LevelResult], specs: list[ModelSpec], per_model: dict) -> list[str]:
+def geometries_findings(
+    results: list[LevelResult], specs: list[ModelSpec], per_model: dict
+) -> list[str]:
     out = []
     for spec in specs:
         errs = per_model.get(spec.name, {}).get("errors", {})
@@ -1239,25 +1623,42 @@ def geometries_findings(results: list[LevelResult], specs: list[ModelSpec], per_
         for r in (r for r in results if r.model == spec.name):
             if not r.failing_inputs:
                 continue
-            ex = "; ".join(f"seed {f['seed']} turn {f['turn']} (prompt {f['prompt_tokens']}, cached "
-                           f"{f['cached_tokens']}{_split(f)}: {f['why']})" for f in r.failing_inputs[:5])
+            ex = "; ".join(
+                f"seed {f['seed']} turn {f['turn']} (prompt {f['prompt_tokens']}, cached "
+                f"{f['cached_tokens']}{_split(f)}: {f['why']})"
+                for f in r.failing_inputs[:5]
+            )
             more = len(r.failing_inputs) - 5
-            out.append(f"- **{spec.name} / {r.config}: {r.differ} of {r.checked} sampled hit turns differ from "
-                       f"recompute**{_by_kind(r)}; failing inputs (model {spec.name}, session seed, turn): {ex}"
-                       + (f"; {more} more in the table below" if more > 0 else "") + _after_local(r))
+            out.append(
+                f"- **{spec.name} / {r.config}: {r.differ} of {r.checked} sampled hit turns differ from "
+                f"recompute**{_by_kind(r)}; failing inputs (model {spec.name}, session seed, turn): {ex}"
+                + (f"; {more} more in the table below" if more > 0 else "")
+                + _after_local(r)
+            )
         for other in ("mooncake", "none"):
             lost, common = _hits_vs(results, spec.name, "hybrid", other)
             if lost and other == "mooncake":
-                ex = "; ".join(f"seed {x['seed']} turn {x['turn']}: {x['hybrid']} vs {x['mooncake']}"
-                               for x in lost[:4])
-                out.append(f"- **{spec.name} / mooncake: fewer cached tokens than hybridkv** on {len(lost)} of "
-                           f"{common} identical turns (hybridkv vs in-tree cached tokens; e.g. {ex})")
+                ex = "; ".join(
+                    f"seed {x['seed']} turn {x['turn']}: {x['hybrid']} vs {x['mooncake']}"
+                    for x in lost[:4]
+                )
+                out.append(
+                    f"- **{spec.name} / mooncake: fewer cached tokens than hybridkv** on {len(lost)} of "
+                    f"{common} identical turns (hybridkv vs in-tree cached tokens; e.g. {ex})"
+                )
         lost, common = _hits_vs(results, spec.name, "mooncake", "hybrid")
         if lost:
-            ex = "; ".join(f"seed {x['seed']} turn {x['turn']}: {x['mooncake']} vs {x['hybrid']}" for x in lost[:4])
-            out.append(f"- {spec.name} / hybrid: fewer cached tokens than in-tree on {len(lost)} of {common} "
-                       f"identical turns (in-tree vs hybridkv; e.g. {ex})")
-    return out or ["- nothing: every config started, no sampled output differed, in-tree lost no hits"]
+            ex = "; ".join(
+                f"seed {x['seed']} turn {x['turn']}: {x['mooncake']} vs {x['hybrid']}"
+                for x in lost[:4]
+            )
+            out.append(
+                f"- {spec.name} / hybrid: fewer cached tokens than in-tree on {len(lost)} of {common} "
+                f"identical turns (in-tree vs hybridkv; e.g. {ex})"
+            )
+    return out or [
+        "- nothing: every config started, no sampled output differed, in-tree lost no hits"
+    ]
 
 
 def _after_local(r: LevelResult) -> str:
@@ -1267,8 +1668,10 @@ def _after_local(r: LevelResult) -> str:
     served = {(t["seed"], t["turn"]): t for t in r.turns}
 
     def tainted(t: dict) -> bool:
-        return any((e := served.get((t["seed"], k))) and e["cached_tokens"] and e.get("external_hits") == 0
-                   for k in range(2, t["turn"]))
+        return any(
+            (e := served.get((t["seed"], k))) and e["cached_tokens"] and e.get("external_hits") == 0
+            for k in range(2, t["turn"])
+        )
 
     ext = [t for t in r.checked_turns if t.get("external_hits")]
     if not any(not t["matches"] for t in ext):
@@ -1276,8 +1679,10 @@ def _after_local(r: LevelResult) -> str:
     a = [t for t in ext if tainted(t)]
     b = [t for t in ext if not tainted(t)]
     bad = lambda xs: sum(not t["matches"] for t in xs)  # noqa: E731
-    return (f". Of the checked turns that loaded external tokens, those after a local-only hit earlier in the same "
-            f"session differ {bad(a)}/{len(a)}, the others {bad(b)}/{len(b)}")
+    return (
+        f". Of the checked turns that loaded external tokens, those after a local-only hit earlier in the same "
+        f"session differ {bad(a)}/{len(a)}, the others {bad(b)}/{len(b)}"
+    )
 
 
 def _split(t: dict) -> str:
@@ -1300,19 +1705,24 @@ def _by_kind(r: LevelResult) -> str:
 def split_check(r: LevelResult) -> tuple[int, int]:
     """(turns whose per-request local + external hit tokens equal usage.cached_tokens, turns split)."""
     split = [t for t in r.turns if t.get("local_hits") is not None]
-    return sum(t["local_hits"] + t["external_hits"] == t["cached_tokens"] for t in split), len(split)
+    return sum(t["local_hits"] + t["external_hits"] == t["cached_tokens"] for t in split), len(
+        split
+    )
 
 
-def geometries_rows(results: list[LevelResult], specs: list[ModelSpec], configs: list[str],
-                    per_model: dict) -> list[str]:
+def geometries_rows(
+    results: list[LevelResult], specs: list[ModelSpec], configs: list[str], per_model: dict
+) -> list[str]:
     lines = [GEO_HEAD, "|" + "---|" * (GEO_HEAD.count("|") - 1)]
     for spec in specs:
         errs = per_model.get(spec.name, {}).get("errors", {})
         for cfg in configs:
             rs = [r for r in results if r.model == spec.name and r.config == cfg]
             if not rs and cfg in errs:
-                lines.append(f"| {spec.name} | {cfg} | did not start: `{error_line(errs[cfg])[:200]}` "
-                             "| | | | | | | |")
+                lines.append(
+                    f"| {spec.name} | {cfg} | did not start: `{error_line(errs[cfg])[:200]}` "
+                    "| | | | | | | |"
+                )
             for r in rs:
                 m = r.engine_metrics.get(HIT_ENGINE[r.config], {})
                 loc, ext = m.get("local_hits", 0.0), m.get("external_hits", 0.0)
@@ -1322,12 +1732,14 @@ def geometries_rows(results: list[LevelResult], specs: list[ModelSpec], configs:
                     f"| {_f(_pc(r.hit_rate))} % | {int(loc)} / {int(ext)} ({100 * loc / pt:.1f} / {100 * ext / pt:.1f} %) "
                     f"| {r.hit_turns}/{r.later_turns} | {_f(r.ttft_p50_hit_ms)} / {_f(r.ttft_p90_hit_ms)} "
                     f"| {_f(r.ttft_p50_miss_ms)} | {r.differ} / {r.checked}"
-                    f"{f' (+{r.check_errors} failed)' if r.check_errors else ''}{_by_kind(r)} | {r.near_ties} |")
+                    f"{f' (+{r.check_errors} failed)' if r.check_errors else ''}{_by_kind(r)} | {r.near_ties} |"
+                )
     return lines
 
 
-def plot_geometries(results: list[LevelResult], specs: list[ModelSpec], configs: list[str],
-                    path: pathlib.Path) -> str:
+def plot_geometries(
+    results: list[LevelResult], specs: list[ModelSpec], configs: list[str], path: pathlib.Path
+) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1359,9 +1771,14 @@ def plot_geometries(results: list[LevelResult], specs: list[ModelSpec], configs:
         axes[2].bar(xs, dif, width, color=color, label=cfg)
         for x, d, c in zip(xs, dif, chk):
             axes[2].text(x, d, f"{d}/{c}", ha="center", va="bottom", fontsize=7)
-    for ax, title in zip(axes, ("hit tokens, % of prompt (light: local, dark: external)",
-                                "TTFT on hit turns (ms): bar p50, tick p90",
-                                "sampled outputs differing from recompute")):
+    for ax, title in zip(
+        axes,
+        (
+            "hit tokens, % of prompt (light: local, dark: external)",
+            "TTFT on hit turns (ms): bar p50, tick p90",
+            "sampled outputs differing from recompute",
+        ),
+    ):
         ax.set_title(title, fontsize=10)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, fontsize=8)
@@ -1369,7 +1786,9 @@ def plot_geometries(results: list[LevelResult], specs: list[ModelSpec], configs:
     axes[0].legend(fontsize=7, ncol=2)
     axes[1].legend(fontsize=7, ncol=2)
     axes[2].set_ylim(0, max([1] + [r.differ + 1 for r in results]))
-    fig.suptitle("agentic replay on hybrid KV-cache geometries, vLLM CPU engine, small local KV cache (1 user)")
+    fig.suptitle(
+        "agentic replay on hybrid KV-cache geometries, vLLM CPU engine, small local KV cache (1 user)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1380,7 +1799,9 @@ def make_geometries_reporter(args, argv, configs, specs, started, load_start, pe
     def write_report(results: list[LevelResult], final: bool) -> int:
         runtime = time.monotonic() - started
         order = {s.name: i for i, s in enumerate(specs)}
-        results = sorted(results, key=lambda r: (order.get(r.model, 99), configs.index(r.config), r.users))
+        results = sorted(
+            results, key=lambda r: (order.get(r.model, 99), configs.index(r.config), r.users)
+        )
         rows = geometries_rows(results, specs, configs, per_model)
         findings = geometries_findings(results, specs, per_model)
         run_error = per_model.get("(run)", {}).get("errors", {})
@@ -1389,41 +1810,66 @@ def make_geometries_reporter(args, argv, configs, specs, started, load_start, pe
             print("\n".join(findings))
             print(f"runtime {runtime:.0f} s")
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        mpl_version = (plot_geometries(results, specs, configs, args.out_dir / f"{args.out_stem}.png")
-                       if results else "n/a")
+        mpl_version = (
+            plot_geometries(results, specs, configs, args.out_dir / f"{args.out_stem}.png")
+            if results
+            else "n/a"
+        )
         given = argv if argv is not None else sys.argv[1:]
         cmd = "python bench/agentic_replay.py" + (" " + shlex.join(given) if given else "")
         doc = {
             "command": cmd,
-            "reproduce": ("flock /tmp/hybridkv-engine.lock env VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 "
-                          ".venv/bin/" + cmd),
+            "reproduce": (
+                "flock /tmp/hybridkv-engine.lock env VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 "
+                ".venv/bin/" + cmd
+            ),
             "complete": final and not run_error,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                     "python": platform.python_version(), "loadavg_start": load_start,
-                     "loadavg_end": os.getloadavg()},
+            "host": {
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "loadavg_start": load_start,
+                "loadavg_end": os.getloadavg(),
+            },
             "matplotlib": mpl_version,
-            "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-            "models": per_model, "runtime_s": round(runtime, 1), "findings": findings,
+            "settings": {
+                k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()
+            },
+            "models": per_model,
+            "runtime_s": round(runtime, 1),
+            "findings": findings,
             "headline": geometries_headline(results, specs, per_model),
-            "error_lines": {f"{m}/{c}": error_line(t) for m, e in per_model.items()
-                            for c, t in e.get("errors", {}).items()},
+            "error_lines": {
+                f"{m}/{c}": error_line(t)
+                for m, e in per_model.items()
+                for c, t in e.get("errors", {}).items()
+            },
             "results": [asdict(r) for r in results],
             "split_checks": [split_check(r) for r in results],
         }
-        (args.out_dir / f"{args.out_stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        (args.out_dir / f"{args.out_stem}.md").write_text(_geometries_markdown(doc, rows, findings, specs, args))
+        (args.out_dir / f"{args.out_stem}.json").write_text(
+            json.dumps(doc, indent=2, default=str) + "\n"
+        )
+        (args.out_dir / f"{args.out_stem}.md").write_text(
+            _geometries_markdown(doc, rows, findings, specs, args)
+        )
         if final:
             print(f"wrote {args.out_dir / (args.out_stem + '.md')}, .json, .png", file=sys.stderr)
         # A config refusing a geometry is a result; a run that did not finish, or where hybridkv
         # or the no-connector baseline did not start, is a failure of the bench.
-        broken = [f"{m}/{c}" for m, e in per_model.items() for c in e.get("errors", {}) if c != "mooncake"]
+        broken = [
+            f"{m}/{c}" for m, e in per_model.items() for c in e.get("errors", {}) if c != "mooncake"
+        ]
         return 0 if not broken else 1
 
     return write_report
 
 
-def _geometries_markdown(doc: dict, rows: list[str], findings: list[str], specs: list[ModelSpec], args) -> str:
+def _geometries_markdown(
+    doc: dict, rows: list[str], findings: list[str], specs: list[ModelSpec], args
+) -> str:
     h, s = doc["host"], doc["settings"]
     out = [
         "# Agentic replay on the hybrid geometries: hybridkv vs vLLM's in-tree MooncakeStoreConnector",
@@ -1432,8 +1878,8 @@ def _geometries_markdown(doc: dict, rows: list[str], findings: list[str], specs:
         "",
         f"    {doc['reproduce']}",
         "",
-        f"- runtime {doc['runtime_s']:.0f} s, {doc['date']}" + ("" if doc["complete"] else
-                                                              " -- PARTIAL: the run did not finish"),
+        f"- runtime {doc['runtime_s']:.0f} s, {doc['date']}"
+        + ("" if doc["complete"] else " -- PARTIAL: the run did not finish"),
         f"- host: {h['machine']}, {h['cpus']} cores, {h['platform']}, Python {h['python']}; load average at "
         f"start / end: {h['loadavg_start'][0]:.2f} / {h['loadavg_end'][0]:.2f} (shared machine)",
         f"- workload: {s['users']} user(s), {s['sessions']} agent sessions round robin, {s['turns']} turns each "
@@ -1456,11 +1902,16 @@ def _geometries_markdown(doc: dict, rows: list[str], findings: list[str], specs:
         e = doc["models"].get(spec.name, {})
         m = e.get("model", {})
         kv = {c: d.get("kv_cache_tokens") for c, d in e.get("deployments", {}).items()}
-        out.append(f"- `{spec.name}`: {spec.geometry}; `--num-gpu-blocks-override {m.get('num_gpu_blocks')}`"
-                   + (f" {' '.join(spec.engine_args)}" if spec.engine_args else "")
-                   + (f", EAGLE drafter `{spec.drafter}` ({NUM_SPECULATIVE_TOKENS} speculative tokens)"
-                      if spec.drafter else "")
-                   + (f"; local KV cache (engine log) {kv} tokens" if kv else ""))
+        out.append(
+            f"- `{spec.name}`: {spec.geometry}; `--num-gpu-blocks-override {m.get('num_gpu_blocks')}`"
+            + (f" {' '.join(spec.engine_args)}" if spec.engine_args else "")
+            + (
+                f", EAGLE drafter `{spec.drafter}` ({NUM_SPECULATIVE_TOKENS} speculative tokens)"
+                if spec.drafter
+                else ""
+            )
+            + (f"; local KV cache (engine log) {kv} tokens" if kv else "")
+        )
     out += [
         "",
         "## In-tree vs hybridkv",
@@ -1489,23 +1940,41 @@ def _geometries_markdown(doc: dict, rows: list[str], findings: list[str], specs:
     ]
     fails = [(r["model"], r["config"], f) for r in doc["results"] for f in r["failing_inputs"]]
     if fails:
-        out += ["## Failing inputs (differ from recompute)", "",
-                "(prompt text of each in the json: results[].failing_inputs[].prompt)", "",
-                "| model | config | session seed | turn | prompt tokens | cached | local + external | why |",
-                "|---|---|---|---|---|---|---|---|"]
-        out += [f"| {m} | {c} | {f['seed']} | {f['turn']} | {f['prompt_tokens']} | {f['cached_tokens']} "
-                f"| {f.get('local_hits')} + {f.get('external_hits')} | {f['why']} |" for m, c, f in fails]
+        out += [
+            "## Failing inputs (differ from recompute)",
+            "",
+            "(prompt text of each in the json: results[].failing_inputs[].prompt)",
+            "",
+            "| model | config | session seed | turn | prompt tokens | cached | local + external | why |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {m} | {c} | {f['seed']} | {f['turn']} | {f['prompt_tokens']} | {f['cached_tokens']} "
+            f"| {f.get('local_hits')} + {f.get('external_hits')} | {f['why']} |"
+            for m, c, f in fails
+        ]
         out.append("")
-    notes = [f"- {r['model']} / {r['config']}: " + "; ".join(([r["note"]] if r.get("note") else []) + r["check_notes"])
-             for r in doc["results"] if r["check_notes"] or r.get("note")]
+    notes = [
+        f"- {r['model']} / {r['config']}: "
+        + "; ".join(([r["note"]] if r.get("note") else []) + r["check_notes"])
+        for r in doc["results"]
+        if r["check_notes"] or r.get("note")
+    ]
     if notes:
         out += ["## Check notes", "", *notes, ""]
-    checks = [(r["model"], r["config"], doc["split_checks"][i]) for i, r in enumerate(doc["results"])]
+    checks = [
+        (r["model"], r["config"], doc["split_checks"][i]) for i, r in enumerate(doc["results"])
+    ]
     if any(n for _, _, (_, n) in checks):
-        out += ["## Per-request split (local / external hit tokens of each turn)", "",
-                "At 1 user the engine's counters are read after every request; the split is exact when local + "
-                "external equals the request's usage.cached_tokens: "
-                + ", ".join(f"{m}/{c} {ok}/{n}" for m, c, (ok, n) in checks) + ".", ""]
+        out += [
+            "## Per-request split (local / external hit tokens of each turn)",
+            "",
+            "At 1 user the engine's counters are read after every request; the split is exact when local + "
+            "external equals the request's usage.cached_tokens: "
+            + ", ".join(f"{m}/{c} {ok}/{n}" for m, c, (ok, n) in checks)
+            + ".",
+            "",
+        ]
     if doc["error_lines"]:
         out += ["## Configs that did not start (error line; full log tail in the json)", ""]
         out += [f"- {k}: `{v}`" for k, v in doc["error_lines"].items()]

@@ -38,8 +38,15 @@ def main() -> int:
     ap.add_argument("--keys", type=int, default=12314)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--ks", default="1,2,3,4,6")
-    ap.add_argument("--fill", type=int, default=0, help="other objects stored beside the keys (the lookup bench's master holds ~126k)")
-    ap.add_argument("--rpc-threads", type=int, default=0, help="master --rpc_thread_num (0: its default)")
+    ap.add_argument(
+        "--fill",
+        type=int,
+        default=0,
+        help="other objects stored beside the keys (the lookup bench's master holds ~126k)",
+    )
+    ap.add_argument(
+        "--rpc-threads", type=int, default=0, help="master --rpc_thread_num (0: its default)"
+    )
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
 
@@ -59,18 +66,22 @@ def main() -> int:
         client.register(buf.ctypes.data, buf.nbytes)
         other = [schema.key(2, rng.bytes(32)) for _ in range(args.fill)]
         for lo in range(0, len(other), 4096):
-            part = other[lo:lo + 4096]
-            assert client.put_from(part, [buf.ctypes.data] * len(part), [64] * len(part), timeout_s=60) == [0] * len(part)
+            part = other[lo : lo + 4096]
+            assert client.put_from(
+                part, [buf.ctypes.data] * len(part), [64] * len(part), timeout_s=60
+            ) == [0] * len(part)
         for lo in range(0, len(keys), 4096):
-            part = keys[lo:lo + 4096]
-            assert client.put_from(part, [buf.ctypes.data] * len(part), [64] * len(part), timeout_s=60) == [0] * len(part)
+            part = keys[lo : lo + 4096]
+            assert client.put_from(
+                part, [buf.ctypes.data] * len(part), [64] * len(part), timeout_s=60
+            ) == [0] * len(part)
         store = client._store
         mpid = master._proc.pid
         expect = [1] * len(keys)
 
         def shards(k: int) -> list[list[str]]:
             n = len(keys)
-            return [keys[i * n // k:(i + 1) * n // k] for i in range(k)]
+            return [keys[i * n // k : (i + 1) * n // k] for i in range(k)]
 
         split = {k: shards(k) for k in ks}
 
@@ -99,13 +110,17 @@ def main() -> int:
         def sequential(k: int) -> list[int]:
             return [c for p in split[k] for c in store.batch_is_exist(p)]
 
-        units = [(name, k, fn) for k in ks for name, fn in (("threads", concurrent), ("pool", pooled),
-                                                            ("sequential", sequential)) if not (k == 1 and name != "threads")]
+        units = [
+            (name, k, fn)
+            for k in ks
+            for name, fn in (("threads", concurrent), ("pool", pooled), ("sequential", sequential))
+            if not (k == 1 and name != "threads")
+        ]
         res: dict = {(n, k): {"wall": [], "cpu": [], "mcpu": []} for n, k, _ in units}
         for n, k, fn in units:  # warm-up
             assert list(fn(k)) == expect
         for r in range(args.repeats):
-            for n, k, fn in units[r % len(units):] + units[:r % len(units)]:
+            for n, k, fn in units[r % len(units) :] + units[: r % len(units)]:
                 c0, m0 = time.process_time(), _proc_cpu(mpid)
                 t0 = time.perf_counter()
                 out = fn(k)
@@ -117,14 +132,18 @@ def main() -> int:
                 d["cpu"].append(c1 - c0)
                 d["mcpu"].append(m1 - m0)
         base = res[("threads", 1)]["wall"]
-        print(f"{args.keys} keys (+{args.fill} other objects stored), {args.repeats} repeats, master rpc threads {args.rpc_threads or 'default'}; "
-              f"ms median [min-max]; ratio to K=1 per repeat; cpu = process CPU s of this process / master (10 ms ticks)")
+        print(
+            f"{args.keys} keys (+{args.fill} other objects stored), {args.repeats} repeats, master rpc threads {args.rpc_threads or 'default'}; "
+            f"ms median [min-max]; ratio to K=1 per repeat; cpu = process CPU s of this process / master (10 ms ticks)"
+        )
         for (n, k), d in res.items():
             w = d["wall"]
             rat = [a / b for a, b in zip(w, base)]
-            print(f"  {n:10s} K={k}: {statistics.median(w) * 1e3:6.1f} [{min(w) * 1e3:.1f}-{max(w) * 1e3:.1f}] ms"
-                  f"  ratio {statistics.median(rat):.2f} [{min(rat):.2f}-{max(rat):.2f}]"
-                  f"  cpu client {statistics.mean(d['cpu']) * 1e3:.1f} ms master {statistics.mean(d['mcpu']) * 1e3:.1f} ms")
+            print(
+                f"  {n:10s} K={k}: {statistics.median(w) * 1e3:6.1f} [{min(w) * 1e3:.1f}-{max(w) * 1e3:.1f}] ms"
+                f"  ratio {statistics.median(rat):.2f} [{min(rat):.2f}-{max(rat):.2f}]"
+                f"  cpu client {statistics.mean(d['cpu']) * 1e3:.1f} ms master {statistics.mean(d['mcpu']) * 1e3:.1f} ms"
+            )
         client.close()
     return 0
 

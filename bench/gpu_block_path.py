@@ -218,7 +218,7 @@ def run_case(layout: str, block_size: int, ns: list[int], args, dev) -> list[dic
             "graphs_captured": None if graphs is None else len(graphs._graphs),
             "checks": checks,
             "times_s": times,
-            "enqueue_s": {k: statistics.median(v[args.warmup:]) for k, v in enqueue.items()},
+            "enqueue_s": {k: statistics.median(v[args.warmup :]) for k, v in enqueue.items()},
         }
         results.append(rec)
         print(_line(rec), flush=True)
@@ -246,8 +246,10 @@ def _ratio(rec, variant, op):
 
 
 def _line(rec) -> str:
-    parts = [f"{rec['layout']} bs={rec['block_size']:>3} n={rec['n_blocks']:>3} "
-             f"{rec['batch_bytes'] / 2**20:8.1f} MiB"]
+    parts = [
+        f"{rec['layout']} bs={rec['block_size']:>3} n={rec['n_blocks']:>3} "
+        f"{rec['batch_bytes'] / 2**20:8.1f} MiB"
+    ]
     for op, lim in (("gather", "limit_d2h"), ("scatter", "limit_h2d")):
         parts.append(f"{op}: lim {_bw(rec, lim)['med']:5.1f} GB/s")
         for v in VARIANTS:
@@ -263,23 +265,37 @@ def _fmt(bw):
 
 
 def _summary(results, dv: str) -> str:
-    big = [(_ratio(r, dv, op), r, op) for r in results if r["block_size"] >= 64
-           for op in ("gather", "scatter") if _ratio(r, dv, op) is not None]
-    small = [(_ratio(r, dv, op), r, op) for r in results if r["block_size"] < 64
-             for op in ("gather", "scatter") if _ratio(r, dv, op) is not None]
+    big = [
+        (_ratio(r, dv, op), r, op)
+        for r in results
+        if r["block_size"] >= 64
+        for op in ("gather", "scatter")
+        if _ratio(r, dv, op) is not None
+    ]
+    small = [
+        (_ratio(r, dv, op), r, op)
+        for r in results
+        if r["block_size"] < 64
+        for op in ("gather", "scatter")
+        if _ratio(r, dv, op) is not None
+    ]
     if not big:
         return ""
     lo = min(big, key=lambda x: x[0])
-    text = (f"**Summary ({dv}, the BlockStager default):** blocks of 64+ tokens reach "
-            f"{lo[0]:.2f}-{max(b[0] for b in big):.2f} of the contiguous pinned bandwidth "
-            f"(target 0.80; lowest: {lo[1]['layout']} {lo[1]['block_size']} tok x "
-            f"{lo[1]['n_blocks']} blocks {lo[2]})")
+    text = (
+        f"**Summary ({dv}, the BlockStager default):** blocks of 64+ tokens reach "
+        f"{lo[0]:.2f}-{max(b[0] for b in big):.2f} of the contiguous pinned bandwidth "
+        f"(target 0.80; lowest: {lo[1]['layout']} {lo[1]['block_size']} tok x "
+        f"{lo[1]['n_blocks']} blocks {lo[2]})"
+    )
     if small:
         s_lo = min(small, key=lambda x: x[0])
-        text += (f"; 16-32 token blocks {s_lo[0]:.2f}-{max(b[0] for b in small):.2f} (lowest: "
-                 f"{s_lo[1]['layout']} {s_lo[1]['block_size']} tok x {s_lo[1]['n_blocks']} "
-                 f"blocks {s_lo[2]}, a {s_lo[1]['batch_bytes'] / 2**20:.0f} MiB batch where "
-                 "the fixed per-chunk kernel and sync cost is not hidden)")
+        text += (
+            f"; 16-32 token blocks {s_lo[0]:.2f}-{max(b[0] for b in small):.2f} (lowest: "
+            f"{s_lo[1]['layout']} {s_lo[1]['block_size']} tok x {s_lo[1]['n_blocks']} "
+            f"blocks {s_lo[2]}, a {s_lo[1]['batch_bytes'] / 2**20:.0f} MiB batch where "
+            "the fixed per-chunk kernel and sync cost is not hidden)"
+        )
     return text + "."
 
 
@@ -324,16 +340,21 @@ def markdown(results, meta) -> str:
         for op, lim in (("gather", "limit_d2h"), ("scatter", "limit_h2d")):
             rat = [_ratio(r, v, op) for v in VARIANTS]
             enq = (
-                " / ".join(f"{r['enqueue_s'].get(v + '_gather', float('nan')) * 1e3:.2f}"
-                           for v in (dv, "v1"))
-                if op == "gather" else ""
+                " / ".join(
+                    f"{r['enqueue_s'].get(v + '_gather', float('nan')) * 1e3:.2f}"
+                    for v in (dv, "v1")
+                )
+                if op == "gather"
+                else ""
             )
             lines.append(
                 f"| {r['layout']} | {r['bytes_per_token_layer']} | {r['block_size']} | "
                 f"{r['n_blocks']} | {r['batch_bytes'] / 2**20:.0f} | {op} | {_fmt(_bw(r, lim))} | "
                 f"{_fmt(_bw(r, dv + '_' + op))} | "
-                + " | ".join("-" if x is None else f"**{x:.2f}**" if v == dv else f"{x:.2f}"
-                             for v, x in zip(VARIANTS, rat))
+                + " | ".join(
+                    "-" if x is None else f"**{x:.2f}**" if v == dv else f"{x:.2f}"
+                    for v, x in zip(VARIANTS, rat)
+                )
                 + f" | {enq} |"
             )
     if meta.get("kernels"):
@@ -410,7 +431,9 @@ def kernel_rates(dev, layers_n: int = 32, reps: int = 10) -> list[dict]:
     for layout, bs in (("GQA", 16), ("MLA", 64)):
         bpt, shape = LAYOUTS[layout]
         nb = LAYER_CACHE_BYTES // (bpt * bs)
-        layers = [torch.empty(shape(nb, bs), dtype=torch.bfloat16, device=dev) for _ in range(layers_n)]
+        layers = [
+            torch.empty(shape(nb, bs), dtype=torch.bfloat16, device=dev) for _ in range(layers_n)
+        ]
         n, bb = 64, bpt * bs
         ids = torch.tensor(random.Random(0).sample(range(nb), n), device=dev)
         moved = n * bb * layers_n
@@ -426,40 +449,65 @@ def kernel_rates(dev, layers_n: int = 32, reps: int = 10) -> list[dict]:
         e8 = bb // 8
         cases = {
             "index_select int64 -> strided slot chunk": lambda: [
-                torch.index_select(rows(t, torch.int64), 0, ids, out=stage8[:, i * e8:(i + 1) * e8])
-                for i, t in enumerate(layers)],
+                torch.index_select(
+                    rows(t, torch.int64), 0, ids, out=stage8[:, i * e8 : (i + 1) * e8]
+                )
+                for i, t in enumerate(layers)
+            ],
             "index_select int64 -> contiguous per layer": lambda: [
                 torch.index_select(rows(t, torch.int64), 0, ids, out=tmp8[i])
-                for i, t in enumerate(layers)],
+                for i, t in enumerate(layers)
+            ],
             "index_select complex128 (16 B) -> strided": lambda: [
-                torch.index_select(rows(t, torch.complex128), 0, ids,
-                                   out=stage16[:, i * e8 // 2:(i + 1) * e8 // 2])
-                for i, t in enumerate(layers)],
+                torch.index_select(
+                    rows(t, torch.complex128),
+                    0,
+                    ids,
+                    out=stage16[:, i * e8 // 2 : (i + 1) * e8 // 2],
+                )
+                for i, t in enumerate(layers)
+            ],
             "index (aten.index.Tensor_out) int64 -> strided slot chunk": lambda: [
-                torch.ops.aten.index.Tensor_out(rows(t, torch.int64), [ids], out=stage8[:, i * e8:(i + 1) * e8])
-                for i, t in enumerate(layers)],
+                torch.ops.aten.index.Tensor_out(
+                    rows(t, torch.int64), [ids], out=stage8[:, i * e8 : (i + 1) * e8]
+                )
+                for i, t in enumerate(layers)
+            ],
             "index_put_ int64 <- strided slot chunk": lambda: [
-                rows(t, torch.int64).index_put_((ids,), stage8[:, i * e8:(i + 1) * e8])
-                for i, t in enumerate(layers)],
+                rows(t, torch.int64).index_put_((ids,), stage8[:, i * e8 : (i + 1) * e8])
+                for i, t in enumerate(layers)
+            ],
             "index_copy_ int64 <- strided slot chunk": lambda: [
-                rows(t, torch.int64).index_copy_(0, ids, stage8[:, i * e8:(i + 1) * e8])
-                for i, t in enumerate(layers)],
+                rows(t, torch.int64).index_copy_(0, ids, stage8[:, i * e8 : (i + 1) * e8])
+                for i, t in enumerate(layers)
+            ],
             "index_copy_ complex128 <- strided": lambda: [
-                rows(t, torch.complex128).index_copy_(0, ids, stage16[:, i * e8 // 2:(i + 1) * e8 // 2])
-                for i, t in enumerate(layers)],
+                rows(t, torch.complex128).index_copy_(
+                    0, ids, stage16[:, i * e8 // 2 : (i + 1) * e8 // 2]
+                )
+                for i, t in enumerate(layers)
+            ],
             "contiguous device copy (reference)": lambda: flat2.copy_(flat),
         }
-        for k, kern in (("index", "index (aten.index.Tensor_out) int64 -> strided slot chunk"),
-                        ("index_select", "index_select int64 -> strided slot chunk")):
+        for k, kern in (
+            ("index", "index (aten.index.Tensor_out) int64 -> strided slot chunk"),
+            ("index_select", "index_select int64 -> strided slot chunk"),
+        ):
             cases[f"graph replay of the 32 {k} kernels, 64 blocks"] = _graphed(cases[kern], dev)
         ids4, stage4 = ids[:4], stage8[:4]
         small = {
             "index": lambda: [
-                torch.ops.aten.index.Tensor_out(rows(t, torch.int64), [ids4], out=stage4[:, i * e8:(i + 1) * e8])
-                for i, t in enumerate(layers)],
+                torch.ops.aten.index.Tensor_out(
+                    rows(t, torch.int64), [ids4], out=stage4[:, i * e8 : (i + 1) * e8]
+                )
+                for i, t in enumerate(layers)
+            ],
             "index_select": lambda: [
-                torch.index_select(rows(t, torch.int64), 0, ids4, out=stage4[:, i * e8:(i + 1) * e8])
-                for i, t in enumerate(layers)],
+                torch.index_select(
+                    rows(t, torch.int64), 0, ids4, out=stage4[:, i * e8 : (i + 1) * e8]
+                )
+                for i, t in enumerate(layers)
+            ],
         }
         for k, fn in small.items():
             cases[f"graph replay of the 32 {k} kernels, 4 blocks"] = _graphed(fn, dev)
@@ -480,17 +528,24 @@ def kernel_rates(dev, layers_n: int = 32, reps: int = 10) -> list[dict]:
             launches = 1 if name.startswith(("contiguous", "graph")) else layers_n
             small_chunk = name.endswith(", 4 blocks")
             mv = moved * 4 // n if small_chunk else moved
-            out.append({
-                "layout": layout, "block_size": bs, "n_blocks": 4 if small_chunk else n,
-                "kernel": name if name.startswith(("contiguous", "graph")) else f"eager {name}",
-                "moved_bytes": mv,
-                "us_median": 1e3 * statistics.median(ms),
-                "GBps_median": mv / 1e6 / statistics.median(ms),
-                "host_us_per_launch": 1e6 * statistics.median(host) / launches,
-            })
-            print(f"kernel {layout} bs={bs}: {name}: {out[-1]['GBps_median']:.0f} GB/s, "
-                  f"{out[-1]['us_median']:.0f} us, "
-                  f"{out[-1]['host_us_per_launch']:.1f} us host/launch", flush=True)
+            out.append(
+                {
+                    "layout": layout,
+                    "block_size": bs,
+                    "n_blocks": 4 if small_chunk else n,
+                    "kernel": name if name.startswith(("contiguous", "graph")) else f"eager {name}",
+                    "moved_bytes": mv,
+                    "us_median": 1e3 * statistics.median(ms),
+                    "GBps_median": mv / 1e6 / statistics.median(ms),
+                    "host_us_per_launch": 1e6 * statistics.median(host) / launches,
+                }
+            )
+            print(
+                f"kernel {layout} bs={bs}: {name}: {out[-1]['GBps_median']:.0f} GB/s, "
+                f"{out[-1]['us_median']:.0f} us, "
+                f"{out[-1]['host_us_per_launch']:.1f} us host/launch",
+                flush=True,
+            )
         del layers, tmp8, stage8, stage16, flat, flat2
         torch.cuda.empty_cache()
     return out
@@ -509,7 +564,9 @@ def _args_without_out(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
@@ -558,8 +615,14 @@ def main() -> None:
     }
     try:
         meta["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current",
-             "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
         ).stdout.strip()
     except Exception:
         pass
@@ -570,7 +633,9 @@ def main() -> None:
         (out / "gpu_block_path.md").write_text(md)
         print("plot:", plot(results, out / "gpu_block_path.png"))
     if raw:
-        (raw / "gpu_block_path.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        (raw / "gpu_block_path.json").write_text(
+            json.dumps({"meta": meta, "results": results}, indent=1)
+        )
         (raw / "gpu_block_path.partial.json").unlink(missing_ok=True)
     if not all_ok:
         sys.exit("correctness check failed")

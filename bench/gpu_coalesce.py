@@ -49,11 +49,16 @@ import bench.gpu_data_path as gdp  # noqa: E402 - the machinery: .vllm-mini, shi
 
 SCENARIOS = {
     "FA 64 tok, kernel 16 (LBHNC), 16 layers": gdp.SCENARIOS["FA 64 tok, kernel 16 (LBHNC)"],
-    "hybrid: 8 FA 128/k32 + 8 Mamba (LBHNC)": gdp.SCENARIOS["hybrid: FA 128/k32 + Mamba overlay (LBHNC)"],
+    "hybrid: 8 FA 128/k32 + 8 Mamba (LBHNC)": gdp.SCENARIOS[
+        "hybrid: FA 128/k32 + Mamba overlay (LBHNC)"
+    ],
     # block-outermost (vLLM splits no kernel blocks under it): a block's 16 layers are one span
     "FA 64 tok, unsplit (BLHNC), 16 layers": dict(
-        layout="BLHNC", num_blocks=1280, batches=(64, 256),
-        groups=[dict(kind="fa", layers=16, block=64, kernel=64, heads=8, head=128)]),
+        layout="BLHNC",
+        num_blocks=1280,
+        batches=(64, 256),
+        groups=[dict(kind="fa", layers=16, block=64, kernel=64, heads=8, head=128)],
+    ),
 }
 PATTERNS = ("contiguous", "every other", "measured")
 UCX_ENV = gdp.UCX_SETTINGS["cuda_ipc get_zcopy"]
@@ -65,13 +70,19 @@ def measured_runs() -> dict[str, int]:
     p = ROOT / "bench" / "results" / "run_lengths.json"
     if not p.exists():
         return DEFAULT_RUNS
-    pds = [src["pd"] for src in json.loads(p.read_text()).values() if src.get("pd", {}).get("handovers", 0) >= 5]
+    pds = [
+        src["pd"]
+        for src in json.loads(p.read_text()).values()
+        if src.get("pd", {}).get("handovers", 0) >= 5
+    ]
     if not pds:
         return DEFAULT_RUNS
     return max(pds, key=lambda pd: pd["handovers"])["joint_runs"]["hist"]
 
 
-def pattern_ids(pattern: str, n: int, nb: int, rng: random.Random, hist: dict[str, int]) -> tuple[list[int], list[int]]:
+def pattern_ids(
+    pattern: str, n: int, nb: int, rng: random.Random, hist: dict[str, int]
+) -> tuple[list[int], list[int]]:
     """(remote ids, local ids) of n blocks in [1, nb) following the pattern; each side's ids distinct."""
     if pattern == "contiguous":
         r0, l0 = rng.randrange(1, nb - n), rng.randrange(1, nb - n)
@@ -83,6 +94,7 @@ def pattern_ids(pattern: str, n: int, nb: int, rng: random.Random, hist: dict[st
     runs: list[int] = []
     while sum(runs) < n:
         runs.append(min(rng.choices(lengths, weights)[0], n - sum(runs)))
+
     # runs in a random order on each side, random gaps (>= 1 between runs) over the id space
     def place() -> list[list[int]]:
         order = list(range(len(runs)))
@@ -103,7 +115,9 @@ def pattern_ids(pattern: str, n: int, nb: int, rng: random.Random, hist: dict[st
     return [b for x in r for b in x], [b for x in l_ for b in x]
 
 
-def handover(cache, pattern: str, n: int, rng: random.Random, hist) -> tuple[list[list[int]], list[list[int]]]:  # noqa: ANN001
+def handover(
+    cache, pattern: str, n: int, rng: random.Random, hist
+) -> tuple[list[list[int]], list[list[int]]]:  # noqa: ANN001
     """Per group: attention n blocks by the pattern; a Mamba group 1 block beyond them."""
     nb = cache.kvc.num_blocks
     groups = len(cache.kvc.kv_cache_groups)
@@ -151,7 +165,9 @@ def decode(sc_name: str, args, q) -> None:  # noqa: ANN001
     tr = pdt.PDTransport("decode", cache.layout, memory=space)
     peer = tr.add_peer(meta, peer_groups, tr.group_spaces)
     rawa = pdt._make_agent("raw", ["UCX"], 100)
-    reg = rawa.register_memory([(int(b_), int(n_), space.dev, "") for b_, n_ in cache.layout.allocations], space.kind)
+    reg = rawa.register_memory(
+        [(int(b_), int(n_), space.dev, "") for b_, n_ in cache.layout.allocations], space.kind
+    )
     rpeer = rawa.add_remote_agent(meta)
     hist = measured_runs()
     rng = random.Random(5)
@@ -159,8 +175,14 @@ def decode(sc_name: str, args, q) -> None:  # noqa: ANN001
     sizes = (8,) if args.smoke else args.blocks
 
     def rows_for(src, dst, coalesce: bool):  # noqa: ANN001, ANN202
-        loc, rem = pdt.read_descriptors(cache.layout.groups, peer_groups, src, dst, [space.dev] * len(src),
-                                        [space.dev] * len(src))
+        loc, rem = pdt.read_descriptors(
+            cache.layout.groups,
+            peer_groups,
+            src,
+            dst,
+            [space.dev] * len(src),
+            [space.dev] * len(src),
+        )
         return pdt.coalesced(loc, rem) if coalesce else (loc, rem)
 
     def ours(src, dst):  # noqa: ANN001, ANN202
@@ -199,8 +221,13 @@ def decode(sc_name: str, args, q) -> None:  # noqa: ANN001
         finally:
             pdt.coalesced = saved
 
-    paths = {"hybridkv": ours, "today": today, "coalesced_previous_wait": lambda s, d: today(s, d, True),
-             "raw_per_block": lambda s, d: raw(s, d, False), "raw_per_run": lambda s, d: raw(s, d, True)}
+    paths = {
+        "hybridkv": ours,
+        "today": today,
+        "coalesced_previous_wait": lambda s, d: today(s, d, True),
+        "raw_per_block": lambda s, d: raw(s, d, False),
+        "raw_per_run": lambda s, d: raw(s, d, True),
+    }
     for pattern in args.patterns:
         for n in sizes:
             src, dst = handover(cache, pattern, n, rng, hist)
@@ -223,22 +250,35 @@ def decode(sc_name: str, args, q) -> None:  # noqa: ANN001
             times = {k: [] for k in paths}
             order = list(paths)
             for i in range(args.warmup + args.repeats):
-                for k in order[i % len(order):] + order[:i % len(order)]:
+                for k in order[i % len(order) :] + order[: i % len(order)]:
                     d = paths[k](src, dst)
                     if i >= args.warmup:
                         times[k].append(d)
             per_block, _ = rows_for(src, dst, False)
             per_run, _ = rows_for(src, dst, True)
-            row = {"scenario": sc_name, "pattern": pattern, "n": n, "bytes": nbytes,
-                   "descs_per_block": int(len(per_block)), "descs_coalesced": int(len(per_run)),
-                   "descs_nixlconnector": nixlconnector_descs(cache, src),
-                   "joint_runs": [len(x) for x in _joint(src[0], dst[0])],
-                   "times_s": {**times, **gdp.copy_baselines(nbytes, dev, args.repeats)}}
+            row = {
+                "scenario": sc_name,
+                "pattern": pattern,
+                "n": n,
+                "bytes": nbytes,
+                "descs_per_block": int(len(per_block)),
+                "descs_coalesced": int(len(per_run)),
+                "descs_nixlconnector": nixlconnector_descs(cache, src),
+                "joint_runs": [len(x) for x in _joint(src[0], dst[0])],
+                "times_s": {**times, **gdp.copy_baselines(nbytes, dev, args.repeats)},
+            }
             rows.append(row)
-            print(f"{sc_name} {pattern} n={n} {nbytes / 2**20:.0f} MiB descs {row['descs_per_block']} -> "
-                  f"{row['descs_coalesced']}: " + " ".join(f"{k} {nbytes / statistics.median(v) / 1e9:.1f}"
-                                                            for k, v in row["times_s"].items() if k != "h2d_pinned")
-                  + f" GB/s; {res}", flush=True)
+            print(
+                f"{sc_name} {pattern} n={n} {nbytes / 2**20:.0f} MiB descs {row['descs_per_block']} -> "
+                f"{row['descs_coalesced']}: "
+                + " ".join(
+                    f"{k} {nbytes / statistics.median(v) / 1e9:.1f}"
+                    for k, v in row["times_s"].items()
+                    if k != "h2d_pinned"
+                )
+                + f" GB/s; {res}",
+                flush=True,
+            )
     tr.shutdown()
     rawa.remove_remote_agent(rpeer)
     rawa.deregister_memory(reg)
@@ -303,31 +343,56 @@ def _gbs(r, k):  # noqa: ANN001, ANN202
 
 def markdown(doc: dict) -> str:
     m = doc.get("meta", {})
-    lines = ["# P/D READ with coalesced descriptors on the H200", "",
-             f"- command: `{m.get('command', '')}`; device: {m.get('device', '?')}; torch {m.get('torch', '?')}; "
-             f"{m.get('date', '')}; hybridkv commit {m.get('commit', '?')}; wheels: {m.get('wheels', '?')}",
-             f"- UCX: {UCX_ENV}; two processes, one GPU, VRAM -> VRAM; median of {m.get('repeats', '?')} after "
-             f"{m.get('warmup', '?')} warm-up; how: docstring of bench/gpu_coalesce.py", "",
-             "| scenario | pattern | blocks | MiB | descs today | descs coalesced | NixlConnector descs | "
-             "today GB/s | hybridkv GB/s | coalesced, previous wait GB/s | raw per block GB/s | raw per run GB/s | "
-             "D2D GB/s | **hybridkv / today** | hybridkv / raw per run | hybridkv / D2D |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# P/D READ with coalesced descriptors on the H200",
+        "",
+        f"- command: `{m.get('command', '')}`; device: {m.get('device', '?')}; torch {m.get('torch', '?')}; "
+        f"{m.get('date', '')}; hybridkv commit {m.get('commit', '?')}; wheels: {m.get('wheels', '?')}",
+        f"- UCX: {UCX_ENV}; two processes, one GPU, VRAM -> VRAM; median of {m.get('repeats', '?')} after "
+        f"{m.get('warmup', '?')} warm-up; how: docstring of bench/gpu_coalesce.py",
+        "",
+        "| scenario | pattern | blocks | MiB | descs today | descs coalesced | NixlConnector descs | "
+        "today GB/s | hybridkv GB/s | coalesced, previous wait GB/s | raw per block GB/s | raw per run GB/s | "
+        "D2D GB/s | **hybridkv / today** | hybridkv / raw per run | hybridkv / D2D |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc.get("rows", []):
-        g = {k: _gbs(r, k) for k in ("today", "hybridkv", "coalesced_previous_wait", "raw_per_block",
-                                     "raw_per_run", "d2d")}
-        lines.append(f"| {r['scenario']} | {r['pattern']} | {r['n']} | {r['bytes'] / 2**20:.0f} | "
-                     f"{r['descs_per_block']} | {r['descs_coalesced']} | {r['descs_nixlconnector']} | "
-                     f"{g['today']:.1f} | {g['hybridkv']:.1f} | {g['coalesced_previous_wait']:.1f} | "
-                     f"{g['raw_per_block']:.1f} | {g['raw_per_run']:.1f} | {g['d2d']:.0f} | "
-                     f"**{g['hybridkv'] / g['today']:.2f}** | {g['hybridkv'] / g['raw_per_run']:.2f} | "
-                     f"{g['hybridkv'] / g['d2d']:.3f} |")
-    lines += ["", "Checks (poisoned decode allocation compared whole; planted one-block shift):", ""]
+        g = {
+            k: _gbs(r, k)
+            for k in (
+                "today",
+                "hybridkv",
+                "coalesced_previous_wait",
+                "raw_per_block",
+                "raw_per_run",
+                "d2d",
+            )
+        }
+        lines.append(
+            f"| {r['scenario']} | {r['pattern']} | {r['n']} | {r['bytes'] / 2**20:.0f} | "
+            f"{r['descs_per_block']} | {r['descs_coalesced']} | {r['descs_nixlconnector']} | "
+            f"{g['today']:.1f} | {g['hybridkv']:.1f} | {g['coalesced_previous_wait']:.1f} | "
+            f"{g['raw_per_block']:.1f} | {g['raw_per_run']:.1f} | {g['d2d']:.0f} | "
+            f"**{g['hybridkv'] / g['today']:.2f}** | {g['hybridkv'] / g['raw_per_run']:.2f} | "
+            f"{g['hybridkv'] / g['d2d']:.3f} |"
+        )
+    lines += [
+        "",
+        "Checks (poisoned decode allocation compared whole; planted one-block shift):",
+        "",
+    ]
     for c in doc.get("checks", []):
-        lines.append(f"- {c['scenario']} / {c['pattern']} n={c['n']}: " +
-                     ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("scenario", "pattern", "n")))
+        lines.append(
+            f"- {c['scenario']} / {c['pattern']} n={c['n']}: "
+            + ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("scenario", "pattern", "n"))
+        )
     if doc.get("errors"):
         lines += ["", "Errors: " + "; ".join(doc["errors"])]
-    lines += ["", f"Measured run-length histogram used for `measured` (joint runs: length -> count): {doc.get('hist')}", ""]
+    lines += [
+        "",
+        f"Measured run-length histogram used for `measured` (joint runs: length -> count): {doc.get('hist')}",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -344,17 +409,29 @@ def plot(doc: dict, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(18, 7.5))
     short = {"LBHNC), 16": "FA LBHNC k16", "Mamba": "FA+Mamba LBHNC", "BLHNC": "FA BLHNC"}
-    labels = [f"{next(v for k, v in short.items() if k in r['scenario'])}\n{r['pattern']} n={r['n']}\n"
-              f"{r['descs_per_block']}->{r['descs_coalesced']} descs" for r in rows]
-    keys = (("today", "hybridkv today (per block)"), ("hybridkv", "hybridkv (coalesced)"),
-            ("raw_per_block", "raw NIXL per block"), ("raw_per_run", "raw NIXL per run"), ("d2d", "D2D copy"))
+    labels = [
+        f"{next(v for k, v in short.items() if k in r['scenario'])}\n{r['pattern']} n={r['n']}\n"
+        f"{r['descs_per_block']}->{r['descs_coalesced']} descs"
+        for r in rows
+    ]
+    keys = (
+        ("today", "hybridkv today (per block)"),
+        ("hybridkv", "hybridkv (coalesced)"),
+        ("raw_per_block", "raw NIXL per block"),
+        ("raw_per_run", "raw NIXL per run"),
+        ("d2d", "D2D copy"),
+    )
     w = 0.16
     for j, (k, lab) in enumerate(keys):
-        ax.bar([i + (j - 2) * w for i in range(len(rows))], [_gbs(r, k) for r in rows], w, label=lab)
+        ax.bar(
+            [i + (j - 2) * w for i in range(len(rows))], [_gbs(r, k) for r in rows], w, label=lab
+        )
     ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=60, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("GB/s (log)")
-    ax.set_title("P/D READ VRAM->VRAM on one H200 (2 processes, UCX cuda_ipc get_zcopy)", fontsize=10)
+    ax.set_title(
+        "P/D READ VRAM->VRAM on one H200 (2 processes, UCX cuda_ipc get_zcopy)", fontsize=10
+    )
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -379,7 +456,9 @@ def main() -> int:
         (res / "gpu_coalesce.json").write_text(json.dumps(doc, indent=1))
         md = markdown(doc)
         notes = res / "gpu_coalesce.notes.md"
-        (res / "gpu_coalesce.md").write_text(md + ("\n" + notes.read_text() if notes.exists() else ""))
+        (res / "gpu_coalesce.md").write_text(
+            md + ("\n" + notes.read_text() if notes.exists() else "")
+        )
         print(md)
         print("plot:", plot(doc, res / "gpu_coalesce.png"))
         return 0
@@ -391,8 +470,14 @@ def main() -> int:
     t0 = time.time()
     doc = run(args)
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "(no git on the device)"
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            or "(no git on the device)"
+        )
     except Exception:  # noqa: BLE001
         commit = "(no git)"
     import importlib.metadata as md
@@ -403,19 +488,33 @@ def main() -> int:
         except md.PackageNotFoundError:
             return "-"
 
-    doc["meta"] = {"command": " ".join(["python"] + sys.argv), "device": torch.cuda.get_device_name(0)
-                   if torch.cuda.is_available() else platform.processor() or "cpu",
-                   "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "commit": os.environ.get("HYBRIDKV_COMMIT", commit), "repeats": args.repeats,
-                   "warmup": args.warmup, "seconds": round(time.time() - t0, 1),
-                   "wheels": f"nixl-cu13 {ver('nixl-cu13')}, nixl {ver('nixl')}"}
+    doc["meta"] = {
+        "command": " ".join(["python"] + sys.argv),
+        "device": torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": os.environ.get("HYBRIDKV_COMMIT", commit),
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "seconds": round(time.time() - t0, 1),
+        "wheels": f"nixl-cu13 {ver('nixl-cu13')}, nixl {ver('nixl')}",
+    }
     text = json.dumps(doc, indent=1)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "coalesce.json").write_text(text)
     print(markdown(doc))
-    return 0 if not doc["errors"] and all(all(v for k, v in c.items() if k.endswith(("_exact", "_detected")))
-                                          for c in doc["checks"]) else 1
+    return (
+        0
+        if not doc["errors"]
+        and all(
+            all(v for k, v in c.items() if k.endswith(("_exact", "_detected")))
+            for c in doc["checks"]
+        )
+        else 1
+    )
 
 
 if __name__ == "__main__":

@@ -81,22 +81,37 @@ SHIM: list[str] = []  # module names this bench had to stand in for
 # name -> groups (kind, layers, block tokens, kernel tokens, heads/shape), layout, num_blocks, batches
 SCENARIOS = {
     "FA 64 tok, kernel 16 (LBHNC)": dict(
-        layout="LBHNC", num_blocks=1280, batches=(64, 256),
-        groups=[dict(kind="fa", layers=16, block=64, kernel=16, heads=8, head=128)]),
+        layout="LBHNC",
+        num_blocks=1280,
+        batches=(64, 256),
+        groups=[dict(kind="fa", layers=16, block=64, kernel=16, heads=8, head=128)],
+    ),
     "FA 128 tok, kernel 32 (LBNHC)": dict(
-        layout="LBNHC", num_blocks=1280, batches=(64, 256),
-        groups=[dict(kind="fa", layers=16, block=128, kernel=32, heads=4, head=128)]),
+        layout="LBNHC",
+        num_blocks=1280,
+        batches=(64, 256),
+        groups=[dict(kind="fa", layers=16, block=128, kernel=32, heads=4, head=128)],
+    ),
     "hybrid: FA 128/k32 + Mamba overlay (LBHNC)": dict(
-        layout="LBHNC", num_blocks=2560, batches=(64, 256),
-        groups=[dict(kind="fa", layers=8, block=128, kernel=32, heads=4, head=128),
-                dict(kind="mamba", layers=8, block=128, shapes=((3, 4096), (16, 64, 64)))]),
+        layout="LBHNC",
+        num_blocks=2560,
+        batches=(64, 256),
+        groups=[
+            dict(kind="fa", layers=8, block=128, kernel=32, heads=4, head=128),
+            dict(kind="mamba", layers=8, block=128, shapes=((3, 4096), (16, 64, 64))),
+        ],
+    ),
 }
 UCX_SETTINGS = {
     # what NIXL/UCX picks by itself on this VM: READ is tcp "software emulation" (no NVLink seen)
     "UCX defaults": {},
     # cuda_ipc get_zcopy forced on (UCX disables it when NVML reports no NVLink)
-    "cuda_ipc get_zcopy": {"UCX_TLS": "cuda_ipc,cuda_copy,tcp", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
-                           "UCX_CUDA_IPC_ENABLE_MNNVL": "n", "UCX_MEMTYPE_CACHE": "n"},
+    "cuda_ipc get_zcopy": {
+        "UCX_TLS": "cuda_ipc,cuda_copy,tcp",
+        "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+        "UCX_CUDA_IPC_ENABLE_MNNVL": "n",
+        "UCX_MEMTYPE_CACHE": "n",
+    },
 }
 SLOW_SETTINGS = {"UCX defaults"}  # only the smallest batch, 2 repeats (0.5 GB/s)
 
@@ -107,6 +122,7 @@ def _install_connector_base_shim() -> None:
     try:
         import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
         import vllm.distributed.kv_transfer.kv_connector.v1.metrics  # noqa: F401
+
         return
     except Exception:  # noqa: BLE001 - absent, or its config stack is missing
         pass
@@ -171,10 +187,13 @@ def setup_imports() -> None:
     mini = ROOT / ".vllm-mini"
     try:
         import vllm.v1.kv_cache_interface as kci
+
         kci.create_kv_cache_views  # noqa: B018 - 0.33's view maker
     except (ImportError, AttributeError):
         if not mini.is_dir():
-            raise SystemExit("needs vLLM 0.33's kv_cache_interface: PYTHONPATH=/work/vllm033 or .vllm-mini/")
+            raise SystemExit(
+                "needs vLLM 0.33's kv_cache_interface: PYTHONPATH=/work/vllm033 or .vllm-mini/"
+            ) from None
         for n in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
             del sys.modules[n]
         sys.path.insert(0, str(mini))
@@ -187,39 +206,71 @@ def build_config(sc: dict):
     """(KVCacheConfig, kernel_block_sizes, KVCacheLayout) for a scenario, vLLM's layer-outer plan."""
     import torch
     from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec)
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+    )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     specs = []
     for g in sc["groups"]:
         if g["kind"] == "fa":
-            specs.append(FullAttentionSpec(block_size=g["block"], num_kv_heads=g["heads"], head_size=g["head"],
-                                           dtype=torch.bfloat16))
+            specs.append(
+                FullAttentionSpec(
+                    block_size=g["block"],
+                    num_kv_heads=g["heads"],
+                    head_size=g["head"],
+                    dtype=torch.bfloat16,
+                )
+            )
     page = max(s.page_size_bytes for s in specs)
     for g in sc["groups"]:
         if g["kind"] == "mamba":
             extra = {}
-            if g.get("mamba_type"):  # e.g. "GDN_ATTN" (bench/gpu_pd_tp.py: GDN state is re-sliced across TP)
+            if g.get(
+                "mamba_type"
+            ):  # e.g. "GDN_ATTN" (bench/gpu_pd_tp.py: GDN state is re-sliced across TP)
                 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
                 extra["mamba_type"] = MambaAttentionBackendEnum[g["mamba_type"]]
-            specs.append(MambaSpec(block_size=g["block"], shapes=tuple(tuple(x) for x in g["shapes"]),
-                                   dtypes=tuple(g.get("dtypes", (torch.bfloat16,) * len(g["shapes"]))),
-                                   page_size_padded=page, mamba_cache_mode="align", **extra))
+            specs.append(
+                MambaSpec(
+                    block_size=g["block"],
+                    shapes=tuple(tuple(x) for x in g["shapes"]),
+                    dtypes=tuple(g.get("dtypes", (torch.bfloat16,) * len(g["shapes"]))),
+                    page_size_padded=page,
+                    mamba_cache_mode="align",
+                    **extra,
+                )
+            )
     assert all(s.page_size_bytes == page for s in specs), [s.page_size_bytes for s in specs]
     nb, layers = sc["num_blocks"], max(g["layers"] for g in sc["groups"])
     size = page * nb * layers
     groups, tensors, kernels = [], [], []
     for gi, (g, spec) in enumerate(zip(sc["groups"], specs)):
-        names = [f"model.layers.{i}.{'attn' if g['kind'] == 'fa' else 'mixer'}.g{gi}" for i in range(g["layers"])]
+        names = [
+            f"model.layers.{i}.{'attn' if g['kind'] == 'fa' else 'mixer'}.g{gi}"
+            for i in range(g["layers"])
+        ]
         groups.append(KVCacheGroupSpec(names, spec))
         if sc["layout"].startswith("BL"):  # block-outermost: a block's layers back to back
-            tensors.append(KVCacheTensor(size=size, layers=names, layer_stride=page, block_stride=page * layers))
+            tensors.append(
+                KVCacheTensor(
+                    size=size, layers=names, layer_stride=page, block_stride=page * layers
+                )
+            )
         else:
-            tensors.append(KVCacheTensor(size=size, layers=names, layer_stride=page * nb, block_stride=page))
+            tensors.append(
+                KVCacheTensor(size=size, layers=names, layer_stride=page * nb, block_stride=page)
+            )
         kernels.append(g.get("kernel", g["block"]))
-    return KVCacheConfig(num_blocks=nb, kv_cache_tensors=tensors, kv_cache_groups=groups), kernels, \
-        KVCacheLayout[sc["layout"]]
+    return (
+        KVCacheConfig(num_blocks=nb, kv_cache_tensors=tensors, kv_cache_groups=groups),
+        kernels,
+        KVCacheLayout[sc["layout"]],
+    )
 
 
 def allocate(kvc, device, layout, kernel_block_sizes, buf=None):
@@ -235,12 +286,20 @@ def allocate(kvc, device, layout, kernel_block_sizes, buf=None):
         buf = torch.zeros(sizes.pop(), dtype=torch.int8, device=device)
     caches = {}
     for tensor in kvc.kv_cache_tensors:
-        gid, group = next((i, g) for i, g in enumerate(kvc.kv_cache_groups) if tensor.layers[0] in g.layer_names)
+        gid, group = next(
+            (i, g) for i, g in enumerate(kvc.kv_cache_groups) if tensor.layers[0] in g.layer_names
+        )
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = spec.kv_cache_specs[tensor.layers[0]]
-        kbs = kernel_block_sizes[gid] if kernel_block_sizes is not None and gid < len(kernel_block_sizes) else None
-        views = create_kv_cache_views(buf, spec, kvc.num_blocks_of(tensor), layout, tensor, kernel_block_size=kbs)
+        kbs = (
+            kernel_block_sizes[gid]
+            if kernel_block_sizes is not None and gid < len(kernel_block_sizes)
+            else None
+        )
+        views = create_kv_cache_views(
+            buf, spec, kvc.num_blocks_of(tensor), layout, tensor, kernel_block_size=kbs
+        )
         caches.update(zip(tensor.layers, views))
     return buf, caches
 
@@ -260,20 +319,42 @@ def check_vllm(scenarios: dict | None = None) -> int:
         kvc, kernels, layout = build_config(sc)
         cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
         cfg.cache_config.kv_cache_layout = layout.name
-        ref = get_kv_cache_config_from_groups(cfg, kvc.kv_cache_groups, kvc.kv_cache_tensors[0].size)
-        same_cfg = (ref.num_blocks == kvc.num_blocks
-                    and [(t.size, t.layers, t.layer_stride, t.block_stride, t.offset) for t in ref.kv_cache_tensors]
-                    == [(t.size, t.layers, t.layer_stride, t.block_stride, t.offset) for t in kvc.kv_cache_tensors])
+        ref = get_kv_cache_config_from_groups(
+            cfg, kvc.kv_cache_groups, kvc.kv_cache_tensors[0].size
+        )
+        same_cfg = ref.num_blocks == kvc.num_blocks and [
+            (t.size, t.layers, t.layer_stride, t.block_stride, t.offset)
+            for t in ref.kv_cache_tensors
+        ] == [
+            (t.size, t.layers, t.layer_stride, t.block_stride, t.offset)
+            for t in kvc.kv_cache_tensors
+        ]
         buf, mine = allocate(kvc, torch.device("cpu"), layout, kernels)
         theirs = allocate_kv_cache(kvc, torch.device("cpu"), layout, kernels)
         tb = next(iter(theirs.values())).untyped_storage().data_ptr()
         same_views = all(
-            (tuple(mine[n].shape), mine[n].stride(), mine[n].data_ptr() - buf.data_ptr(), mine[n].dtype)
-            == (tuple(theirs[n].shape), theirs[n].stride(), theirs[n].data_ptr() - tb, theirs[n].dtype)
-            for n in mine) and set(mine) == set(theirs)
-        ex = {n: (tuple(v.shape), v.stride()) for n, v in list(mine.items())[:1] + list(mine.items())[-1:]}
-        print(f"{name}: config == get_kv_cache_config_from_groups: {same_cfg}; "
-              f"views == allocate_kv_cache: {same_views}; e.g. {ex}")
+            (
+                tuple(mine[n].shape),
+                mine[n].stride(),
+                mine[n].data_ptr() - buf.data_ptr(),
+                mine[n].dtype,
+            )
+            == (
+                tuple(theirs[n].shape),
+                theirs[n].stride(),
+                theirs[n].data_ptr() - tb,
+                theirs[n].dtype,
+            )
+            for n in mine
+        ) and set(mine) == set(theirs)
+        ex = {
+            n: (tuple(v.shape), v.stride())
+            for n, v in list(mine.items())[:1] + list(mine.items())[-1:]
+        }
+        print(
+            f"{name}: config == get_kv_cache_config_from_groups: {same_cfg}; "
+            f"views == allocate_kv_cache: {same_views}; e.g. {ex}"
+        )
         bad += not (same_cfg and same_views)
     return 1 if bad else 0
 
@@ -292,7 +373,6 @@ class Cache:
 
 
 def make_cache(sc: dict, device, num_blocks: int | None = None) -> Cache:
-    import torch
     from vllm.v1.kv_cache_interface import group_kernel_blocks
 
     from hybridkv.connector.block_layout import KVLayout
@@ -348,7 +428,9 @@ def fill_random(cache: Cache, seed: int) -> None:
     cache.buf.view(torch.uint8).random_(0, 256, generator=gen)
 
 
-def pick_blocks(cache: Cache, n: int, rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
+def pick_blocks(
+    cache: Cache, n: int, rng: random.Random
+) -> tuple[list[list[int]], list[list[int]]]:
     """n manager blocks split over the groups; ids distinct across groups (one pool), src != dst."""
     groups = len(cache.kvc.kv_cache_groups)
     ids = rng.sample(range(1, cache.kvc.num_blocks), 2 * n)
@@ -356,8 +438,8 @@ def pick_blocks(cache: Cache, n: int, rng: random.Random) -> tuple[list[list[int
     per = [n // groups + (i < n % groups) for i in range(groups)]
     out_s, out_d, k = [], [], 0
     for p in per:
-        out_s.append(src[k:k + p])
-        out_d.append(dst[k:k + p])
+        out_s.append(src[k : k + p])
+        out_d.append(dst[k : k + p])
         k += p
     return out_s, out_d
 
@@ -397,8 +479,11 @@ def copy_baselines(nbytes: int, device, repeats: int) -> dict:
     h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     out = {"d2d": [], "d2h_pinned": [], "h2d_pinned": []}
     for _ in range(repeats + 1):
-        for k, fn in (("d2d", lambda: b.copy_(a)), ("d2h_pinned", lambda: h.copy_(a, non_blocking=True)),
-                      ("h2d_pinned", lambda: a.copy_(h, non_blocking=True))):
+        for k, fn in (
+            ("d2d", lambda: b.copy_(a)),
+            ("d2h_pinned", lambda: h.copy_(a, non_blocking=True)),
+            ("h2d_pinned", lambda: a.copy_(h, non_blocking=True)),
+        ):
             _sync()
             t = time.perf_counter()
             fn()
@@ -422,7 +507,12 @@ def run_store(args) -> dict:
     import hybridkv.connector.store_worker as sw
     from hybridkv.connector.block_layout import layout_rows
     from hybridkv.connector.store_config import StoreConnectorConfig
-    from hybridkv.connector.store_metadata import BlockBatch, LoadJob, SaveJob, StoreConnectorMetadata
+    from hybridkv.connector.store_metadata import (
+        BlockBatch,
+        LoadJob,
+        SaveJob,
+        StoreConnectorMetadata,
+    )
     from hybridkv.store.embedded_master import EmbeddedMaster
     from hybridkv.store.keys import KeySchema
     from hybridkv.store.mooncake_backend import MooncakeBackend
@@ -441,21 +531,27 @@ def run_store(args) -> dict:
                 continue
             cache = make_cache(sc, dev)
             kvc = cache.kvc
-            cfg = StoreConnectorConfig(timeout_s=300, staging_buffer_size=512 << 20,
-                                       staging="always" if dev.type == "cpu" else "auto")
+            cfg = StoreConnectorConfig(
+                timeout_s=300,
+                staging_buffer_size=512 << 20,
+                staging="always" if dev.type == "cpu" else "auto",
+            )
             schema = KeySchema.create(f"gpu-bench-{len(rows)}", "bf16", layout_rows(kvc))
             worker = sw.StoreWorker(cfg, kvc, schema, client)
             worker.register_kv_caches(cache.views)  # CUDA: builds BlockStager pools (staged path)
             assert worker._staging is not None
-            client.register(cache.buf.data_ptr(), cache.buf.numel())  # GPU-direct: the CUDA allocation
+            client.register(
+                cache.buf.data_ptr(), cache.buf.numel()
+            )  # GPU-direct: the CUDA allocation
             rng = random.Random(7)
             for n in sc["batches"]:
                 if args.quick and n != sc["batches"][0]:
                     continue
                 src, dst = pick_blocks(cache, n, rng)
                 nbytes = batch_bytes(cache, src)
-                obj_sizes = [cache.layout.groups[g].object_bytes for g, s in enumerate(src) for _ in s]
-                hashes = [[random.Random(1000 * g + i).randbytes(32) for i in range(len(s))] for g, s in enumerate(src)]
+                obj_sizes = [
+                    cache.layout.groups[g].object_bytes for g, s in enumerate(src) for _ in s
+                ]
 
                 def batch(block_ids, hs):
                     b = BlockBatch()
@@ -519,8 +615,10 @@ def run_store(args) -> dict:
                     assert codes == obj_sizes, set(codes)
                     return d
 
-                rawbufs = {"host": torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda"),
-                           "gpu": torch.empty(nbytes, dtype=torch.uint8, device=dev)}
+                rawbufs = {
+                    "host": torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda"),
+                    "gpu": torch.empty(nbytes, dtype=torch.uint8, device=dev),
+                }
                 for b in rawbufs.values():
                     b.fill_(1)
                     client.register(b.data_ptr(), b.numel())
@@ -533,15 +631,25 @@ def run_store(args) -> dict:
                     keys = [f"raw-{where}-{h.hex()}" for hh in hs for h in hh]
                     addrs = [base + o for o in offs[:-1]]
                     t = time.perf_counter()
-                    codes = (raw.batch_put_from if save else raw.batch_get_into)(keys, addrs, obj_sizes)
+                    codes = (raw.batch_put_from if save else raw.batch_get_into)(
+                        keys, addrs, obj_sizes
+                    )
                     d = time.perf_counter() - t
-                    assert all(c == 0 for c in codes) if save else list(codes) == obj_sizes, set(codes)
+                    assert all(c == 0 for c in codes) if save else list(codes) == obj_sizes, set(
+                        codes
+                    )
                     return d
 
                 # ---- correctness (untimed): staged, direct, planted shift through each
                 res = {}
-                for path, save, load in (("staged", staged_save, staged_load), ("direct", direct_save, direct_load)):
-                    hs = [[random.Random(f"{path}{g}{i}").randbytes(32) for i in range(len(s))] for g, s in enumerate(src)]
+                for path, save, load in (
+                    ("staged", staged_save, staged_load),
+                    ("direct", direct_save, direct_load),
+                ):
+                    hs = [
+                        [random.Random(f"{path}{g}{i}").randbytes(32) for i in range(len(s))]
+                        for g, s in enumerate(src)
+                    ]
                     fill_random(cache, 11)
                     ref = block_bytes_ref(cache, src)
                     save(hs)
@@ -558,17 +666,37 @@ def run_store(args) -> dict:
                 print(f"store {name} n={n}: {res}", flush=True)
 
                 # ---- timing: fresh keys per repeat (a put on an existing key is a no-op)
-                times = {k: [] for k in ("staged_save", "staged_load", "direct_save", "direct_load",
-                                         "raw_host_save", "raw_host_load", "raw_gpu_save", "raw_gpu_load")}
+                times = {
+                    k: []
+                    for k in (
+                        "staged_save",
+                        "staged_load",
+                        "direct_save",
+                        "direct_load",
+                        "raw_host_save",
+                        "raw_host_load",
+                        "raw_gpu_save",
+                        "raw_gpu_load",
+                    )
+                }
                 fill_random(cache, 12)
                 for rep in range(args.warmup + args.repeats):
-                    order = [("staged", staged_save, staged_load), ("direct", direct_save, direct_load),
-                             ("raw_host", None, None), ("raw_gpu", None, None)]
-                    order = order[rep % 4:] + order[:rep % 4]
+                    order = [
+                        ("staged", staged_save, staged_load),
+                        ("direct", direct_save, direct_load),
+                        ("raw_host", None, None),
+                        ("raw_gpu", None, None),
+                    ]
+                    order = order[rep % 4 :] + order[: rep % 4]
                     sample = {}
                     for path, save, load in order:
-                        hs = [[random.Random(f"t{rep}{path}{g}{i}").randbytes(32) for i in range(len(s))]
-                              for g, s in enumerate(src)]
+                        hs = [
+                            [
+                                random.Random(f"t{rep}{path}{g}{i}").randbytes(32)
+                                for i in range(len(s))
+                            ]
+                            for g, s in enumerate(src)
+                        ]
                         if save is None:
                             where = path.split("_")[1]
                             sample[f"{path}_save"] = raw_op(where, True, hs)
@@ -581,10 +709,17 @@ def run_store(args) -> dict:
                         for k, v in sample.items():
                             times[k].append(v)
                 base = copy_baselines(nbytes, dev, args.repeats)
-                row = {"scenario": name, "n": n, "bytes": nbytes, "objects": len(obj_sizes),
-                       "object_bytes": sorted(set(obj_sizes)),
-                       "regions_per_object": [len(cache.layout.groups[g].block_bytes) for g in range(len(src))],
-                       "times_s": {**times, **base}}
+                row = {
+                    "scenario": name,
+                    "n": n,
+                    "bytes": nbytes,
+                    "objects": len(obj_sizes),
+                    "object_bytes": sorted(set(obj_sizes)),
+                    "regions_per_object": [
+                        len(cache.layout.groups[g].block_bytes) for g in range(len(src))
+                    ],
+                    "times_s": {**times, **base},
+                }
                 rows.append(row)
                 print(_store_line(row), flush=True)
                 for b in rawbufs.values():
@@ -614,8 +749,18 @@ def _gbs(row, key):
 
 def _store_line(r) -> str:
     parts = [f"store {r['scenario']} n={r['n']} {r['bytes'] / 2**20:.0f} MiB"]
-    for k in ("staged_save", "staged_load", "direct_save", "direct_load", "raw_host_save", "raw_host_load",
-              "raw_gpu_save", "raw_gpu_load", "d2d", "d2h_pinned"):
+    for k in (
+        "staged_save",
+        "staged_load",
+        "direct_save",
+        "direct_load",
+        "raw_host_save",
+        "raw_host_load",
+        "raw_gpu_save",
+        "raw_gpu_load",
+        "d2d",
+        "d2h_pinned",
+    ):
         parts.append(f"{k} {_gbs(r, k):.1f}")
     return " | ".join(parts) + " GB/s"
 
@@ -631,7 +776,11 @@ def pd_prefill(conn, sc_name: str, device: str, sc: dict) -> None:
     cache = make_cache(sc, torch.device(device))
     fill_random(cache, 21)
     _sync()
-    tr = pdt.PDTransport("prefill", cache.layout, memory=pdt.memory_space(torch.device(device).type, torch.device(device).index or 0))
+    tr = pdt.PDTransport(
+        "prefill",
+        cache.layout,
+        memory=pdt.memory_space(torch.device(device).type, torch.device(device).index or 0),
+    )
     conn.send((tr.metadata(), cache.layout.groups))
     conn.recv()
     tr.shutdown()
@@ -643,12 +792,13 @@ def pd_decode(setting: str, sc_name: str, sc: dict, args, q) -> None:
     import multiprocessing as mp
 
     setup_imports()
-    import numpy as np
     import torch
 
     import hybridkv.connector.pd_transport as pdt
 
-    mem = pdt.memory_space(torch.device(args.device).type, torch.device(args.device).index or 0).kind
+    mem = pdt.memory_space(
+        torch.device(args.device).type, torch.device(args.device).index or 0
+    ).kind
     dev = torch.device(args.device)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
@@ -659,9 +809,13 @@ def pd_decode(setting: str, sc_name: str, sc: dict, args, q) -> None:
     ref_cache = make_cache(sc, dev)  # the prefill's bytes, regenerated from the same seed
     fill_random(ref_cache, 21)
     tr = pdt.PDTransport("decode", cache.layout, memory=pdt.memory_space(dev.type, dev.index or 0))
-    peer = tr.add_peer(meta, peer_groups, tr.group_spaces)  # the prefill's cache is on the same device
+    peer = tr.add_peer(
+        meta, peer_groups, tr.group_spaces
+    )  # the prefill's cache is on the same device
     rawa = pdt._make_agent("raw", ["UCX"], 100)
-    reg = rawa.register_memory([(int(b_), int(n_), 0, "") for b_, n_ in cache.layout.allocations], mem)
+    reg = rawa.register_memory(
+        [(int(b_), int(n_), 0, "") for b_, n_ in cache.layout.allocations], mem
+    )
     rpeer = rawa.add_remote_agent(meta)
     rng = random.Random(5)
     rows, checks = [], []
@@ -709,19 +863,36 @@ def pd_decode(setting: str, sc_name: str, sc: dict, args, q) -> None:
         t_ours, t_raw = [], []
         for i in range(args.warmup + reps):
             s2, d2 = pick_blocks(cache, n, rng)
-            pair = ((ours, t_ours), (raw_read, t_raw)) if i % 2 == 0 else ((raw_read, t_raw), (ours, t_ours))
+            pair = (
+                ((ours, t_ours), (raw_read, t_raw))
+                if i % 2 == 0
+                else ((raw_read, t_raw), (ours, t_ours))
+            )
             for fn, acc in pair:
                 d = fn(s2, d2)
                 if i >= args.warmup:
                     acc.append(d)
         loc, _ = pdt.read_descriptors(cache.layout.groups, peer_groups, src, dst)
-        row = {"setting": setting, "scenario": sc_name, "n": n, "bytes": nbytes, "descs": int(len(loc)),
-               "desc_bytes": sorted({int(x) for x in loc[:, 1]}),
-               "times_s": {"hybridkv_read": t_ours, "raw_read": t_raw, **copy_baselines(nbytes, dev, 5)}}
+        row = {
+            "setting": setting,
+            "scenario": sc_name,
+            "n": n,
+            "bytes": nbytes,
+            "descs": int(len(loc)),
+            "desc_bytes": sorted({int(x) for x in loc[:, 1]}),
+            "times_s": {
+                "hybridkv_read": t_ours,
+                "raw_read": t_raw,
+                **copy_baselines(nbytes, dev, 5),
+            },
+        }
         rows.append(row)
-        print(f"pd [{setting}] {sc_name} n={n} {nbytes / 2**20:.0f} MiB {len(loc)} descs: "
-              f"hybridkv {_gbs(row, 'hybridkv_read'):.1f} raw {_gbs(row, 'raw_read'):.1f} "
-              f"d2d {_gbs(row, 'd2d'):.0f} GB/s; checks {res}", flush=True)
+        print(
+            f"pd [{setting}] {sc_name} n={n} {nbytes / 2**20:.0f} MiB {len(loc)} descs: "
+            f"hybridkv {_gbs(row, 'hybridkv_read'):.1f} raw {_gbs(row, 'raw_read'):.1f} "
+            f"d2d {_gbs(row, 'd2d'):.0f} GB/s; checks {res}",
+            flush=True,
+        )
     tr.shutdown()
     rawa.remove_remote_agent(rpeer)
     rawa.deregister_memory(reg)
@@ -793,12 +964,17 @@ def markdown(doc: dict) -> str:
     ]
     sc_rows = doc.get("scenarios", {})
     if sc_rows:
-        lines += ["## Layouts (views from vLLM 0.33's create_kv_cache_views; hybridkv's KVLayout of them)", "",
-                  "| scenario | group | layer view shape | stride | kernel rows / manager block | regions per object | object bytes |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Layouts (views from vLLM 0.33's create_kv_cache_views; hybridkv's KVLayout of them)",
+            "",
+            "| scenario | group | layer view shape | stride | kernel rows / manager block | regions per object | object bytes |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for s in sc_rows:
-            lines.append(f"| {s['scenario']} | {s['group']} | {s['shape']} | {s['stride']} | {s['kernel_rows']} | "
-                         f"{s['regions']} | {s['object_bytes']} |")
+            lines.append(
+                f"| {s['scenario']} | {s['group']} | {s['shape']} | {s['stride']} | {s['kernel_rows']} | "
+                f"{s['regions']} | {s['object_bytes']} |"
+            )
         lines.append("")
     sr = doc.get("store_rows", [])
     if sr:
@@ -817,13 +993,18 @@ def markdown(doc: dict) -> str:
                     f"{_f(r, 'direct_' + op)} | {_f(r, 'raw_host_' + op)} | {_f(r, 'raw_gpu_' + op)} | {_f(r, 'd2d')} | "
                     f"{_f(r, pin)} | **{_ratio(r, 'raw_host_' + op, 'staged_' + op):.2f}** | "
                     f"**{_ratio(r, 'raw_gpu_' + op, 'direct_' + op):.2f}** | {_ratio(r, pin, 'staged_' + op):.3f} | "
-                    f"{_ratio(r, 'd2d', 'direct_' + op):.4f} |")
+                    f"{_ratio(r, 'd2d', 'direct_' + op):.4f} |"
+                )
         lines.append("")
-        lines.append("Store checks (poisoned target, whole allocation compared; planted one-block shift):")
+        lines.append(
+            "Store checks (poisoned target, whole allocation compared; planted one-block shift):"
+        )
         lines.append("")
         for c in doc.get("store_checks", []):
-            lines.append(f"- {c['scenario']} n={c['n']}: " + ", ".join(f"{k}={v}" for k, v in c.items()
-                                                                     if k not in ("scenario", "n")))
+            lines.append(
+                f"- {c['scenario']} n={c['n']}: "
+                + ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("scenario", "n"))
+            )
         lines.append("")
     pr = doc.get("pd_rows", [])
     if pr:
@@ -839,13 +1020,25 @@ def markdown(doc: dict) -> str:
                 f"| {r['setting']} | {r['scenario']} | {r['n']} | {r['bytes'] / 2**20:.0f} | {r['descs']} x "
                 f"{'/'.join(str(b >> 10) + ' KiB' for b in r['desc_bytes'])} | {_f(r, 'hybridkv_read')} | "
                 f"{_f(r, 'raw_read')} | {_f(r, 'd2d')} | **{_ratio(r, 'raw_read', 'hybridkv_read'):.2f}** | "
-                f"{_ratio(r, 'd2d', 'hybridkv_read'):.3f} | {_f(r, 'd2h_pinned')} |")
-        lines += ["", "UCX settings: " + "; ".join(f"{k}: {v or '(nothing set)'}" for k, v in
-                                                   doc.get("ucx_settings", {}).items()), "",
-                  "P/D checks (poisoned target, whole allocation compared; planted one-block shift):", ""]
+                f"{_ratio(r, 'd2d', 'hybridkv_read'):.3f} | {_f(r, 'd2h_pinned')} |"
+            )
+        lines += [
+            "",
+            "UCX settings: "
+            + "; ".join(
+                f"{k}: {v or '(nothing set)'}" for k, v in doc.get("ucx_settings", {}).items()
+            ),
+            "",
+            "P/D checks (poisoned target, whole allocation compared; planted one-block shift):",
+            "",
+        ]
         for c in doc.get("pd_checks", []):
-            lines.append(f"- [{c['setting']}] {c['scenario']} n={c['n']}: " + ", ".join(
-                f"{k}={v}" for k, v in c.items() if k not in ("setting", "scenario", "n")))
+            lines.append(
+                f"- [{c['setting']}] {c['scenario']} n={c['n']}: "
+                + ", ".join(
+                    f"{k}={v}" for k, v in c.items() if k not in ("setting", "scenario", "n")
+                )
+            )
         for e in doc.get("pd_errors", []):
             lines.append(f"- ERROR {e}")
         lines.append("")
@@ -866,7 +1059,10 @@ def plot(doc: dict, path: Path) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(15, 6.5))
     if sr:
         ax = axes[0]
-        labels, series = [], {k: [] for k in ("staged", "direct", "raw_host", "raw_gpu", "pinned copy")}
+        labels, series = (
+            [],
+            {k: [] for k in ("staged", "direct", "raw_host", "raw_gpu", "pinned copy")},
+        )
         for r in sr:
             for op, pin in (("save", "d2h_pinned"), ("load", "h2d_pinned")):
                 labels.append(f"{r['scenario'].split(' (')[0][:18]}\nn={r['n']} {op}")
@@ -879,16 +1075,27 @@ def plot(doc: dict, path: Path) -> bool:
         ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=70, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("GB/s (log)")
-        ax.set_title("(a) store: hybridkv staged / GPU-direct vs raw Mooncake, pinned copy", fontsize=9)
+        ax.set_title(
+            "(a) store: hybridkv staged / GPU-direct vs raw Mooncake, pinned copy", fontsize=9
+        )
         ax.legend(fontsize=7)
         ax.grid(axis="y", alpha=0.3)
     if pr:
         ax = axes[1]
         labels = [f"{r['setting']}\n{r['scenario'].split(' (')[0][:18]} n={r['n']}" for r in pr]
-        for j, (k, lab) in enumerate((("hybridkv_read", "hybridkv read_blocks"), ("raw_read", "raw NIXL READ"),
-                                      ("d2d", "D2D copy"))):
-            ax.bar([i + (j - 1) * 0.27 for i in range(len(pr))],
-                   [r["bytes"] / _med(r["times_s"][k]) / 1e9 for r in pr], 0.27, label=lab)
+        for j, (k, lab) in enumerate(
+            (
+                ("hybridkv_read", "hybridkv read_blocks"),
+                ("raw_read", "raw NIXL READ"),
+                ("d2d", "D2D copy"),
+            )
+        ):
+            ax.bar(
+                [i + (j - 1) * 0.27 for i in range(len(pr))],
+                [r["bytes"] / _med(r["times_s"][k]) / 1e9 for r in pr],
+                0.27,
+                label=lab,
+            )
         ax.set_xticks(range(len(pr)), labels, fontsize=6, rotation=70, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("GB/s (log)")
@@ -910,11 +1117,18 @@ def layout_summary() -> list[dict]:
         for gid, g in enumerate(cache.kvc.kv_cache_groups):
             v = cache.views[g.layer_names[0]]
             gl = cache.layout.groups[gid]
-            out.append({"scenario": name, "group": f"{gid} {type(g.kv_cache_spec).__name__} bs "
-                        f"{g.kv_cache_spec.block_size}", "shape": str(tuple(v.shape)).replace(" ", ""),
-                        "stride": str(v.stride()).replace(" ", ""),
-                        "kernel_rows": gl.kernel_rows[0] if gl.kernel_rows else "?",
-                        "regions": len(gl.block_bytes), "object_bytes": gl.object_bytes})
+            out.append(
+                {
+                    "scenario": name,
+                    "group": f"{gid} {type(g.kv_cache_spec).__name__} bs "
+                    f"{g.kv_cache_spec.block_size}",
+                    "shape": str(tuple(v.shape)).replace(" ", ""),
+                    "stride": str(v.stride()).replace(" ", ""),
+                    "kernel_rows": gl.kernel_rows[0] if gl.kernel_rows else "?",
+                    "regions": len(gl.block_bytes),
+                    "object_bytes": gl.object_bytes,
+                }
+            )
         del cache
     return out
 
@@ -927,8 +1141,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: smoke-test the store part here (no GPU)")
-    ap.add_argument("--smoke", action="store_true", help="tiny caches (40 blocks, batches of 8), 1 repeat")
-    ap.add_argument("--render", nargs="*", type=Path, help="merge part JSONs into bench/results/gpu_data_path.*")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny caches (40 blocks, batches of 8), 1 repeat"
+    )
+    ap.add_argument(
+        "--render", nargs="*", type=Path, help="merge part JSONs into bench/results/gpu_data_path.*"
+    )
     ap.add_argument("--check-vllm", action="store_true")
     args = ap.parse_args()
     setup_imports()
@@ -968,8 +1186,14 @@ def main() -> int:
     t0 = time.time()
     doc = run_store(args) if args.part == "store" else run_pd(args)
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "(no git on the device)"
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            or "(no git on the device)"
+        )
     except Exception:  # noqa: BLE001
         commit = "(no git)"
     import importlib.metadata as md
@@ -981,26 +1205,45 @@ def main() -> int:
             return "-"
 
     doc["meta"] = {
-        "commands": f"python bench/gpu_data_path.py --part {args.part}" + (" --quick" if args.quick else ""),
+        "commands": f"python bench/gpu_data_path.py --part {args.part}"
+        + (" --quick" if args.quick else ""),
         "device": f"{torch.cuda.get_device_name(0) if args.device != 'cpu' else 'CPU'} (kernel {platform.release()})",
         "torch": f"{torch.__version__} CUDA {torch.version.cuda}",
         "dates": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "wheels": ", ".join(f"{d} {ver(d)}" for d in ("nixl-cu13", "nixl", "mooncake-transfer-engine-cuda13", "isal")
-                            if ver(d) != "-"),
-        "vllm": "0.33 kv_cache_interface from " + sys.modules["vllm"].__file__.replace(str(ROOT) + "/", ""),
+        "wheels": ", ".join(
+            f"{d} {ver(d)}"
+            for d in ("nixl-cu13", "nixl", "mooncake-transfer-engine-cuda13", "isal")
+            if ver(d) != "-"
+        ),
+        "vllm": "0.33 kv_cache_interface from "
+        + sys.modules["vllm"].__file__.replace(str(ROOT) + "/", ""),
         "shim": ", ".join(SHIM),
         "commit": commit,
-        "addressing_files_sha1": {f: __import__("hashlib").sha1((ROOT / f).read_bytes()).hexdigest()[:10]
-                                  for f in ("connector/block_layout.py", "connector/block_staging.py",
-                                            "connector/pd_transport.py", "connector/store_worker.py")},
+        "addressing_files_sha1": {
+            f: __import__("hashlib").sha1((ROOT / f).read_bytes()).hexdigest()[:10]
+            for f in (
+                "connector/block_layout.py",
+                "connector/block_staging.py",
+                "connector/pd_transport.py",
+                "connector/store_worker.py",
+            )
+        },
         "wall_s": round(time.time() - t0),
     }
     out = args.out or Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gpu_data_path.{args.part}.json").write_text(json.dumps(doc, indent=1))
-    bad = [c for c in doc.get("store_checks", []) + doc.get("pd_checks", [])
-           if not all(v for k, v in c.items() if k.endswith(("_exact", "_detected")))]
-    print("checks:", "all passed" if not bad else f"FAILED {bad}", f"({time.time() - t0:.0f} s)", flush=True)
+    bad = [
+        c
+        for c in doc.get("store_checks", []) + doc.get("pd_checks", [])
+        if not all(v for k, v in c.items() if k.endswith(("_exact", "_detected")))
+    ]
+    print(
+        "checks:",
+        "all passed" if not bad else f"FAILED {bad}",
+        f"({time.time() - t0:.0f} s)",
+        flush=True,
+    )
     return 1 if bad or doc.get("pd_errors") else 0
 
 

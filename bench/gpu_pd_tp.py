@@ -84,9 +84,14 @@ CASES = (("TP2->TP1", 2, 1), ("TP1->TP2", 1, 2))
 PLANTS = ("swap", "ssm")
 LEASES = 400
 SHIM_MAMBA = "vllm.model_executor.layers.mamba.mamba_utils"
-UCX_ENV = {"UCX_TLS": "cuda_ipc,cuda_copy,tcp", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
-           "UCX_CUDA_IPC_ENABLE_MNNVL": "n", "UCX_MEMTYPE_CACHE": "n", "UCX_NET_DEVICES": "lo",
-           "UCX_MODULES": "^ib"}
+UCX_ENV = {
+    "UCX_TLS": "cuda_ipc,cuda_copy,tcp",
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+    "UCX_CUDA_IPC_ENABLE_MNNVL": "n",
+    "UCX_MEMTYPE_CACHE": "n",
+    "UCX_NET_DEVICES": "lo",
+    "UCX_MODULES": "^ib",
+}
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -99,15 +104,35 @@ def gdn_shapes(tp: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
     return (GDN_KERNEL - 1, conv_dim // tp), (GDN_V_HEADS // tp, GDN_HEAD_V, GDN_HEAD_K)
 
 
-def scenario(tp: int, num_blocks: int = NUM_BLOCKS, layers: int = ATTN_LAYERS, kernel: int = KERNEL) -> dict:
+def scenario(
+    tp: int, num_blocks: int = NUM_BLOCKS, layers: int = ATTN_LAYERS, kernel: int = KERNEL
+) -> dict:
     """A gpu_data_path-style scenario for one rank at TP ``tp`` (LBHNC, layer-outer overlay);
     ``kernel``: attention kernel block tokens (``BLOCK``: no splitting, what FlashAttention's
     any-multiple-of-16 sizes give)."""
     import torch
 
-    groups = [dict(kind="fa", layers=layers, block=BLOCK, kernel=kernel, heads=TOTAL_KV_HEADS // tp, head=HEAD_DIM)]
-    groups += [dict(kind="mamba", layers=layers, block=BLOCK, shapes=gdn_shapes(tp), mamba_type="GDN_ATTN",
-                    dtypes=(torch.bfloat16, torch.bfloat16)) for _ in range(GDN_GROUPS)]
+    groups = [
+        dict(
+            kind="fa",
+            layers=layers,
+            block=BLOCK,
+            kernel=kernel,
+            heads=TOTAL_KV_HEADS // tp,
+            head=HEAD_DIM,
+        )
+    ]
+    groups += [
+        dict(
+            kind="mamba",
+            layers=layers,
+            block=BLOCK,
+            shapes=gdn_shapes(tp),
+            mamba_type="GDN_ATTN",
+            dtypes=(torch.bfloat16, torch.bfloat16),
+        )
+        for _ in range(GDN_GROUPS)
+    ]
     return dict(layout="LBHNC", num_blocks=num_blocks, batches=SIZES, groups=groups)
 
 
@@ -127,6 +152,7 @@ def install_mamba_utils_shim() -> None:
     (``VLLM_SSM_CONV_STATE_LAYOUT`` == "DS"; unset: "SD", dim last)."""
     try:
         import vllm.model_executor.layers.mamba.mamba_utils  # noqa: F401
+
         return
     except Exception:  # noqa: BLE001 - its imports need vllm.config (pydantic, ...)
         pass
@@ -167,8 +193,14 @@ def manager_blocks(view, num_blocks: int):
     return v.unsqueeze(1) if view.shape[0] == num_blocks else v
 
 
-def expected_groups(kvc, prefill_views: list[dict], decode_rank: int, decode_tp: int, prefill_tp: int,
-                    src: list[list[int]]) -> list[list]:
+def expected_groups(
+    kvc,
+    prefill_views: list[dict],
+    decode_rank: int,
+    decode_tp: int,
+    prefill_tp: int,
+    src: list[list[int]],
+) -> list[list]:
     """Per group, per layer: the bytes decode rank ``decode_rank`` must hold for source blocks
     ``src`` (uint8 / int16 tensors, [n, ...]), from the prefill ranks' vLLM views, by torch
     slicing alone: attention = cat of the ranks' KV heads, this rank's heads; GDN = per conv
@@ -185,22 +217,44 @@ def expected_groups(kvc, prefill_views: list[dict], decode_rank: int, decode_tp:
         if not ids:
             out.append(layers)
             continue
-        idx = torch.tensor(ids, dtype=torch.long, device=next(iter(prefill_views[0].values())).device)
+        idx = torch.tensor(
+            ids, dtype=torch.long, device=next(iter(prefill_views[0].values())).device
+        )
         for n in g.layer_names:
-            blocks = [manager_blocks(v[n], kvc.num_blocks).index_select(0, idx) for v in prefill_views]
+            blocks = [
+                manager_blocks(v[n], kvc.num_blocks).index_select(0, idx) for v in prefill_views
+            ]
             if isinstance(g.kv_cache_spec, MambaSpec):
                 pages = [b.reshape(len(ids), -1).view(torch.uint8) for b in blocks]
                 rows = GDN_KERNEL - 1
                 convs = [p[:, :pconv].reshape(len(ids), rows, -1) for p in pages]
                 conv_parts, off = [], 0
                 for w in pw:  # each q | k | v part is split over the ranks on its own
-                    conv_parts.append(share_of([c[:, :, off:off + w] for c in convs], decode_rank, decode_tp, 2))
+                    conv_parts.append(
+                        share_of([c[:, :, off : off + w] for c in convs], decode_rank, decode_tp, 2)
+                    )
                     off += w
-                ssm = share_of([p[:, pconv:pconv + GDN_V_HEADS // prefill_tp * phead].reshape(len(ids), -1, phead)
-                                for p in pages], decode_rank, decode_tp, 1)
-                layers.append(torch.cat([torch.cat(conv_parts, 2).reshape(len(ids), -1), ssm.reshape(len(ids), -1)], 1))
+                ssm = share_of(
+                    [
+                        p[:, pconv : pconv + GDN_V_HEADS // prefill_tp * phead].reshape(
+                            len(ids), -1, phead
+                        )
+                        for p in pages
+                    ],
+                    decode_rank,
+                    decode_tp,
+                    1,
+                )
+                layers.append(
+                    torch.cat(
+                        [torch.cat(conv_parts, 2).reshape(len(ids), -1), ssm.reshape(len(ids), -1)],
+                        1,
+                    )
+                )
             else:  # [n, kernel rows, H, N, C]: heads are dim 2
-                layers.append(share_of([b.view(torch.int16) for b in blocks], decode_rank, decode_tp, 2))
+                layers.append(
+                    share_of([b.view(torch.int16) for b in blocks], decode_rank, decode_tp, 2)
+                )
         out.append(layers)
     return out
 
@@ -221,8 +275,10 @@ def expected_image(cache, ref: list[list], dst: list[list[int]]):
             v = manager_blocks(views[n], cache.kvc.num_blocks)
             if isinstance(g.kv_cache_spec, MambaSpec):
                 flat = v.reshape(v.shape[0], -1).view(torch.uint8)
-                assert flat.data_ptr() == v.data_ptr() and flat.stride(0) == v.stride(0)  # a view, not a copy
-                flat[:, :r.shape[1]].index_copy_(0, idx, r)
+                assert flat.data_ptr() == v.data_ptr() and flat.stride(0) == v.stride(
+                    0
+                )  # a view, not a copy
+                flat[:, : r.shape[1]].index_copy_(0, idx, r)
             else:
                 v.view(torch.int16).index_copy_(0, idx, r)
     return exp
@@ -239,7 +295,7 @@ def pick(kvc, n: int, rng: random.Random) -> tuple[list[list[int]], list[list[in
         ids = rng.sample(range(1, kvc.num_blocks), sum(counts))
         out, i = [], 0
         for c in counts:
-            out.append(ids[i:i + c])
+            out.append(ids[i : i + c])
             i += c
         return out
 
@@ -256,15 +312,19 @@ def swapped_plan(worker, plan_fn):
         ptp, dtp = len(job.remote_ports), worker._s.tp_size
         if ptp > 1:  # several prefill ranks: each part read from the other rank
             return [replace(p, prefill_rank=ptp - 1 - p.prefill_rank) for p in parts]
-        from hybridkv.connector.pd_tp import rank_reads  # one prefill rank: the other decode rank's share
+        from hybridkv.connector.pd_tp import (
+            rank_reads,
+        )  # one prefill rank: the other decode rank's share
 
         return rank_reads(dtp - 1 - worker._s.tp_rank, dtp, ptp, worker._s.total_kv_heads)
+
     return plan
 
 
 def ssm_off_by_one(worker, slices_fn):
     """``ssm``: the SSM span (the one written into the local SSM state) one v head off:
     remote offset + one head's bytes, one head shorter (stays inside both pages)."""
+
     def slices(part, peer_layout, job):
         out = slices_fn(part, peer_layout, job)
         if out is None:
@@ -280,7 +340,9 @@ def ssm_off_by_one(worker, slices_fn):
             for spans in per:
                 row = []
                 for lo, ro, n in spans:
-                    if ssm_local.offset <= lo < ssm_local.offset + ssm_local.nbytes:  # lands in the SSM state
+                    if (
+                        ssm_local.offset <= lo < ssm_local.offset + ssm_local.nbytes
+                    ):  # lands in the SSM state
                         lo, ro, n = lo, ro + hb, n - hb
                         hits += 1
                     row.append((lo, ro, n))
@@ -288,6 +350,7 @@ def ssm_off_by_one(worker, slices_fn):
             out[gid] = new
         assert hits, "no SSM span found to plant"
         return out
+
     return slices
 
 
@@ -311,16 +374,40 @@ def prefill_main(rank: int, tp: int, args, conn) -> None:
     from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings, mamba_reslice_problem
 
     t0 = time.perf_counter()
-    cache = gdp.make_cache(scenario(tp, args.num_blocks, kernel=args.kernel), torch.device(args.device, 0))
+    cache = gdp.make_cache(
+        scenario(tp, args.num_blocks, kernel=args.kernel), torch.device(args.device, 0)
+    )
     gdp.fill_random(cache, 1000 * tp + rank)
     gdp._sync()
-    w = PDWorker(PDWorkerSettings("prefill", rank, tp, "127.0.0.1", 0, 10.0, 60.0, serve_handshake=True,
-                                  total_kv_heads=TOTAL_KV_HEADS), cache.kvc)
+    w = PDWorker(
+        PDWorkerSettings(
+            "prefill",
+            rank,
+            tp,
+            "127.0.0.1",
+            0,
+            10.0,
+            60.0,
+            serve_handshake=True,
+            total_kv_heads=TOTAL_KV_HEADS,
+        ),
+        cache.kvc,
+    )
     w.register_kv_caches(cache.views)
-    w.start_load_kv(PDConnectorMetadata(leases=[Lease(f"r{k}", f"L{k}", 1800.0) for k in range(LEASES)]))
-    conn.send({"port": w.handshake_metadata().port, "setup_s": time.perf_counter() - t0,
-               "mamba_reslice_problem": mamba_reslice_problem(cache.kvc),
-               "splits": [[s.to_wire() for s in g.splits()] if g is not None else None for g in w._local.groups]})
+    w.start_load_kv(
+        PDConnectorMetadata(leases=[Lease(f"r{k}", f"L{k}", 1800.0) for k in range(LEASES)])
+    )
+    conn.send(
+        {
+            "port": w.handshake_metadata().port,
+            "setup_s": time.perf_counter() - t0,
+            "mamba_reslice_problem": mamba_reslice_problem(cache.kvc),
+            "splits": [
+                [s.to_wire() for s in g.splits()] if g is not None else None
+                for g in w._local.groups
+            ],
+        }
+    )
     conn.recv()
     w.shutdown()
     conn.send("bye")
@@ -358,17 +445,37 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
         gdp.fill_random(c, 1000 * ptp + p)
         refs.append(c)
     gdp._sync()
-    w = PDWorker(PDWorkerSettings("decode", rank, tp, "127.0.0.1", 0, 10.0, 60.0, serve_handshake=False,
-                                  total_kv_heads=TOTAL_KV_HEADS), cache.kvc)
+    w = PDWorker(
+        PDWorkerSettings(
+            "decode",
+            rank,
+            tp,
+            "127.0.0.1",
+            0,
+            10.0,
+            60.0,
+            serve_handshake=False,
+            total_kv_heads=TOTAL_KV_HEADS,
+        ),
+        cache.kvc,
+    )
     w.register_kv_caches(cache.views)
     tr = w._transport
     next_lease = iter(range(LEASES))
 
     def job(r, lo, lease=True):
         k = next(next_lease) if lease else LEASES + 1
-        return ReadJob(req_id=f"d{rank}-r{k}", remote_req_id=f"r{k}", remote_engine_id="prefill",
-                       remote_host="127.0.0.1", remote_port=ports[0], remote_block_ids=r, local_block_ids=lo,
-                       lease_id=f"L{k}", remote_ports=list(ports))
+        return ReadJob(
+            req_id=f"d{rank}-r{k}",
+            remote_req_id=f"r{k}",
+            remote_engine_id="prefill",
+            remote_host="127.0.0.1",
+            remote_port=ports[0],
+            remote_block_ids=r,
+            local_block_ids=lo,
+            lease_id=f"L{k}",
+            remote_ports=list(ports),
+        )
 
     def run_job(j) -> tuple[bool, float, float]:
         t0 = _now()
@@ -385,8 +492,15 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
     reg = rawa.register_memory([(int(b), int(n), 0, "") for b, n in cache.layout.allocations], mem)
     raw_peers, layouts = {}, {}
     for p in range(ptp):
-        info = fetch_agent_info(f"127.0.0.1:{ports[p]}", w._local, engine_id="bench-raw", tp_rank=rank,
-                                timeout_s=10, prefill_engine_id="prefill", prefill_rank=p)
+        info = fetch_agent_info(
+            f"127.0.0.1:{ports[p]}",
+            w._local,
+            engine_id="bench-raw",
+            tp_rank=rank,
+            timeout_s=10,
+            prefill_engine_id="prefill",
+            prefill_rank=p,
+        )
         raw_peers[p] = rawa.add_remote_agent(info.agent_metadata)
         layouts[p] = info.layout
     ldevs = [None if s is None else s.dev for s in tr.group_spaces]
@@ -395,9 +509,20 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
         out = []
         for part in w._plan(j):
             pl = layouts[part.prefill_rank]
-            out.append((part.prefill_rank, *pdt.read_descriptors(
-                tr.layout.groups, pl.group_layouts(), j.remote_block_ids, j.local_block_ids, ldevs,
-                [None if s is None else s.dev for s in pl.memory_spaces()], w._slices(part, pl, j))))
+            out.append(
+                (
+                    part.prefill_rank,
+                    *pdt.read_descriptors(
+                        tr.layout.groups,
+                        pl.group_layouts(),
+                        j.remote_block_ids,
+                        j.local_block_ids,
+                        ldevs,
+                        [None if s is None else s.dev for s in pl.memory_spaces()],
+                        w._slices(part, pl, j),
+                    ),
+                )
+            )
         return out
 
     def raw_read(j) -> tuple[float, float, int, int]:
@@ -405,8 +530,13 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
         t0 = _now()
         xs = []
         for p, loc, rem in built:
-            h = rawa.initialize_xfer("READ", rawa.get_xfer_descs(loc, mem), rawa.get_xfer_descs(rem, mem),
-                                     raw_peers[p], b"")
+            h = rawa.initialize_xfer(
+                "READ",
+                rawa.get_xfer_descs(loc, mem),
+                rawa.get_xfer_descs(rem, mem),
+                raw_peers[p],
+                b"",
+            )
             xs.append((h, rawa.transfer(h)))
         for h, st in xs:
             while st == "PROC":
@@ -415,7 +545,12 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
         t1 = _now()
         for h, _ in xs:
             rawa.release_xfer_handle(h)
-        return t0, t1, sum(len(loc) for _, loc, _ in built), sum(int(loc[:, 1].sum()) for _, loc, _ in built)
+        return (
+            t0,
+            t1,
+            sum(len(loc) for _, loc, _ in built),
+            sum(int(loc[:, 1].sum()) for _, loc, _ in built),
+        )
 
     def ours(j) -> tuple[float, float, int, int]:
         """PDWorker._read's posts and waits (plan, _peer, _slices, read_blocks), no lease claim."""
@@ -423,7 +558,11 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
         hs = []
         for part in w._plan(j):
             peer, pl = w._peer(j, part.prefill_rank)
-            hs.append(tr.read_blocks(peer, j.remote_block_ids, j.local_block_ids, slices=w._slices(part, pl, j)))
+            hs.append(
+                tr.read_blocks(
+                    peer, j.remote_block_ids, j.local_block_ids, slices=w._slices(part, pl, j)
+                )
+            )
         for h in hs:
             tr.wait(h, 60.0)
         t1 = _now()
@@ -438,7 +577,11 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
         hs = []
         for part in w._plan(j):
             peer, pl = w._peer(j, part.prefill_rank)
-            hs.append(tr.read_blocks(peer, j.remote_block_ids, j.local_block_ids, slices=w._slices(part, pl, j)))
+            hs.append(
+                tr.read_blocks(
+                    peer, j.remote_block_ids, j.local_block_ids, slices=w._slices(part, pl, j)
+                )
+            )
         for h in hs:
             while tr.poll(h) != "DONE":
                 pass
@@ -448,8 +591,10 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
         return t0, t1, sum(h.num_descs for h in hs), sum(h.nbytes for h in hs)
 
     rng = random.Random(17)  # the same ids on every decode rank (one scheduler)
-    plan = [(p.prefill_rank, p.local_head0, p.remote_head0, p.num_heads, p.whole)
-            for p in w._plan(job([[]], [[]], lease=False))]
+    plan = [
+        (p.prefill_rank, p.local_head0, p.remote_head0, p.num_heads, p.whole)
+        for p in w._plan(job([[]], [[]], lease=False))
+    ]
     spans_ex = {}
     j0 = job(*pick(cache.kvc, 1, random.Random(0)), lease=False)
     for part in w._plan(j0):
@@ -468,8 +613,12 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
         ok = fn(job(src, dst))
         gdp._sync()
         diff = int((cache.buf != exp).sum().item())
-        checks[label] = {"read_ok": ok, "exact": diff == 0, "wrong_bytes": diff,
-                         "expected_written_bytes": sum(r.numel() * r.element_size() for g in ref for r in g)}
+        checks[label] = {
+            "read_ok": ok,
+            "exact": diff == 0,
+            "wrong_bytes": diff,
+            "expected_written_bytes": sum(r.numel() * r.element_size() for g in ref for r in g),
+        }
         del exp, ref
 
     check("hybridkv", lambda j: run_job(j)[0])
@@ -493,7 +642,7 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
         info = None
         for i in range(args.warmup + args.repeats):
             order = [("ours", ours), ("raw", raw_read), ("job", None), ("poll", ours_poll)]
-            order = order[i % 4:] + order[:i % 4]
+            order = order[i % 4 :] + order[: i % 4]
             for key, fn in order:
                 src, dst = pick(cache.kvc, n, rng)
                 j = job(src, dst, lease=key == "job")
@@ -514,14 +663,28 @@ def run_decode(rank: int, tp: int, ptp: int, ports: list[int], barrier, args) ->
             b0 = time.perf_counter()
             rows(j)
             build.append(time.perf_counter() - b0)
-        timing.append({"n": n, "descs": info[0], "bytes": info[1], "times": t, "d2d_s": d2d,
-                       "build_s": statistics.median(build)})
+        timing.append(
+            {
+                "n": n,
+                "descs": info[0],
+                "bytes": info[1],
+                "times": t,
+                "d2d_s": d2d,
+                "build_s": statistics.median(build),
+            }
+        )
     w.shutdown()
     for rp in raw_peers.values():
         rawa.remove_remote_agent(rp)
     rawa.deregister_memory(reg)
-    return {"rank": rank, "plan": plan, "spans_example": spans_ex, "checks": checks, "timing": timing,
-            "setup_s": time.perf_counter() - t_setup}
+    return {
+        "rank": rank,
+        "plan": plan,
+        "spans_example": spans_ex,
+        "checks": checks,
+        "timing": timing,
+        "setup_s": time.perf_counter() - t_setup,
+    }
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -544,7 +707,9 @@ def run_case(name: str, ptp: int, dtp: int, args) -> dict:
     dec, dconns = [], []
     for r in range(dtp):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=decode_main, args=(r, dtp, ptp, ports, barrier, args, b), daemon=True)
+        p = ctx.Process(
+            target=decode_main, args=(r, dtp, ptp, ports, barrier, args, b), daemon=True
+        )
         p.start()
         dec.append(p)
         dconns.append(a)
@@ -571,16 +736,24 @@ def summarize(case: dict, kernel: int = KERNEL) -> list[dict]:
     """Per size: instance GB/s per path (all decode ranks' bytes / earliest start -> latest end)."""
     ranks = [r for r in case["ranks"] if "error" not in r]
     out = []
-    for si, t0 in (enumerate(ranks[0]["timing"]) if ranks else []):
+    for si, t0 in enumerate(ranks[0]["timing"]) if ranks else []:
         nbytes = sum(r["timing"][si]["bytes"] for r in ranks)
-        row = {"case": case["name"], "kernel": kernel, "n": t0["n"], "bytes": nbytes,
-               "descs": [r["timing"][si]["descs"] for r in ranks]}
+        row = {
+            "case": case["name"],
+            "kernel": kernel,
+            "n": t0["n"],
+            "bytes": nbytes,
+            "descs": [r["timing"][si]["descs"] for r in ranks],
+        }
         for key in ("ours", "raw", "job", "poll"):
             if key not in ranks[0]["timing"][si]["times"]:
                 continue
             k = len(ranks[0]["timing"][si]["times"][key])
-            row[key + "_s"] = [max(r["timing"][si]["times"][key][i][1] for r in ranks)
-                               - min(r["timing"][si]["times"][key][i][0] for r in ranks) for i in range(k)]
+            row[key + "_s"] = [
+                max(r["timing"][si]["times"][key][i][1] for r in ranks)
+                - min(r["timing"][si]["times"][key][i][0] for r in ranks)
+                for i in range(k)
+            ]
         row["d2d_s"] = ranks[0]["timing"][si]["d2d_s"]
         row["build_s"] = max(r["timing"][si]["build_s"] for r in ranks)
         out.append(row)
@@ -593,57 +766,88 @@ def _gbs(row, key) -> float:
 
 def markdown(doc: dict) -> str:
     m = doc["meta"]
-    L = ["# P/D across TP sizes on one H200: hybridkv's decode READ plan (TP pairing, head spans, GDN re-slicing) "
-         "over vLLM-0.33-laid-out CUDA KV caches", "",
-         f"- command: `{m['command']}`; device: {m['device']}; torch {m['torch']}; {m['date']}; wall {m['wall_s']} s",
-         f"- wheels: {m['wheels']}; vLLM: {m['vllm']}; shims: {m['shim']}; hybridkv commit {m['commit']}",
-         f"- UCX: {m['ucx']}",
-         "- how: see the docstring of bench/gpu_pd_tp.py. Geometry: qwen3-next's per-layer shapes (attention 2 KV "
-         "heads x 256, GDN 16 k / 32 v heads x 128, conv kernel 4, bf16, conv in vLLM's default SD layout), "
-         f"{ATTN_LAYERS} attention + {ATTN_LAYERS * GDN_GROUPS} GDN layers in one attention and {GDN_GROUPS} GDN "
-         f"groups overlaying {ATTN_LAYERS} KV tensors, {BLOCK}-token blocks; attention kernel blocks (k) of "
-         f"{m.get('kernel')} tokens ({BLOCK}: not split), {m.get('num_blocks')} blocks per rank, every rank its own process, CUDA allocation and NIXL agent on the one GPU.",
-         ""]
-    L += ["## Byte-exact checks (decode allocation poisoned, one hand-over of "
-          f"{CHECK_BLOCKS} attention blocks + 1 block per GDN group READ, WHOLE allocation compared with the "
-          "independently sliced expectation)", "",
-          "| case | kernel tokens | decode rank | plan: <- prefill rank (local head0, remote head0, heads) | path | "
-          "READ reported ok | whole allocation == expected | wrong bytes | expected bytes written |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        "# P/D across TP sizes on one H200: hybridkv's decode READ plan (TP pairing, head spans, GDN re-slicing) "
+        "over vLLM-0.33-laid-out CUDA KV caches",
+        "",
+        f"- command: `{m['command']}`; device: {m['device']}; torch {m['torch']}; {m['date']}; wall {m['wall_s']} s",
+        f"- wheels: {m['wheels']}; vLLM: {m['vllm']}; shims: {m['shim']}; hybridkv commit {m['commit']}",
+        f"- UCX: {m['ucx']}",
+        "- how: see the docstring of bench/gpu_pd_tp.py. Geometry: qwen3-next's per-layer shapes (attention 2 KV "
+        "heads x 256, GDN 16 k / 32 v heads x 128, conv kernel 4, bf16, conv in vLLM's default SD layout), "
+        f"{ATTN_LAYERS} attention + {ATTN_LAYERS * GDN_GROUPS} GDN layers in one attention and {GDN_GROUPS} GDN "
+        f"groups overlaying {ATTN_LAYERS} KV tensors, {BLOCK}-token blocks; attention kernel blocks (k) of "
+        f"{m.get('kernel')} tokens ({BLOCK}: not split), {m.get('num_blocks')} blocks per rank, every rank its own process, CUDA allocation and NIXL agent on the one GPU.",
+        "",
+    ]
+    L += [
+        "## Byte-exact checks (decode allocation poisoned, one hand-over of "
+        f"{CHECK_BLOCKS} attention blocks + 1 block per GDN group READ, WHOLE allocation compared with the "
+        "independently sliced expectation)",
+        "",
+        "| case | kernel tokens | decode rank | plan: <- prefill rank (local head0, remote head0, heads) | path | "
+        "READ reported ok | whole allocation == expected | wrong bytes | expected bytes written |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in doc["cases"]:
         for r in c["ranks"]:
             if "error" in r:
-                L.append(f"| {c['name']} | {c.get('kernel')} | ERROR | {r['error'].splitlines()[0]} | | | | | |")
+                L.append(
+                    f"| {c['name']} | {c.get('kernel')} | ERROR | {r['error'].splitlines()[0]} | | | | | |"
+                )
                 continue
             plan = "; ".join(f"p{p} ({lh}, {rh}, {nh})" for p, lh, rh, nh, _ in r["plan"])
             for label, ch in r["checks"].items():
                 want = not label.startswith("planted")
-                verdict = ("**yes**" if ch["exact"] else "no") if want else (
-                    "no: **detected**" if not ch["exact"] else "yes: **NOT detected**")
-                L.append(f"| {c['name']} | {c.get('kernel')} | {r['rank']} | {plan} | {label} | {ch['read_ok']} | {verdict} | "
-                         f"{ch['wrong_bytes']} | {ch['expected_written_bytes']} |")
-    L += ["", "`planted swap`: the prefill ranks' shares swapped (PDWorker._plan patched); `planted ssm`: the SSM "
-          "span one v head off (PDWorker._slices patched: remote offset + 1 head, 1 head shorter). Both through "
-          "the same PDWorker job path; the READ itself succeeds, only the byte check can see them.", ""]
-    L += ["## Throughput: hybridkv READ vs raw NIXL READ of the same descriptor rows (same run)", "",
-          "| case | kernel tokens | attention blocks + GDN blocks per hand-over | MiB (all decode ranks) | descriptors per decode rank | "
-          "hybridkv GB/s | raw NIXL GB/s | **raw time / hybridkv time** | PDWorker job GB/s (incl. gRPC lease "
-          "claim + release) | job / raw | D2D GB/s (same bytes) | span build ms (in hybridkv time) | hybridkv with "
-          "spin poll instead of wait(): GB/s, raw / it |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                verdict = (
+                    ("**yes**" if ch["exact"] else "no")
+                    if want
+                    else ("no: **detected**" if not ch["exact"] else "yes: **NOT detected**")
+                )
+                L.append(
+                    f"| {c['name']} | {c.get('kernel')} | {r['rank']} | {plan} | {label} | {ch['read_ok']} | {verdict} | "
+                    f"{ch['wrong_bytes']} | {ch['expected_written_bytes']} |"
+                )
+    L += [
+        "",
+        "`planted swap`: the prefill ranks' shares swapped (PDWorker._plan patched); `planted ssm`: the SSM "
+        "span one v head off (PDWorker._slices patched: remote offset + 1 head, 1 head shorter). Both through "
+        "the same PDWorker job path; the READ itself succeeds, only the byte check can see them.",
+        "",
+    ]
+    L += [
+        "## Throughput: hybridkv READ vs raw NIXL READ of the same descriptor rows (same run)",
+        "",
+        "| case | kernel tokens | attention blocks + GDN blocks per hand-over | MiB (all decode ranks) | descriptors per decode rank | "
+        "hybridkv GB/s | raw NIXL GB/s | **raw time / hybridkv time** | PDWorker job GB/s (incl. gRPC lease "
+        "claim + release) | job / raw | D2D GB/s (same bytes) | span build ms (in hybridkv time) | hybridkv with "
+        "spin poll instead of wait(): GB/s, raw / it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["rows"]:
         ratio = statistics.median(r["raw_s"]) / statistics.median(r["ours_s"])
         jr = statistics.median(r["raw_s"]) / statistics.median(r["job_s"])
-        L.append(f"| {r['case']} | {r.get('kernel')} | {r['n']} + {GDN_GROUPS} | {r['bytes'] / 2**20:.1f} | {' / '.join(map(str, r['descs']))} "
-                 f"| {_gbs(r, 'ours'):.1f} | {_gbs(r, 'raw'):.1f} | **{ratio:.2f}** | {_gbs(r, 'job'):.1f} | {jr:.2f} | "
-                 f"{_gbs(r, 'd2d'):.0f} | {1e3 * r.get('build_s', float('nan')):.2f} | "
-                 + (f"{_gbs(r, 'poll'):.1f}, {statistics.median(r['raw_s']) / statistics.median(r['poll_s']):.2f} |"
-                    if r.get("poll_s") else "not run |"))
-    L += ["", f"{doc['meta']['repeats']} timed repeats after {doc['meta']['warmup']} warm-up per size, paths rotated; "
-          "medians. GB/s = payload bytes of all decode ranks / (earliest start -> latest end).", ""]
+        L.append(
+            f"| {r['case']} | {r.get('kernel')} | {r['n']} + {GDN_GROUPS} | {r['bytes'] / 2**20:.1f} | {' / '.join(map(str, r['descs']))} "
+            f"| {_gbs(r, 'ours'):.1f} | {_gbs(r, 'raw'):.1f} | **{ratio:.2f}** | {_gbs(r, 'job'):.1f} | {jr:.2f} | "
+            f"{_gbs(r, 'd2d'):.0f} | {1e3 * r.get('build_s', float('nan')):.2f} | "
+            + (
+                f"{_gbs(r, 'poll'):.1f}, {statistics.median(r['raw_s']) / statistics.median(r['poll_s']):.2f} |"
+                if r.get("poll_s")
+                else "not run |"
+            )
+        )
+    L += [
+        "",
+        f"{doc['meta']['repeats']} timed repeats after {doc['meta']['warmup']} warm-up per size, paths rotated; "
+        "medians. GB/s = payload bytes of all decode ranks / (earliest start -> latest end).",
+        "",
+    ]
     for c in doc["cases"]:
-        L.append(f"- {c['name']} (kernel {c.get('kernel')}): prefill mamba_reslice_problem = {[p['mamba_reslice_problem'] for p in c['prefill']]}; "
-                 f"GDN state splits (offset, rows, unit, parts) rank 0: {c['prefill'][0]['splits'][1]}")
+        L.append(
+            f"- {c['name']} (kernel {c.get('kernel')}): prefill mamba_reslice_problem = {[p['mamba_reslice_problem'] for p in c['prefill']]}; "
+            f"GDN state splits (offset, rows, unit, parts) rank 0: {c['prefill'][0]['splits'][1]}"
+        )
     if doc.get("notes"):
         L += ["", "## Notes", ""] + [f"- {n}" for n in doc["notes"]]
     return "\n".join(L) + "\n"
@@ -659,18 +863,39 @@ def plot(doc: dict, path: Path) -> bool:
         return False
     rows = doc["rows"]
     fig, ax = plt.subplots(figsize=(max(9, 1.1 * len(doc["rows"])), 4.8))
-    labels = [f"{r['case']} k{r.get('kernel')}\n{r['n']}+{GDN_GROUPS} blk, {r['bytes'] / 2**20:.0f} MiB" for r in rows]
-    for j, (k, lab) in enumerate((("ours", "hybridkv READ (PDWorker plan + spans)"), ("raw", "raw NIXL READ, same rows"),
-                                  ("job", "PDWorker job incl. gRPC lease claim/release"))):
-        ax.bar([i + (j - 1) * 0.27 for i in range(len(rows))], [_gbs(r, k) for r in rows], 0.27, label=lab)
+    labels = [
+        f"{r['case']} k{r.get('kernel')}\n{r['n']}+{GDN_GROUPS} blk, {r['bytes'] / 2**20:.0f} MiB"
+        for r in rows
+    ]
+    for j, (k, lab) in enumerate(
+        (
+            ("ours", "hybridkv READ (PDWorker plan + spans)"),
+            ("raw", "raw NIXL READ, same rows"),
+            ("job", "PDWorker job incl. gRPC lease claim/release"),
+        )
+    ):
+        ax.bar(
+            [i + (j - 1) * 0.27 for i in range(len(rows))],
+            [_gbs(r, k) for r in rows],
+            0.27,
+            label=lab,
+        )
     for i, r in enumerate(rows):
-        ax.annotate(f"x{statistics.median(r['raw_s']) / statistics.median(r['ours_s']):.2f}",
-                    (i, max(_gbs(r, 'ours'), _gbs(r, 'raw'))), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"x{statistics.median(r['raw_s']) / statistics.median(r['ours_s']):.2f}",
+            (i, max(_gbs(r, "ours"), _gbs(r, "raw"))),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("GB/s (all decode ranks, log)")
-    ax.set_title("P/D across TP sizes on one H200 (cuda_ipc): hybridkv vs raw NIXL of the same rows\n"
-                 "label = raw time / hybridkv time", fontsize=9)
+    ax.set_title(
+        "P/D across TP sizes on one H200 (cuda_ipc): hybridkv vs raw NIXL of the same rows\n"
+        "label = raw time / hybridkv time",
+        fontsize=9,
+    )
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -684,9 +909,19 @@ def render(srcs: list[Path]) -> int:
     for d in docs:
         for c in d["cases"]:
             c["kernel"] = d["meta"].get("kernel", KERNEL)
-    doc = {"meta": {k: ("; ".join(sorted({str(d["meta"].get(k)) for d in docs})) if k not in ("repeats", "warmup")
-                        else docs[0]["meta"][k]) for k in docs[0]["meta"] if k != "addressing_files_sha1"},
-           "cases": [c for d in docs for c in d["cases"]], "rows": [r for d in docs for r in d["rows"]]}
+    doc = {
+        "meta": {
+            k: (
+                "; ".join(sorted({str(d["meta"].get(k)) for d in docs}))
+                if k not in ("repeats", "warmup")
+                else docs[0]["meta"][k]
+            )
+            for k in docs[0]["meta"]
+            if k != "addressing_files_sha1"
+        },
+        "cases": [c for d in docs for c in d["cases"]],
+        "rows": [r for d in docs for r in d["rows"]],
+    }
     doc["meta"]["addressing_files_sha1"] = docs[0]["meta"].get("addressing_files_sha1")
     notes = ROOT / "bench" / "results" / "gpu_pd_tp.notes.json"
     if notes.exists():
@@ -707,8 +942,9 @@ def check_vllm() -> int:
     bad = 0
     for tp in (1, 2):
         got = gdn_shapes(tp)
-        want = MambaStateShapeCalculator.gated_delta_net_state_shape(tp, GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_K,
-                                                                     GDN_HEAD_V, GDN_KERNEL)
+        want = MambaStateShapeCalculator.gated_delta_net_state_shape(
+            tp, GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_K, GDN_HEAD_V, GDN_KERNEL
+        )
         same = tuple(map(tuple, want)) == got
         print(f"TP{tp} GDN shapes {got} == vLLM's {tuple(map(tuple, want))}: {same}")
         bad += not same
@@ -725,9 +961,16 @@ def main() -> int:
     ap.add_argument("--cases", nargs="*", default=[c[0] for c in CASES])
     ap.add_argument("--plants", nargs="*", default=list(PLANTS))
     ap.add_argument("--case-timeout", type=float, default=240)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run here (DRAM, UCX loopback), no results")
+    ap.add_argument(
+        "--device", default="cuda", help="cpu: a smoke run here (DRAM, UCX loopback), no results"
+    )
     ap.add_argument("--num-blocks", type=int, default=NUM_BLOCKS)
-    ap.add_argument("--kernel", type=int, default=KERNEL, help=f"attention kernel block tokens ({BLOCK}: no split)")
+    ap.add_argument(
+        "--kernel",
+        type=int,
+        default=KERNEL,
+        help=f"attention kernel block tokens ({BLOCK}: no split)",
+    )
     ap.add_argument("--render", type=Path, nargs="*")
     ap.add_argument("--check-vllm", action="store_true")
     args = ap.parse_args()
@@ -751,12 +994,18 @@ def main() -> int:
         cases.append(c)
         rows += summarize(c, args.kernel)
         for r in c["ranks"]:
-            print(f"{name} decode rank {r.get('rank', '?')}: " + (r["error"] if "error" in r else
-                  json.dumps(r["checks"])), flush=True)
+            print(
+                f"{name} decode rank {r.get('rank', '?')}: "
+                + (r["error"] if "error" in r else json.dumps(r["checks"])),
+                flush=True,
+            )
         for r in summarize(c, args.kernel):
-            print(f"{name} n={r['n']}: {r['bytes'] / 2**20:.1f} MiB descs {r['descs']} hybridkv {_gbs(r, 'ours'):.1f} "
-                  f"raw {_gbs(r, 'raw'):.1f} job {_gbs(r, 'job'):.1f} d2d {_gbs(r, 'd2d'):.0f} GB/s "
-                  f"(at {time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"{name} n={r['n']}: {r['bytes'] / 2**20:.1f} MiB descs {r['descs']} hybridkv {_gbs(r, 'ours'):.1f} "
+                f"raw {_gbs(r, 'raw'):.1f} job {_gbs(r, 'job'):.1f} d2d {_gbs(r, 'd2d'):.0f} GB/s "
+                f"(at {time.time() - t0:.0f} s)",
+                flush=True,
+            )
     import importlib.metadata as md
 
     def ver(d):
@@ -765,28 +1014,60 @@ def main() -> int:
         except md.PackageNotFoundError:
             return "-"
 
-    commit = os.environ.get("HYBRIDKV_COMMIT") or subprocess.run(  # the device's .git can be stale
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    doc = {"meta": {
-        "command": "python bench/gpu_pd_tp.py " + " ".join(sys.argv[1:]),
-        "device": f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'CPU'} (kernel {platform.release()})",
-        "torch": f"{torch.__version__} CUDA {torch.version.cuda}",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "wheels": ", ".join(f"{d} {ver(d)}" for d in ("nixl-cu13", "nixl", "grpcio") if ver(d) != "-"),
-        "vllm": "0.33 kv_cache_interface from " + sys.modules["vllm"].__file__.replace(str(ROOT) + "/", ""),
-        "shim": ", ".join(gdp.SHIM), "commit": commit, "ucx": UCX_ENV, "repeats": args.repeats,
-        "warmup": args.warmup, "wall_s": round(time.time() - t0), "kernel": args.kernel,
-        "num_blocks": args.num_blocks,
-        "addressing_files_sha1": {f: __import__("hashlib").sha1((ROOT / f).read_bytes()).hexdigest()[:10]
-                                  for f in ("connector/pd_tp.py", "connector/pd_transport.py",
-                                            "connector/pd_worker.py", "connector/block_layout.py")}},
-        "cases": cases, "rows": rows}
+    commit = (
+        os.environ.get("HYBRIDKV_COMMIT")
+        or subprocess.run(  # the device's .git can be stale
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    doc = {
+        "meta": {
+            "command": "python bench/gpu_pd_tp.py " + " ".join(sys.argv[1:]),
+            "device": f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'CPU'} (kernel {platform.release()})",
+            "torch": f"{torch.__version__} CUDA {torch.version.cuda}",
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "wheels": ", ".join(
+                f"{d} {ver(d)}" for d in ("nixl-cu13", "nixl", "grpcio") if ver(d) != "-"
+            ),
+            "vllm": "0.33 kv_cache_interface from "
+            + sys.modules["vllm"].__file__.replace(str(ROOT) + "/", ""),
+            "shim": ", ".join(gdp.SHIM),
+            "commit": commit,
+            "ucx": UCX_ENV,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "wall_s": round(time.time() - t0),
+            "kernel": args.kernel,
+            "num_blocks": args.num_blocks,
+            "addressing_files_sha1": {
+                f: __import__("hashlib").sha1((ROOT / f).read_bytes()).hexdigest()[:10]
+                for f in (
+                    "connector/pd_tp.py",
+                    "connector/pd_transport.py",
+                    "connector/pd_worker.py",
+                    "connector/block_layout.py",
+                )
+            },
+        },
+        "cases": cases,
+        "rows": rows,
+    }
     out = args.out or Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gpu_pd_tp.k{args.kernel}.json").write_text(json.dumps(doc, indent=1))
-    bad = [f"{c['name']} r{r.get('rank')}" for c in cases for r in c["ranks"] if "error" in r or not all(
-        ch["exact"] != k.startswith("planted") for k, ch in r["checks"].items())]
-    print("checks:", "all as expected" if not bad else f"FAILED {bad}", f"({time.time() - t0:.0f} s)", flush=True)
+    bad = [
+        f"{c['name']} r{r.get('rank')}"
+        for c in cases
+        for r in c["ranks"]
+        if "error" in r
+        or not all(ch["exact"] != k.startswith("planted") for k, ch in r["checks"].items())
+    ]
+    print(
+        "checks:",
+        "all as expected" if not bad else f"FAILED {bad}",
+        f"({time.time() - t0:.0f} s)",
+        flush=True,
+    )
     return 1 if bad else 0
 
 

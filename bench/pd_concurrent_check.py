@@ -39,17 +39,32 @@ def main(argv: list[str] | None = None) -> int:
     from hybridkv.cli.pd_stack import PDStack
     from hybridkv.cli.tiny_models import write_tiny_model
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--samples", type=int, default=60)
     p.add_argument("--blocks", type=int, default=256)
     p.add_argument("--first-slot", type=int, default=0)
     args = p.parse_args(argv)
-    model = str(write_tiny_model("gemma3", pathlib.Path.home() / ".cache" / "hybridkv" / "tiny-models"
-                                 / "gemma3-seed0", seed=0))
+    model = str(
+        write_tiny_model(
+            "gemma3",
+            pathlib.Path.home() / ".cache" / "hybridkv" / "tiny-models" / "gemma3-seed0",
+            seed=0,
+        )
+    )
     work = pathlib.Path(tempfile.mkdtemp(prefix="hybridkv-pdcheck-"))
-    extra = ["--seed", "0", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
-             "--num-gpu-blocks-override", str(args.blocks)]
+    extra = [
+        "--seed",
+        "0",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--num-gpu-blocks-override",
+        str(args.blocks),
+    ]
     served: list[tuple] = []
     lock = threading.Lock()
     with PDStack(model, max_model_len=2048, extra_args=extra, log_dir=work) as stack:
@@ -68,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                     with lock:
                         served.append((slot, gen, turn, prompt, c))
 
-        threads = [threading.Thread(target=session, args=(args.first_slot + i,)) for i in range(args.sessions)]
+        threads = [
+            threading.Thread(target=session, args=(args.first_slot + i,))
+            for i in range(args.sessions)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -80,11 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             cmp = compare(c, ref, DEFAULT_LOGPROB_TOL)
             if not cmp.matches or ref.cached_tokens:
                 bad += 1
-                print(f"differs: session {slot} trajectory {gen} turn {turn} prompt {c.prompt_tokens} "
-                      f"(prefill cached {c.cached_tokens}): {cmp.why}")
+                print(
+                    f"differs: session {slot} trajectory {gen} turn {turn} prompt {c.prompt_tokens} "
+                    f"(prefill cached {c.cached_tokens}): {cmp.why}"
+                )
         reads = len(re.findall(r"P/D: read \d+ blocks", (work / "decode.log").read_text()))
-    print(f"{args.sessions} sessions, {len(served)} turns, {reads} P/D READs: {bad} of {len(picked)} sampled "
-          "turns differ from a salted recompute")
+    print(
+        f"{args.sessions} sessions, {len(served)} turns, {reads} P/D READs: {bad} of {len(picked)} sampled "
+        "turns differ from a salted recompute"
+    )
     return 1 if bad else 0
 
 

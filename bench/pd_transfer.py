@@ -39,7 +39,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_MODULES", "^ib")  # else a segfault at exit (two libnl copies, see the test)
+os.environ.setdefault(
+    "UCX_MODULES", "^ib"
+)  # else a segfault at exit (two libnl copies, see the test)
 
 ROOT = Path(__file__).resolve().parents[1]
 TILE = 65521  # prime: the pattern differs between any two blocks and layers
@@ -62,21 +64,25 @@ def build_kv(layers: int, block_bytes: int, num_blocks: int):
     """KV cache of one full-attention group, allocated exactly as vLLM's worker does."""
     import torch
     from vllm.config import VllmConfig
-    from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from hybridkv.connector.block_layout import KVLayout, layout_rows
+    from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
 
     heads, head = 4, 128  # 2 KiB per token (K+V bf16)
     block_size = block_bytes // (heads * 2 * head * 2)
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16
+    )
     assert spec.page_size_bytes == block_bytes
     cfg = VllmConfig()
     cfg.cache_config.kv_cache_layout = "LBHNC"
     group = KVCacheGroupSpec([f"layer.{i}" for i in range(layers)], spec)
     kcc = get_kv_cache_config_from_groups(cfg, [group], num_blocks * layers * block_bytes)
-    caches = allocate_kv_cache(kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
+    caches = allocate_kv_cache(
+        kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout()
+    )
     layout = KVLayout.from_kv_caches(kcc, caches)
     raw = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
     return kcc, caches, layout, raw, layout_rows(kcc)
@@ -142,7 +148,9 @@ def run_case(conn, case, repeats: int, warmup: int) -> dict:
     hs = []
     for _ in range(5):
         t = time.perf_counter()
-        info = fetch_agent_info(address, local_desc, engine_id="bench-decode", tp_rank=0, timeout_s=10)
+        info = fetch_agent_info(
+            address, local_desc, engine_id="bench-decode", tp_rank=0, timeout_s=10
+        )
         hs.append(time.perf_counter() - t)
     transport = PDTransport(f"decode-{name}", layout, progress_delay_us=PROGRESS_DELAY_US)
     peer = transport.add_peer(info.agent_metadata, info.layout.group_layouts())
@@ -173,7 +181,11 @@ def run_case(conn, case, repeats: int, warmup: int) -> dict:
         loc, rem = read_descriptors(layout.groups, peer_groups, r, lo)  # outside the clock
         t = time.perf_counter()
         h = raw_agent.initialize_xfer(
-            "READ", raw_agent.get_xfer_descs(loc, "DRAM"), raw_agent.get_xfer_descs(rem, "DRAM"), raw_peer, b"bench"
+            "READ",
+            raw_agent.get_xfer_descs(loc, "DRAM"),
+            raw_agent.get_xfer_descs(rem, "DRAM"),
+            raw_peer,
+            b"bench",
         )
         st = raw_agent.transfer(h)
         while st == "PROC":
@@ -194,7 +206,9 @@ def run_case(conn, case, repeats: int, warmup: int) -> dict:
                 off_l, off_r, n = la[k][j] - base, ra[k][j] - peer_base, ls[k][j]
                 want = pat[(np.arange(n) + off_r) % TILE]
                 if not np.array_equal(mem[off_l : off_l + n], want):
-                    raise SystemExit(f"{name}: block {r[0][k]}->{lo[0][k]} layer {j} has wrong bytes")
+                    raise SystemExit(
+                        f"{name}: block {r[0][k]}->{lo[0][k]} layer {j} has wrong bytes"
+                    )
 
     # correctness, both paths
     for fn in (hybridkv_read, raw_read):
@@ -205,7 +219,7 @@ def run_case(conn, case, repeats: int, warmup: int) -> dict:
 
     ours, base_t, build = [], [], []
     for i in range(warmup + repeats):
-        for first in ((hybridkv_read, raw_read) if i % 2 == 0 else (raw_read, hybridkv_read)):
+        for first in (hybridkv_read, raw_read) if i % 2 == 0 else (raw_read, hybridkv_read):
             r, lo = ids()
             d = first(r, lo)
             if i >= warmup:
@@ -278,8 +292,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="3 cases, 5 repeats")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pd_transfer.md")
-    ap.add_argument("--plot-only", action="store_true",
-                    help="no run: re-render the .md and .png from the .json next to --out")
+    ap.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="no run: re-render the .md and .png from the .json next to --out",
+    )
     args = ap.parse_args()
     if args.plot_only:
         write_outputs(json.loads(args.out.with_suffix(".json").read_text()), args.out)
@@ -310,12 +327,16 @@ def main() -> None:
             proc.kill()
     load1 = os.getloadavg()
     idle = idle_agent_cpu()
-    print("idle agent CPU % of a core by progress delay (us):", {k: round(v) for k, v in idle.items()})
+    print(
+        "idle agent CPU % of a core by progress delay (us):", {k: round(v) for k, v in idle.items()}
+    )
 
     from importlib.metadata import version
 
-    cmd = "python bench/pd_transfer.py" + (" --quick" if args.quick else "") + (
-        f" --repeats {args.repeats}" if args.repeats != 15 and not args.quick else ""
+    cmd = (
+        "python bench/pd_transfer.py"
+        + (" --quick" if args.quick else "")
+        + (f" --repeats {args.repeats}" if args.repeats != 15 and not args.quick else "")
     )
     doc = {
         "meta": {
@@ -340,7 +361,9 @@ def paired_bars(ax, rows: list[dict], ours_label: str, raw_label: str) -> None: 
     """Both paths of each row (``ours`` / ``raw`` GB/s per repeat) side by side: median bar,
     p25-p75 whisker, every repeat as a dot (bench/pd_transfer_tp.py draws the same)."""
     width = 0.38
-    for j, (key, label, color) in enumerate((("ours", ours_label, "tab:blue"), ("raw", raw_label, "tab:gray"))):
+    for j, (key, label, color) in enumerate(
+        (("ours", ours_label, "tab:blue"), ("raw", raw_label, "tab:gray"))
+    ):
         xs = [i + (j - 0.5) * width for i in range(len(rows))]
         meds = [statistics.median(r[key]) for r in rows]
         lo = [m - q(r[key], 0.25) for m, r in zip(meds, rows)]
@@ -359,15 +382,30 @@ def plot(rows: list[dict], path: Path) -> str:
 
     fig, ax = plt.subplots(figsize=(11, 4.2))
     paired_bars(ax, rows, "hybridkv read_blocks", "raw NIXL READ")
-    ax.scatter(range(len(rows)), [r["memcpy"] for r in rows], marker="_", s=300, color="tab:red",
-               label="in-process memcpy (scale)", zorder=4)
+    ax.scatter(
+        range(len(rows)),
+        [r["memcpy"] for r in rows],
+        marker="_",
+        s=300,
+        color="tab:red",
+        label="in-process memcpy (scale)",
+        zorder=4,
+    )
     for i, r in enumerate(rows):
-        ax.annotate(f"x{r['ratio']:.2f}", (i, max(max(r["ours"]), max(r["raw"]))), ha="center",
-                    va="bottom", fontsize=8)
+        ax.annotate(
+            f"x{r['ratio']:.2f}",
+            (i, max(max(r["ours"]), max(r["raw"]))),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows], fontsize=8)
     ax.set_ylabel("GB/s (batch bytes / call -> completion)")
-    ax.set_title("P/D transfer on one host (UCX loopback): hybridkv PDTransport.read_blocks vs raw NIXL READ\n"
-                 "median, whisker p25-p75, dots = repeats, label = ratio (raw time / hybridkv time)", fontsize=9)
+    ax.set_title(
+        "P/D transfer on one host (UCX loopback): hybridkv PDTransport.read_blocks vs raw NIXL READ\n"
+        "median, whisker p25-p75, dots = repeats, label = ratio (raw time / hybridkv time)",
+        fontsize=9,
+    )
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -422,7 +460,7 @@ def write_outputs(doc: dict, out: Path) -> None:
             f"{r['memcpy']:.2f} | {r['handshake_ms']:.1f} |"
         )
     out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-len(rows) - 2:]))
+    print("\n".join(lines[-len(rows) - 2 :]))
     print(f"wrote {out}, {js.name}, {png.name}")
 
 

@@ -59,7 +59,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_MODULES", "^ib")  # else a segfault at exit (two libnl copies, see pd_transport)
+os.environ.setdefault(
+    "UCX_MODULES", "^ib"
+)  # else a segfault at exit (two libnl copies, see pd_transport)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -75,7 +77,11 @@ READ_BLOCKS = {"sw": WINDOW // BLOCK_TOKENS, "fa": 128, "mamba": 1}
 MAMBA_POOL = 16  # prefill block ids [NUM_BLOCKS - MAMBA_POOL, NUM_BLOCKS) hold GDN state, the rest attention KV
 # GDN (qwen3-next's linear attention) geometry, all ranks together: key / value heads and dims, conv kernel
 GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_K, GDN_HEAD_V, GDN_KERNEL = 4, 6, 64, 64, 4
-GDN_PARTS = (GDN_K_HEADS * GDN_HEAD_K, GDN_K_HEADS * GDN_HEAD_K, GDN_V_HEADS * GDN_HEAD_V)  # conv channels q | k | v
+GDN_PARTS = (
+    GDN_K_HEADS * GDN_HEAD_K,
+    GDN_K_HEADS * GDN_HEAD_K,
+    GDN_V_HEADS * GDN_HEAD_V,
+)  # conv channels q | k | v
 POISON = 0xA5
 PROGRESS_DELAY_US = 100  # PDTransport's default
 # (name, prefill TP, decode TP, with a Mamba group)
@@ -87,27 +93,59 @@ CASES = [("TP2->TP2", 2, 2, True), ("TP2->TP1", 2, 1, True), ("TP1->TP2", 1, 2, 
 
 def group_specs(heads: int, mamba: bool):
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     page = BLOCK_TOKENS * heads * HEAD_SIZE * 2 * 2  # K+V, bf16
     names = lambda p: [f"{p}.{i}" for i in range(LAYERS)]  # noqa: E731
     groups = [
-        KVCacheGroupSpec(names("sw"), SlidingWindowSpec(block_size=BLOCK_TOKENS, num_kv_heads=heads,
-                                                        head_size=HEAD_SIZE, dtype=torch.bfloat16,
-                                                        sliding_window=WINDOW)),
-        KVCacheGroupSpec(names("fa"), FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=heads,
-                                                        head_size=HEAD_SIZE, dtype=torch.bfloat16)),
+        KVCacheGroupSpec(
+            names("sw"),
+            SlidingWindowSpec(
+                block_size=BLOCK_TOKENS,
+                num_kv_heads=heads,
+                head_size=HEAD_SIZE,
+                dtype=torch.bfloat16,
+                sliding_window=WINDOW,
+            ),
+        ),
+        KVCacheGroupSpec(
+            names("fa"),
+            FullAttentionSpec(
+                block_size=BLOCK_TOKENS,
+                num_kv_heads=heads,
+                head_size=HEAD_SIZE,
+                dtype=torch.bfloat16,
+            ),
+        ),
     ]
-    if mamba:  # this rank's share of a GDN layer (vLLM's own state shapes): conv + SSM, padded to the page
+    if (
+        mamba
+    ):  # this rank's share of a GDN layer (vLLM's own state shapes): conv + SSM, padded to the page
         from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
         tp = TOTAL_HEADS // heads
         shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
-            tp, GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_K, GDN_HEAD_V, GDN_KERNEL)
-        groups.append(KVCacheGroupSpec(names("mamba"), MambaSpec(
-            block_size=BLOCK_TOKENS, shapes=tuple(tuple(x) for x in shapes), dtypes=(torch.bfloat16, torch.float32),
-            mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align", page_size_padded=page)))
+            tp, GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_K, GDN_HEAD_V, GDN_KERNEL
+        )
+        groups.append(
+            KVCacheGroupSpec(
+                names("mamba"),
+                MambaSpec(
+                    block_size=BLOCK_TOKENS,
+                    shapes=tuple(tuple(x) for x in shapes),
+                    dtypes=(torch.bfloat16, torch.float32),
+                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                    mamba_cache_mode="align",
+                    page_size_padded=page,
+                ),
+            )
+        )
     return groups, page
 
 
@@ -129,22 +167,32 @@ class KV:
         cfg.cache_config.kv_cache_layout = "LBHNC"
         self.config = get_kv_cache_config_from_groups(cfg, groups, NUM_BLOCKS * LAYERS * self.page)
         assert self.config.num_blocks == NUM_BLOCKS, self.config.num_blocks
-        self.caches = allocate_kv_cache(self.config, torch.device("cpu"),
-                                        cfg.cache_config.get_resolved_kv_cache_layout())
+        self.caches = allocate_kv_cache(
+            self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout()
+        )
         self.layout = KVLayout.from_kv_caches(self.config, self.caches)
         assert len(self.layout.allocations) == 1, "vLLM's CPU KV cache is one allocation"
         self.base, self.size = self.layout.allocations[0]
-        self.raw = torch.empty(0, dtype=torch.uint8).set_(next(iter(self.caches.values())).untyped_storage())
+        self.raw = torch.empty(0, dtype=torch.uint8).set_(
+            next(iter(self.caches.values())).untyped_storage()
+        )
         assert self.raw.data_ptr() == self.base and self.raw.numel() == self.size
         self.group_names = [list(g.layer_names) for g in self.config.kv_cache_groups]
         kv_heads = [self.heads, self.heads] + ([0] if mamba else [])
         from hybridkv.connector.pd_worker import group_state_splits
 
         self.state_splits = [group_state_splits(g) for g in self.config.kv_cache_groups]
-        assert not mamba or len(self.state_splits[2]) == 2, self.state_splits  # GDN: conv + SSM, re-sliceable
-        self.descriptor = LayoutDescriptor.from_kv(self.layout, layout_rows(self.config), tp_size=tp,
-                                                   kv_heads=kv_heads, total_kv_heads=TOTAL_HEADS,
-                                                   state_splits=self.state_splits)
+        assert not mamba or len(self.state_splits[2]) == 2, (
+            self.state_splits
+        )  # GDN: conv + SSM, re-sliceable
+        self.descriptor = LayoutDescriptor.from_kv(
+            self.layout,
+            layout_rows(self.config),
+            tp_size=tp,
+            kv_heads=kv_heads,
+            total_kv_heads=TOTAL_HEADS,
+            state_splits=self.state_splits,
+        )
 
     def slot(self, t) -> int:  # noqa: ANN001
         """Which of the LAYERS shared tensors a layer view lies in (groups overlay them)."""
@@ -162,7 +210,9 @@ def pattern(slot: int, blocks, head0: int, heads: int):  # noqa: ANN001
     b = torch.as_tensor(blocks, dtype=torch.int64)
     h = torch.arange(head0, head0 + heads, dtype=torch.int64)
     w = torch.arange(nc, dtype=torch.int64)
-    g = ((slot * NUM_BLOCKS + b)[:, None, None] * TOTAL_HEADS + h[None, :, None]) * nc + w[None, None, :]
+    g = ((slot * NUM_BLOCKS + b)[:, None, None] * TOTAL_HEADS + h[None, :, None]) * nc + w[
+        None, None, :
+    ]
     return ((((g * 2654435761) >> 16) & 0xFFFF) - 32768).to(torch.int16)
 
 
@@ -180,17 +230,27 @@ def gdn_state(slot: int, blocks, rank: int, tp: int):  # noqa: ANN001
 
     b = torch.as_tensor(blocks, dtype=torch.int64)
     n, rows, conv_dim = len(blocks), GDN_KERNEL - 1, sum(GDN_PARTS)
-    chans = torch.cat([torch.arange(off + rank * (p // tp), off + (rank + 1) * (p // tp))
-                       for off, p in zip((0, GDN_PARTS[0], GDN_PARTS[0] + GDN_PARTS[1]), GDN_PARTS)])
+    chans = torch.cat(
+        [
+            torch.arange(off + rank * (p // tp), off + (rank + 1) * (p // tp))
+            for off, p in zip((0, GDN_PARTS[0], GDN_PARTS[0] + GDN_PARTS[1]), GDN_PARTS)
+        ]
+    )
     row = torch.arange(rows, dtype=torch.int64)
-    g = ((slot * NUM_BLOCKS + b)[:, None, None] * rows + row[None, :, None]) * conv_dim + chans[None, None, :]
+    g = ((slot * NUM_BLOCKS + b)[:, None, None] * rows + row[None, :, None]) * conv_dim + chans[
+        None, None, :
+    ]
     conv = _hash(g, 1, 16).to(torch.int16)
     hv = GDN_V_HEADS // tp
     per = GDN_HEAD_V * GDN_HEAD_K
     heads = torch.arange(rank * hv, (rank + 1) * hv, dtype=torch.int64)
-    g = ((slot * NUM_BLOCKS + b)[:, None, None] * GDN_V_HEADS + heads[None, :, None]) * per + torch.arange(per)
+    g = (
+        (slot * NUM_BLOCKS + b)[:, None, None] * GDN_V_HEADS + heads[None, :, None]
+    ) * per + torch.arange(per)
     ssm = _hash(g, 2, 32).to(torch.int32)
-    return torch.cat([conv.reshape(n, -1).view(torch.uint8), ssm.reshape(n, -1).view(torch.uint8)], dim=1)
+    return torch.cat(
+        [conv.reshape(n, -1).view(torch.uint8), ssm.reshape(n, -1).view(torch.uint8)], dim=1
+    )
 
 
 def fill_prefill(kv: KV, rank: int) -> None:
@@ -215,7 +275,10 @@ def fill_prefill(kv: KV, rank: int) -> None:
         for name in kv.group_names[2]:
             t = kv.caches[name]
             state = gdn_state(kv.slot(t), pool, rank, kv.tp)
-            assert state.shape[1] == t[0].numel(), (state.shape, t.shape)  # the view is the states, no padding
+            assert state.shape[1] == t[0].numel(), (
+                state.shape,
+                t.shape,
+            )  # the view is the states, no padding
             t[pool] = state.view(torch.int8).reshape((len(pool), *t.shape[1:]))
 
 
@@ -258,10 +321,16 @@ def check_bytes(kv: KV, decode_rank: int, remote_ids, local_ids, what: str, whol
                 t = kv.caches[name]
                 v = torch.empty(0, dtype=t.dtype).set_(st, t.storage_offset(), t.shape, t.stride())
                 for b in l_ids:
-                    got, want = t[b].contiguous().view(torch.uint8), v[b].contiguous().view(torch.uint8)
+                    got, want = (
+                        t[b].contiguous().view(torch.uint8),
+                        v[b].contiguous().view(torch.uint8),
+                    )
                     diff = torch.nonzero(got.reshape(-1) != want.reshape(-1))
                     if len(diff):
-                        first = t.storage_offset() * t.element_size() + b * t.stride(0) * t.element_size()
+                        first = (
+                            t.storage_offset() * t.element_size()
+                            + b * t.stride(0) * t.element_size()
+                        )
                         bad = torch.tensor([[first + int(diff[0, 0])]])
                         break
                 if len(bad):
@@ -303,8 +372,13 @@ def prefill_main(conn, rank: int) -> None:  # noqa: ANN001
         kv = KV(tp, mamba)
         fill_prefill(kv, rank)
         transport = PDTransport(f"prefill-tp{tp}-r{rank}", kv.layout)
-        info = AgentInfo(engine_id="bench-prefill", tp_rank=rank, agent_name=transport.name,
-                         agent_metadata=transport.metadata(), layout=kv.descriptor)
+        info = AgentInfo(
+            engine_id="bench-prefill",
+            tp_rank=rank,
+            agent_name=transport.name,
+            agent_metadata=transport.metadata(),
+            layout=kv.descriptor,
+        )
         server = HandshakeServer(info)
         port = server.start()
         state = (server, transport, kv)
@@ -326,8 +400,16 @@ def decode_main(conn, rank: int, barrier) -> None:  # noqa: ANN001
             conn.send({"error": f"decode rank {rank}: {e!r}\n{traceback.format_exc()}"})
 
 
-def spans(part, local_desc, peer_desc, kv: KV, remote_ids, rank: int, prefill_tp: int,  # noqa: ANN001
-          plant_gdn: bool = False):
+def spans(
+    part,
+    local_desc,
+    peer_desc,
+    kv: KV,
+    remote_ids,
+    rank: int,
+    prefill_tp: int,  # noqa: ANN001
+    plant_gdn: bool = False,
+):
     """Per group the spans of ``part`` (None: whole blocks): ``pd_tp.read_spans``, what
     ``PDWorker._slices`` calls. ``plant_gdn``: the other rank's share of the state."""
     from hybridkv.connector.pd_tp import read_spans
@@ -337,8 +419,17 @@ def spans(part, local_desc, peer_desc, kv: KV, remote_ids, rank: int, prefill_tp
         lr, rr = rank, part.prefill_rank
         mamba_ranks = (lr, 1 - rr) if prefill_tp > kv.tp else (1 - lr, rr)
     kernel_rows = [() if g is None else g.kernel_rows for g in kv.layout.groups]
-    return read_spans(part, local_desc.groups, peer_desc.groups, kernel_rows, remote_ids, kv.tp, prefill_tp, rank,
-                      mamba_ranks=mamba_ranks)
+    return read_spans(
+        part,
+        local_desc.groups,
+        peer_desc.groups,
+        kernel_rows,
+        remote_ids,
+        kv.tp,
+        prefill_tp,
+        rank,
+        mamba_ranks=mamba_ranks,
+    )
 
 
 def planted(part, r, local_heads: int, remote_heads: int):  # noqa: ANN001
@@ -351,16 +442,34 @@ def planted(part, r, local_heads: int, remote_heads: int):  # noqa: ANN001
         r = [list(g) for g in r]
         r[1][0], r[1][1] = r[1][1], r[1][0]
         return part, r
-    for lh, rh in ((part.local_head0 - 1, part.remote_head0), (part.local_head0 + 1, part.remote_head0),
-                   (part.local_head0, part.remote_head0 + 1),
-                   (part.local_head0, part.remote_head0 - 1)):
-        if 0 <= lh and lh + part.num_heads <= local_heads and 0 <= rh and rh + part.num_heads <= remote_heads:
+    for lh, rh in (
+        (part.local_head0 - 1, part.remote_head0),
+        (part.local_head0 + 1, part.remote_head0),
+        (part.local_head0, part.remote_head0 + 1),
+        (part.local_head0, part.remote_head0 - 1),
+    ):
+        if (
+            0 <= lh
+            and lh + part.num_heads <= local_heads
+            and 0 <= rh
+            and rh + part.num_heads <= remote_heads
+        ):
             return replace(part, local_head0=lh, remote_head0=rh), r
     raise AssertionError(part)
 
 
-def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, mamba: bool,  # noqa: ANN001
-               ports: list[int], repeats: int, warmup: int, plant: str | None = None) -> dict:
+def run_decode(
+    rank: int,
+    barrier,
+    name: str,
+    prefill_tp: int,
+    decode_tp: int,
+    mamba: bool,  # noqa: ANN001
+    ports: list[int],
+    repeats: int,
+    warmup: int,
+    plant: str | None = None,
+) -> dict:
     from collections import Counter
 
     import numpy as np
@@ -373,15 +482,25 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
     kv = KV(decode_tp, mamba)
     kv.raw.fill_(POISON)  # touches every page before timing
     plan = rank_reads(rank, decode_tp, prefill_tp, TOTAL_HEADS)
-    transport = PDTransport(f"decode-{name}-r{rank}", kv.layout, progress_delay_us=PROGRESS_DELAY_US)
+    transport = PDTransport(
+        f"decode-{name}-r{rank}", kv.layout, progress_delay_us=PROGRESS_DELAY_US
+    )
     # Same agent settings as PDTransport (progress thread with a delay; a stock nixl_agent's spins a core).
     raw_agent = _make_agent(f"raw-{name}-r{rank}", ["UCX"], PROGRESS_DELAY_US)
     reg = raw_agent.register_memory([(kv.base, kv.size, 0, "")], "DRAM")
     peers = []  # (part, peer layout descriptor, hybridkv peer name, raw peer name)
     for part in plan:
-        info = fetch_agent_info(f"127.0.0.1:{ports[part.prefill_rank]}", kv.descriptor, engine_id="bench-decode",
-                                tp_rank=rank, timeout_s=10, prefill_rank=part.prefill_rank)
-        peer = transport.add_peer(info.agent_metadata, info.layout.group_layouts(), info.layout.memory_spaces())
+        info = fetch_agent_info(
+            f"127.0.0.1:{ports[part.prefill_rank]}",
+            kv.descriptor,
+            engine_id="bench-decode",
+            tp_rank=rank,
+            timeout_s=10,
+            prefill_rank=part.prefill_rank,
+        )
+        peer = transport.add_peer(
+            info.agent_metadata, info.layout.group_layouts(), info.layout.memory_spaces()
+        )
         raw_peer = raw_agent.add_remote_agent(info.agent_metadata)
         peers.append((part, info.layout, peer, raw_peer))
     setup_s = time.perf_counter() - t_setup
@@ -397,10 +516,13 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
                 out.append(perm[i : i + c])
                 i += c
             return out
+
         n_att = sum(counts[:2])
         r = rng.choice(NUM_BLOCKS - MAMBA_POOL, n_att, replace=False).tolist()
         if mamba:  # prefill's state blocks come from its state pool
-            r += (NUM_BLOCKS - MAMBA_POOL + rng.choice(MAMBA_POOL, counts[2], replace=False)).tolist()
+            r += (
+                NUM_BLOCKS - MAMBA_POOL + rng.choice(MAMBA_POOL, counts[2], replace=False)
+            ).tolist()
         lo = rng.choice(NUM_BLOCKS, sum(counts), replace=False).tolist()
         return split(r), split(lo)
 
@@ -411,9 +533,17 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
             rr = r
             if plant == "attn":
                 part, rr = planted(part, r, kv.heads, pl.groups[0].kv_heads)
-            handles.append(transport.read_blocks(peer, rr, lo, notif=b"bench",
-                                                 slices=spans(part, kv.descriptor, pl, kv, rr, rank, prefill_tp,
-                                                              plant_gdn=plant == "gdn")))
+            handles.append(
+                transport.read_blocks(
+                    peer,
+                    rr,
+                    lo,
+                    notif=b"bench",
+                    slices=spans(
+                        part, kv.descriptor, pl, kv, rr, rank, prefill_tp, plant_gdn=plant == "gdn"
+                    ),
+                )
+            )
         for h in handles:
             transport.wait(h, 60.0)
         t1 = time.perf_counter()
@@ -422,17 +552,29 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
         return t, t1, [(h.num_descs, h.nbytes) for h in handles]
 
     def rows(r, lo):
-        return [read_descriptors(kv.layout.groups, pl.group_layouts(), r, lo,
-                                 slices=spans(part, kv.descriptor, pl, kv, r, rank, prefill_tp))
-                for part, pl, _, _ in peers]
+        return [
+            read_descriptors(
+                kv.layout.groups,
+                pl.group_layouts(),
+                r,
+                lo,
+                slices=spans(part, kv.descriptor, pl, kv, r, rank, prefill_tp),
+            )
+            for part, pl, _, _ in peers
+        ]
 
     def raw_read(r, lo) -> tuple[float, float, list]:
         built = rows(r, lo)  # outside the clock
         t = time.perf_counter()
         xs = []
         for (loc, rem), (_, _, _, raw_peer) in zip(built, peers, strict=True):
-            h = raw_agent.initialize_xfer("READ", raw_agent.get_xfer_descs(loc, "DRAM"),
-                                          raw_agent.get_xfer_descs(rem, "DRAM"), raw_peer, b"bench")
+            h = raw_agent.initialize_xfer(
+                "READ",
+                raw_agent.get_xfer_descs(loc, "DRAM"),
+                raw_agent.get_xfer_descs(rem, "DRAM"),
+                raw_peer,
+                b"bench",
+            )
             xs.append((h, raw_agent.transfer(h)))
         for h, st in xs:
             while st == "PROC":
@@ -462,15 +604,24 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
     sync = decode_tp > 1
     ours, base = [], []
     for i in range(warmup + repeats):
-        for fn in ((hybridkv_read, raw_read) if i % 2 == 0 else (raw_read, hybridkv_read)):
+        for fn in (hybridkv_read, raw_read) if i % 2 == 0 else (raw_read, hybridkv_read):
             r, lo = ids()
             if sync:
                 barrier.wait(30)
             t0, t1, got = fn(r, lo)
             if i >= warmup:
                 (ours if fn is hybridkv_read else base).append((t0, t1))
-            if fn is hybridkv_read and i == warmup + repeats - 1:  # before the next READ can overwrite them
-                check_bytes(kv, rank, r, lo, f"{name} decode rank {rank} last timed hybridkv READ", whole=False)
+            if (
+                fn is hybridkv_read and i == warmup + repeats - 1
+            ):  # before the next READ can overwrite them
+                check_bytes(
+                    kv,
+                    rank,
+                    r,
+                    lo,
+                    f"{name} decode rank {rank} last timed hybridkv READ",
+                    whole=False,
+                )
                 checks.append("last timed hybridkv READ: destination blocks == expected")
 
     build = []
@@ -486,8 +637,13 @@ def run_decode(rank: int, barrier, name: str, prefill_tp: int, decode_tp: int, m
     raw_agent.deregister_memory(reg)
     return {
         "rank": rank,
-        "plan": [(p.prefill_rank, p.local_head0, p.remote_head0, p.num_heads, p.whole) for p in plan],
-        "reads": [{"descs": n, "bytes": b, "row_sizes": sz} for (n, b), sz in zip(shapes, sizes, strict=True)],
+        "plan": [
+            (p.prefill_rank, p.local_head0, p.remote_head0, p.num_heads, p.whole) for p in plan
+        ],
+        "reads": [
+            {"descs": n, "bytes": b, "row_sizes": sz}
+            for (n, b), sz in zip(shapes, sizes, strict=True)
+        ],
         "ours": ours,
         "raw": base,
         "build_us": statistics.median(build) * 1e6,
@@ -508,26 +664,53 @@ def summarize(name: str, prefill_tp: int, decode_tp: int, mamba: bool, ranks: li
     n = len(ranks[0]["ours"])
 
     def inst(key: str) -> list[float]:
-        return [total / (max(rk[key][i][1] for rk in ranks) - min(rk[key][i][0] for rk in ranks)) / 1e9
-                for i in range(n)]
+        return [
+            total / (max(rk[key][i][1] for rk in ranks) - min(rk[key][i][0] for rk in ranks)) / 1e9
+            for i in range(n)
+        ]
 
     ours, raw = inst("ours"), inst("raw")
     ratio = [a / b for a, b in zip(ours, raw, strict=True)]
-    per_rank = [{"rank": rk["rank"], "plan": rk["plan"], "reads": rk["reads"], "build_us": rk["build_us"],
-                 "setup_s": rk["setup_s"], "checks": rk["checks"], "total_s": rk["total_s"],
-                 "ours": [nb / (t1 - t0) / 1e9 for t0, t1 in rk["ours"]],
-                 "raw": [nb / (t1 - t0) / 1e9 for t0, t1 in rk["raw"]],
-                 "ours_t": rk["ours"], "raw_t": rk["raw"]}
-                for rk, nb in zip(ranks, nbytes, strict=True)]
+    per_rank = [
+        {
+            "rank": rk["rank"],
+            "plan": rk["plan"],
+            "reads": rk["reads"],
+            "build_us": rk["build_us"],
+            "setup_s": rk["setup_s"],
+            "checks": rk["checks"],
+            "total_s": rk["total_s"],
+            "ours": [nb / (t1 - t0) / 1e9 for t0, t1 in rk["ours"]],
+            "raw": [nb / (t1 - t0) / 1e9 for t0, t1 in rk["raw"]],
+            "ours_t": rk["ours"],
+            "raw_t": rk["raw"],
+        }
+        for rk, nb in zip(ranks, nbytes, strict=True)
+    ]
     if len(ranks) > 1:  # how much the ranks' timed reads overlapped (1 = fully concurrent)
-        ov = [min(r["ours_t"][i][1] for r in per_rank) - max(r["ours_t"][i][0] for r in per_rank) for i in range(n)]
-        span = [max(r["ours_t"][i][1] for r in per_rank) - min(r["ours_t"][i][0] for r in per_rank) for i in range(n)]
+        ov = [
+            min(r["ours_t"][i][1] for r in per_rank) - max(r["ours_t"][i][0] for r in per_rank)
+            for i in range(n)
+        ]
+        span = [
+            max(r["ours_t"][i][1] for r in per_rank) - min(r["ours_t"][i][0] for r in per_rank)
+            for i in range(n)
+        ]
         overlap = statistics.median(max(0.0, o) / s for o, s in zip(ov, span, strict=True))
     else:
         overlap = None
-    return {"name": name, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "mamba": mamba,
-            "mib": total / (1 << 20), "ours": ours, "raw": raw, "ratio": ratio, "ranks": per_rank,
-            "overlap": overlap}
+    return {
+        "name": name,
+        "prefill_tp": prefill_tp,
+        "decode_tp": decode_tp,
+        "mamba": mamba,
+        "mib": total / (1 << 20),
+        "ours": ours,
+        "raw": raw,
+        "ratio": ratio,
+        "ranks": per_rank,
+        "overlap": overlap,
+    }
 
 
 def fmt_ratio(xs: list[float]) -> str:
@@ -540,13 +723,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="5 repeats, 1 warm-up")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pd_transfer_tp.md")
-    ap.add_argument("--plot-only", action="store_true",
-                    help="no run: re-render the .md and .png from the .json next to --out")
+    ap.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="no run: re-render the .md and .png from the .json next to --out",
+    )
     ap.add_argument("--cases", nargs="*", help=f"a subset of {[c[0] for c in CASES]}")
-    ap.add_argument("--plant", choices=("attn", "gdn"),
-                    help="plant an addressing fault in the hybridkv path (the run must abort on wrong bytes): "
-                    "attn = a head range one head off (two source blocks swapped at equal sizes); gdn = the other "
-                    "rank's share of the GDN state (across sizes only)")
+    ap.add_argument(
+        "--plant",
+        choices=("attn", "gdn"),
+        help="plant an addressing fault in the hybridkv path (the run must abort on wrong bytes): "
+        "attn = a head range one head off (two source blocks swapped at equal sizes); gdn = the other "
+        "rank's share of the GDN state (across sizes only)",
+    )
     args = ap.parse_args()
     if args.plot_only:
         write_outputs(json.loads(args.out.with_suffix(".json").read_text()), args.out)
@@ -578,7 +767,9 @@ def main() -> None:
                 ports.append(port)
                 prep.append(s)
             for rank in range(dtp):
-                dconns[rank].send(("run", name, ptp, dtp, mamba, ports, repeats, warmup, args.plant))
+                dconns[rank].send(
+                    ("run", name, ptp, dtp, mamba, ports, repeats, warmup, args.plant)
+                )
             ranks = [dconns[rank].recv() for rank in range(dtp)]
             errors = [r["error"] for r in ranks if "error" in r]
             if errors:
@@ -587,10 +778,13 @@ def main() -> None:
             res["prefill_setup_s"] = prep
             rows.append(res)
             descs = " + ".join(f"{d['descs']}" for rk in res["ranks"] for d in rk["reads"])
-            print(f"{name}: {res['mib']:.0f} MiB, READs {descs} descs; hybridkv {fmt(res['ours'])} GB/s, "
-                  f"raw {fmt(res['raw'])} GB/s, ratio {fmt_ratio(res['ratio'])}; prefill setup "
-                  f"{max(prep):.1f} s, decode rank total {max(rk['total_s'] for rk in res['ranks']):.1f} s "
-                  f"(at {time.perf_counter() - t_start:.0f} s)", flush=True)
+            print(
+                f"{name}: {res['mib']:.0f} MiB, READs {descs} descs; hybridkv {fmt(res['ours'])} GB/s, "
+                f"raw {fmt(res['raw'])} GB/s, ratio {fmt_ratio(res['ratio'])}; prefill setup "
+                f"{max(prep):.1f} s, decode rank total {max(rk['total_s'] for rk in res['ranks']):.1f} s "
+                f"(at {time.perf_counter() - t_start:.0f} s)",
+                flush=True,
+            )
     finally:
         for c in pconns + dconns:  # also after a failed case: let every rank exit on its own
             try:
@@ -604,13 +798,17 @@ def main() -> None:
                 p.kill()
     load1 = os.getloadavg()
     if args.plant:
-        raise SystemExit("--plant: the planted fault was NOT caught by the byte checks (no results written)")
+        raise SystemExit(
+            "--plant: the planted fault was NOT caught by the byte checks (no results written)"
+        )
 
     from importlib.metadata import version
 
-    cmd = ("flock /tmp/hybridkv-engine.lock .venv/bin/python bench/pd_transfer_tp.py"
-           + (" --quick" if args.quick else "")
-           + (f" --repeats {args.repeats}" if args.repeats != 40 and not args.quick else ""))
+    cmd = (
+        "flock /tmp/hybridkv-engine.lock .venv/bin/python bench/pd_transfer_tp.py"
+        + (" --quick" if args.quick else "")
+        + (f" --repeats {args.repeats}" if args.repeats != 40 and not args.quick else "")
+    )
     doc = {
         "meta": {
             "command": cmd,
@@ -624,11 +822,22 @@ def main() -> None:
             "repeats": repeats,
             "warmup": warmup,
             "progress_delay_us": PROGRESS_DELAY_US,
-            "geometry": {"gdn": {"k_heads": GDN_K_HEADS, "v_heads": GDN_V_HEADS, "head_k": GDN_HEAD_K,
-                                 "head_v": GDN_HEAD_V, "conv_kernel": GDN_KERNEL},
-                         "total_kv_heads": TOTAL_HEADS, "head_size": HEAD_SIZE, "block_tokens": BLOCK_TOKENS,
-                         "layers_per_group": LAYERS, "window": WINDOW, "num_blocks": NUM_BLOCKS,
-                         "read_blocks": READ_BLOCKS},
+            "geometry": {
+                "gdn": {
+                    "k_heads": GDN_K_HEADS,
+                    "v_heads": GDN_V_HEADS,
+                    "head_k": GDN_HEAD_K,
+                    "head_v": GDN_HEAD_V,
+                    "conv_kernel": GDN_KERNEL,
+                },
+                "total_kv_heads": TOTAL_HEADS,
+                "head_size": HEAD_SIZE,
+                "block_tokens": BLOCK_TOKENS,
+                "layers_per_group": LAYERS,
+                "window": WINDOW,
+                "num_blocks": NUM_BLOCKS,
+                "read_blocks": READ_BLOCKS,
+            },
         },
         "rows": rows,
     }
@@ -645,14 +854,24 @@ def plot(rows: list[dict], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(8, 4.2))
     paired_bars(ax, rows, "hybridkv read_blocks (pd_tp spans)", "raw NIXL READ, same rows")
     for i, r in enumerate(rows):
-        ax.annotate(f"x{statistics.median(r['ratio']):.2f}", (i, max(max(r["ours"]), max(r["raw"]))),
-                    ha="center", va="bottom", fontsize=8)
-    labels = [f"{r['name']}\n{' + '.join(str(d['descs']) for rk in r['ranks'] for d in rk['reads'])} descs"
-              for r in rows]
+        ax.annotate(
+            f"x{statistics.median(r['ratio']):.2f}",
+            (i, max(max(r["ours"]), max(r["raw"]))),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    labels = [
+        f"{r['name']}\n{' + '.join(str(d['descs']) for rk in r['ranks'] for d in rk['reads'])} descs"
+        for r in rows
+    ]
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("GB/s, all decode ranks (bytes / first call -> last completion)")
-    ax.set_title("P/D READ at TP2 on one 2-core host (UCX loopback): hybridkv vs raw NIXL of the same rows\n"
-                 "median, whisker p25-p75, dots = repeats, label = median ratio hybridkv / raw", fontsize=9)
+    ax.set_title(
+        "P/D READ at TP2 on one 2-core host (UCX loopback): hybridkv vs raw NIXL of the same rows\n"
+        "median, whisker p25-p75, dots = repeats, label = median ratio hybridkv / raw",
+        fontsize=9,
+    )
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -712,8 +931,11 @@ def write_outputs(doc: dict, out: Path) -> None:
         "heads of each source block in its destination block, its share of the GDN conv channels (per q|k|v part) "
         "and SSM v heads of the source state, poison everywhere else, page padding included); "
         "the last timed hybridkv READ's destination blocks were compared again. "
-        + ("All passed (a wrong byte aborts the run)." if all(
-            len(rk["checks"]) == 3 for r in rows for rk in r["ranks"]) else "NOT ALL CHECKS RECORDED."),
+        + (
+            "All passed (a wrong byte aborts the run)."
+            if all(len(rk["checks"]) == 3 for r in rows for rk in r["ranks"])
+            else "NOT ALL CHECKS RECORDED."
+        ),
         f"- files: `{out.name}`, `{js.name}` (every repeat, per rank start/end), `{png.name}` (matplotlib "
         f"{m['matplotlib']}).",
         "",
@@ -725,31 +947,46 @@ def write_outputs(doc: dict, out: Path) -> None:
     ]
     for r in rows:
         plan = "; ".join(
-            f"d{rk['rank']} <- " + ", ".join(
+            f"d{rk['rank']} <- "
+            + ", ".join(
                 f"p{p}" + ("" if whole else f" [{rh}:{rh + nh}]->[{lh}:{lh + nh}]")
-                for p, lh, rh, nh, whole in rk["plan"]) + (" whole" if all(x[4] for x in rk["plan"]) else "")
-            for rk in r["ranks"])
-        descs = "; ".join(", ".join(
-            f"{d['descs']} (" + " + ".join(f"{c}x{_size(sz)}" for sz, c in d["row_sizes"]) + ")"
-            for d in rk["reads"]) for rk in r["ranks"])
-        per_rank = "; ".join(f"d{rk['rank']} {statistics.median(rk['ours']):.2f} / {statistics.median(rk['raw']):.2f}"
-                             for rk in r["ranks"])
+                for p, lh, rh, nh, whole in rk["plan"]
+            )
+            + (" whole" if all(x[4] for x in rk["plan"]) else "")
+            for rk in r["ranks"]
+        )
+        descs = "; ".join(
+            ", ".join(
+                f"{d['descs']} (" + " + ".join(f"{c}x{_size(sz)}" for sz, c in d["row_sizes"]) + ")"
+                for d in rk["reads"]
+            )
+            for rk in r["ranks"]
+        )
+        per_rank = "; ".join(
+            f"d{rk['rank']} {statistics.median(rk['ours']):.2f} / {statistics.median(rk['raw']):.2f}"
+            for rk in r["ranks"]
+        )
         build = "; ".join(
             f"{rk['build_us']:.0f} ({100 * rk['build_us'] * 1e-6 / statistics.median(t1 - t0 for t0, t1 in rk['ours_t']):.1f} %)"
-            for rk in r["ranks"])
+            for rk in r["ranks"]
+        )
         overlap = "-" if r["overlap"] is None else f"{r['overlap']:.2f}"
         lines.append(
             f"| {r['name']}{' + GDN' if r['mamba'] else ''} | {plan} | {descs} | {r['mib']:.0f} | {fmt(r['ours'])} | "
             f"{fmt(r['raw'])} | **{fmt_ratio(r['ratio'])}** ({q(r['ratio'], 0.25):.2f}-{q(r['ratio'], 0.75):.2f}) | {per_rank} | {build} | {overlap} |"
         )
-    lines += ["", "rank overlap: median over repeats of (time both decode ranks' hybridkv READs were in flight "
-              "together) / (their joint span); 1 = fully concurrent.",
-              "", "Read the paired ratio, not the two GB/s medians side by side: other work on this machine "
-              "starts and stops within a case (a repeat's two paths run back to back and see the same load, "
-              "but the load of repeat 5 and repeat 30 can differ twofold, so the two paths' medians can fall in "
-              "different phases; the per-repeat GB/s are in the .json and the dots of the .png)."]
+    lines += [
+        "",
+        "rank overlap: median over repeats of (time both decode ranks' hybridkv READs were in flight "
+        "together) / (their joint span); 1 = fully concurrent.",
+        "",
+        "Read the paired ratio, not the two GB/s medians side by side: other work on this machine "
+        "starts and stops within a case (a repeat's two paths run back to back and see the same load, "
+        "but the load of repeat 5 and repeat 30 can differ twofold, so the two paths' medians can fall in "
+        "different phases; the per-repeat GB/s are in the .json and the dots of the .png).",
+    ]
     out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-len(rows) - 4:]))
+    print("\n".join(lines[-len(rows) - 4 :]))
     print(f"wrote {out}, {js.name}, {png.name}")
 
 

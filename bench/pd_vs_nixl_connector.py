@@ -69,7 +69,9 @@ sys.path.insert(0, str(ROOT))  # tests.e2e helpers (make_llm, _prefill, _decode)
 CONNECTORS = ("hybridkv", "nixl")
 LABEL = {"hybridkv": "HybridPDConnector", "nixl": "NixlConnector"}
 VOCAB = 2048
-MODEL_CFG = dict(layers=4, hidden=256, heads=8, kv_heads=8, head_dim=128, inter=512)  # cli/tiny_models "qwen3"
+MODEL_CFG = dict(
+    layers=4, hidden=256, heads=8, kv_heads=8, head_dim=128, inter=512
+)  # cli/tiny_models "qwen3"
 KV_BYTES_PER_TOKEN = MODEL_CFG["layers"] * 2 * MODEL_CFG["kv_heads"] * MODEL_CFG["head_dim"] * 2
 NIXL_PORTS = {"prefill": 5611, "decode": 5621}
 MAX_TOKENS = 2
@@ -110,7 +112,14 @@ def _w_install(worker, kind: str):  # noqa: ANN001 - a vLLM worker
             t1 = _time.perf_counter()
             t = t0s.pop(id(h), None)
             if t is not None:
-                log.append({"s": t1 - t[0], "post_s": t[1] - t[0], "bytes": int(h.nbytes), "descs": int(h.num_descs)})
+                log.append(
+                    {
+                        "s": t1 - t[0],
+                        "post_s": t[1] - t[0],
+                        "bytes": int(h.nbytes),
+                        "descs": int(h.num_descs),
+                    }
+                )
             return r
 
         tr.read_blocks, tr.wait = read_blocks, wait
@@ -123,8 +132,14 @@ def _w_install(worker, kind: str):  # noqa: ANN001 - a vLLM worker
         def get_xfer_telemetry(handle):
             res = orig(handle)
             if res is not None:
-                log.append({"s": res.xferDuration / 1e6, "post_s": res.postDuration / 1e6,
-                            "bytes": int(res.totalBytes), "descs": int(res.descCount)})
+                log.append(
+                    {
+                        "s": res.xferDuration / 1e6,
+                        "post_s": res.postDuration / 1e6,
+                        "bytes": int(res.totalBytes),
+                        "descs": int(res.descCount),
+                    }
+                )
             else:
                 log.append({"s": None, "post_s": None, "bytes": None, "descs": None})
             return res
@@ -160,10 +175,18 @@ def _w_threads(worker):  # noqa: ANN001
 # ----------------------------------------------------------------------------- engines
 def transfer_config(kind: str, role: str) -> dict:
     if kind == "hybridkv":
-        return {"kv_connector": "HybridPDConnector", "kv_role": role, "kv_load_failure_policy": "recompute",
-                "kv_connector_module_path": "hybridkv.connector"}
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_buffer_device": "cpu"}
+        return {
+            "kv_connector": "HybridPDConnector",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_module_path": "hybridkv.connector",
+        }
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_buffer_device": "cpu",
+    }
 
 
 @contextlib.contextmanager
@@ -194,7 +217,9 @@ def pd_secret_env() -> dict[str, str]:
     if not _SECRET:
         import tempfile
 
-        _SECRET.append(str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-bench-")) / "secret")))
+        _SECRET.append(
+            str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-bench-")) / "secret"))
+        )
     return {SECRET_FILE_ENV: _SECRET[0]}
 
 
@@ -204,9 +229,17 @@ def start_pair(kind: str, model: str, max_model_len: int):
     llms = {}
     secret = pd_secret_env() if kind == "hybridkv" else {}
     for role, core, cfg_role in (("prefill", "0", "kv_producer"), ("decode", "1", "kv_consumer")):
-        with env(VLLM_CPU_OMP_THREADS_BIND=core, VLLM_NIXL_SIDE_CHANNEL_PORT=str(NIXL_PORTS[role]), **secret):
-            llms[role] = make_llm(model, transfer_config(kind, cfg_role), max_model_len=max_model_len,
-                                  disable_log_stats=False)
+        with env(
+            VLLM_CPU_OMP_THREADS_BIND=core,
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(NIXL_PORTS[role]),
+            **secret,
+        ):
+            llms[role] = make_llm(
+                model,
+                transfer_config(kind, cfg_role),
+                max_model_len=max_model_len,
+                disable_log_stats=False,
+            )
     return llms["prefill"], llms["decode"]
 
 
@@ -216,7 +249,10 @@ def stop(llm) -> None:  # noqa: ANN001
 
 
 def pair_threads(prefill, decode) -> dict:  # noqa: ANN001
-    return {"prefill": prefill.collective_rpc(_w_threads)[0], "decode": decode.collective_rpc(_w_threads)[0]}
+    return {
+        "prefill": prefill.collective_rpc(_w_threads)[0],
+        "decode": decode.collective_rpc(_w_threads)[0],
+    }
 
 
 def idle_cpu(prefill, decode, seconds: float = 3.0) -> dict:  # noqa: ANN001
@@ -238,12 +274,23 @@ def idle_cpu(prefill, decode, seconds: float = 3.0) -> dict:  # noqa: ANN001
     for role in procs:
         a, b = th0[role]["threads"], th1[role]["threads"]
         main = th1[role]["pid"]
-        busy[role] = sorted(((b[t][0] + (" (main thread)" if t == main else " (tid %d)" % t),
-                              round(100 * (b[t][1] - a[t][1]) / tick / seconds), b[t][2])
-                             for t in b if t in a and b[t][1] - a[t][1] > 0.05 * tick * seconds),
-                            key=lambda x: -x[1])
-    return {"pct": {r: round(100 * (t1[r] - t0[r]) / seconds) for r in procs}, "busy_worker_threads": busy,
-            "worker_main_affinity": {r: th1[r]["main_affinity"] for r in procs}}
+        busy[role] = sorted(
+            (
+                (
+                    b[t][0] + (" (main thread)" if t == main else " (tid %d)" % t),
+                    round(100 * (b[t][1] - a[t][1]) / tick / seconds),
+                    b[t][2],
+                )
+                for t in b
+                if t in a and b[t][1] - a[t][1] > 0.05 * tick * seconds
+            ),
+            key=lambda x: -x[1],
+        )
+    return {
+        "pct": {r: round(100 * (t1[r] - t0[r]) / seconds) for r in procs},
+        "busy_worker_threads": busy,
+        "worker_main_affinity": {r: th1[r]["main_affinity"] for r in procs},
+    }
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -251,7 +298,9 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
-def run_pair(kind: str, model: str, prompts: list[tuple[int, list[int]]], warm: list[int], max_model_len: int) -> dict:
+def run_pair(
+    kind: str, model: str, prompts: list[tuple[int, list[int]]], warm: list[int], max_model_len: int
+) -> dict:
     from tests.e2e.engine_harness import generate, matches, metric
     from tests.e2e.test_pd_connector import _decode, _prefill
 
@@ -260,15 +309,21 @@ def run_pair(kind: str, model: str, prompts: list[tuple[int, list[int]]], warm: 
     startup_s = time.perf_counter() - t0
     try:
         decode.collective_rpc(_w_install, args=(kind,))
+
         def hits(llm=decode) -> float:  # noqa: ANN001
             return metric(llm, "vllm:external_prefix_cache_hits")
+
         # warm-up (handshake) + correctness: decode output vs a recompute under a fresh salt
         params = _prefill(prefill, warm)
         h0 = hits()
         got = _decode(decode, warm, params, max_tokens=8)
         warm_pulled = hits() - h0
         ref = generate(decode, warm, max_tokens=8, cache_salt=f"recompute-{kind}-{time.time()}")
-        check = {"prompt": len(warm), "pulled": int(warm_pulled), "matches_recompute": matches(got, ref)}
+        check = {
+            "prompt": len(warm),
+            "pulled": int(warm_pulled),
+            "matches_recompute": matches(got, ref),
+        }
         decode.collective_rpc(_w_take)
         idle = idle_cpu(prefill, decode)
         rows = []
@@ -283,17 +338,27 @@ def run_pair(kind: str, model: str, prompts: list[tuple[int, list[int]]], warm: 
             pulled = int(hits() - h0)
             xfers = decode.collective_rpc(_w_take)[0]
             ok = [x for x in xfers if x["s"] is not None]
-            rows.append({
-                "prompt_id": pid, "prompt": len(p), "prefill_s": prefill_s, "decode_s": decode_s, "pulled": pulled,
-                "xfers": len(xfers), "xfer_s": sum(x["s"] for x in ok) if ok else None,
-                "post_s": sum(x["post_s"] for x in ok) if ok else None,
-                "bytes": sum(x["bytes"] for x in ok) if ok else None,
-                "descs": sum(x["descs"] for x in ok) if ok else None,
-            })
+            rows.append(
+                {
+                    "prompt_id": pid,
+                    "prompt": len(p),
+                    "prefill_s": prefill_s,
+                    "decode_s": decode_s,
+                    "pulled": pulled,
+                    "xfers": len(xfers),
+                    "xfer_s": sum(x["s"] for x in ok) if ok else None,
+                    "post_s": sum(x["post_s"] for x in ok) if ok else None,
+                    "bytes": sum(x["bytes"] for x in ok) if ok else None,
+                    "descs": sum(x["descs"] for x in ok) if ok else None,
+                }
+            )
             r = rows[-1]
-            print(f"  {kind:>8} prompt {len(p):5d}: pulled {pulled:5d} tok, {r['xfers']} READ(s) "
-                  f"{(r['bytes'] or 0) / 2**20:6.1f} MiB in {1e3 * (r['xfer_s'] or float('nan')):7.1f} ms "
-                  f"({r['descs']} descs); decode leg {1e3 * decode_s:7.1f} ms; prefill {prefill_s:5.2f} s", flush=True)
+            print(
+                f"  {kind:>8} prompt {len(p):5d}: pulled {pulled:5d} tok, {r['xfers']} READ(s) "
+                f"{(r['bytes'] or 0) / 2**20:6.1f} MiB in {1e3 * (r['xfer_s'] or float('nan')):7.1f} ms "
+                f"({r['descs']} descs); decode leg {1e3 * decode_s:7.1f} ms; prefill {prefill_s:5.2f} s",
+                flush=True,
+            )
         return {"kind": kind, "startup_s": startup_s, "check": check, "idle": idle, "rows": rows}
     finally:
         stop(decode)
@@ -314,7 +379,13 @@ def summarise(doc: dict) -> list[dict]:
         row: dict = {"prompt": length}
         per = {}
         for kind in CONNECTORS:
-            rs = [r for pair in doc["pairs"] if pair["kind"] == kind for r in pair["rows"] if r["prompt"] == length]
+            rs = [
+                r
+                for pair in doc["pairs"]
+                if pair["kind"] == kind
+                for r in pair["rows"]
+                if r["prompt"] == length
+            ]
             per[kind] = {r["prompt_id"]: r for r in rs}
             good = [r for r in rs if r["xfer_s"]]
             row[kind] = {
@@ -329,9 +400,14 @@ def summarise(doc: dict) -> list[dict]:
                 "prefill_s": [r["prefill_s"] for r in rs],
             }
         common = sorted(set(per["hybridkv"]) & set(per["nixl"]))
-        row["paired_xfer_ratio"] = [per["hybridkv"][i]["xfer_s"] / per["nixl"][i]["xfer_s"] for i in common
-                                    if per["hybridkv"][i]["xfer_s"] and per["nixl"][i]["xfer_s"]]
-        row["paired_decode_ratio"] = [per["hybridkv"][i]["decode_s"] / per["nixl"][i]["decode_s"] for i in common]
+        row["paired_xfer_ratio"] = [
+            per["hybridkv"][i]["xfer_s"] / per["nixl"][i]["xfer_s"]
+            for i in common
+            if per["hybridkv"][i]["xfer_s"] and per["nixl"][i]["xfer_s"]
+        ]
+        row["paired_decode_ratio"] = [
+            per["hybridkv"][i]["decode_s"] / per["nixl"][i]["decode_s"] for i in common
+        ]
         rows.append(row)
     return rows
 
@@ -346,21 +422,31 @@ def table(rows: list[dict]) -> list[str]:
             r = row[kind]
             if not r["n"]:
                 continue
-            x = (lambda k: med(r[k]) if r[k] else "n/a")  # noqa: E731
-            out.append(f"| {row['prompt']} | {LABEL[kind]} | {r['pulled']:.0f} | {r['mib'] or 0:.1f} | "
-                       f"{r['descs'] or 0:.0f} | {x('xfer_ms')} | {x('gbs')} | {x('mtoks')} | {x('decode_ms')} | "
-                       f"{x('prefill_s')} |")
-    out += ["", "| prompt tok | transfer time hybridkv/Nixl (paired) | decode leg hybridkv/Nixl (paired) | n pairs |",
-            "|---|---|---|---|"]
+            x = lambda k: med(r[k]) if r[k] else "n/a"  # noqa: E731
+            out.append(
+                f"| {row['prompt']} | {LABEL[kind]} | {r['pulled']:.0f} | {r['mib'] or 0:.1f} | "
+                f"{r['descs'] or 0:.0f} | {x('xfer_ms')} | {x('gbs')} | {x('mtoks')} | {x('decode_ms')} | "
+                f"{x('prefill_s')} |"
+            )
+    out += [
+        "",
+        "| prompt tok | transfer time hybridkv/Nixl (paired) | decode leg hybridkv/Nixl (paired) | n pairs |",
+        "|---|---|---|---|",
+    ]
     for row in rows:
         a, b = row["paired_xfer_ratio"], row["paired_decode_ratio"]
-        out.append(f"| {row['prompt']} | {'**' + med(a) + '**' if a else 'n/a'} | {'**' + med(b) + '**' if b else 'n/a'} "
-                   f"| {len(b)} |")
+        out.append(
+            f"| {row['prompt']} | {'**' + med(a) + '**' if a else 'n/a'} | {'**' + med(b) + '**' if b else 'n/a'} "
+            f"| {len(b)} |"
+        )
     allx = [v for row in rows for v in row["paired_xfer_ratio"]]
     alld = [v for row in rows for v in row["paired_decode_ratio"]]
     if alld:
-        out.append(f"| all | **{med(allx)}** | **{med(alld)}** | {len(alld)} |" if allx else
-                   f"| all | n/a | **{med(alld)}** | {len(alld)} |")
+        out.append(
+            f"| all | **{med(allx)}** | **{med(alld)}** | {len(alld)} |"
+            if allx
+            else f"| all | n/a | **{med(alld)}** | {len(alld)} |"
+        )
     return out
 
 
@@ -373,9 +459,11 @@ def plot(rows: list[dict], path: Path) -> str:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     width = 0.38
     colors = {"hybridkv": "tab:blue", "nixl": "tab:orange"}
-    for ax, key, title in ((axes[0], "gbs", "transfer throughput (GB/s, connector's own timing)"),
-                           (axes[1], "xfer_ms", "transfer time per request (ms)"),
-                           (axes[2], "decode_ms", "decode leg wall time (ms)")):
+    for ax, key, title in (
+        (axes[0], "gbs", "transfer throughput (GB/s, connector's own timing)"),
+        (axes[1], "xfer_ms", "transfer time per request (ms)"),
+        (axes[2], "decode_ms", "decode leg wall time (ms)"),
+    ):
         for j, kind in enumerate(CONNECTORS):
             xs, meds, lo, hi = [], [], [], []
             for i, row in enumerate(rows):
@@ -394,7 +482,10 @@ def plot(rows: list[dict], path: Path) -> str:
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("P/D on vLLM CPU, tiny Qwen3 (16 KiB KV/token): median, bars = min-max, dots = runs", fontsize=10)
+    fig.suptitle(
+        "P/D on vLLM CPU, tiny Qwen3 (16 KiB KV/token): median, bars = min-max, dots = runs",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -406,17 +497,25 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
     doc["summary"] = rows
     out_dir.mkdir(parents=True, exist_ok=True)
     doc["matplotlib"] = plot(rows, out_dir / "pd_vs_nixl_connector.png")
-    (out_dir / "pd_vs_nixl_connector.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (out_dir / "pd_vs_nixl_connector.json").write_text(
+        json.dumps(doc, indent=2, default=str) + "\n"
+    )
     tab = table(rows)
     print("\n".join(tab))
     m = doc["meta"]
-    checks = "; ".join(f"{p['kind']} round {p['round']}: {p['check']['pulled']}/{p['check']['prompt']} tok pulled, "
-                       f"matches recompute {p['check']['matches_recompute']}" for p in doc["pairs"])
+    checks = "; ".join(
+        f"{p['kind']} round {p['round']}: {p['check']['pulled']}/{p['check']['prompt']} tok pulled, "
+        f"matches recompute {p['check']['matches_recompute']}"
+        for p in doc["pairs"]
+    )
     idle = {}
     for p in doc["pairs"]:
         idle.setdefault(p["kind"], p["idle"])
-    starts = {k: statistics.median([p["startup_s"] for p in doc["pairs"] if p["kind"] == k]) for k in CONNECTORS
-              if any(p["kind"] == k for p in doc["pairs"])}
+    starts = {
+        k: statistics.median([p["startup_s"] for p in doc["pairs"] if p["kind"] == k])
+        for k in CONNECTORS
+        if any(p["kind"] == k for p in doc["pairs"])
+    }
     lines = [
         "# P/D data path: HybridPDConnector vs vLLM NixlConnector (same model, same prompts)",
         "",
@@ -431,7 +530,8 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
         f"{NIXL_PORTS['prefill']} / {NIXL_PORTS['decode']}, `kv_buffer_device=cpu`, default `backends=[UCX]`; "
         f"UCX_NET_DEVICES=lo. Only one pair alive at a time; {m['rounds']} rounds, connector order alternating "
         f"(round 1: {' then '.join(m['orders'][0])}). Median engine-pair start: "
-        + ", ".join(f"{LABEL[k]} {v:.0f} s" for k, v in starts.items()) + ".",
+        + ", ".join(f"{LABEL[k]} {v:.0f} s" for k, v in starts.items())
+        + ".",
         f"- prompts: per round one fresh random token prompt per length ({', '.join(map(str, doc['lengths']))}), "
         "identical for both connectors in a round; fresh engines, so decode pulls every full block. Decode request: "
         f"`max_tokens={MAX_TOKENS}`, greedy.",
@@ -452,14 +552,25 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
         "means hybridkv is faster.",
         f"- correctness (warm-up prompt of each pair, decode output vs a recompute under a fresh cache_salt): {checks}",
         "- idle CPU of each engine (engine core + worker process, % of one core, 3 s with no request): "
-        + "; ".join(f"{LABEL[k]} prefill {v['pct']['prefill']} %, decode {v['pct']['decode']} %" for k, v in idle.items())
+        + "; ".join(
+            f"{LABEL[k]} prefill {v['pct']['prefill']} %, decode {v['pct']['decode']} %"
+            for k, v in idle.items()
+        )
         + ". Busy worker threads while idle: "
-        + "; ".join(f"{LABEL[k]} " + ", ".join(f"{role}: " + (", ".join(f"{n} {c} % on cores {a}" for n, c, a in th) or "none")
-                                               for role, th in v["busy_worker_threads"].items())
-                    for k, v in idle.items())
+        + "; ".join(
+            f"{LABEL[k]} "
+            + ", ".join(
+                f"{role}: " + (", ".join(f"{n} {c} % on cores {a}" for n, c, a in th) or "none")
+                for role, th in v["busy_worker_threads"].items()
+            )
+            for k, v in idle.items()
+        )
         + ". Worker compute-thread affinity after start: "
-        + "; ".join(f"{LABEL[k]} prefill {v['worker_main_affinity']['prefill']}, decode {v['worker_main_affinity']['decode']}"
-                    for k, v in idle.items()) + ".",
+        + "; ".join(
+            f"{LABEL[k]} prefill {v['worker_main_affinity']['prefill']}, decode {v['worker_main_affinity']['decode']}"
+            for k, v in idle.items()
+        )
+        + ".",
         "",
         *tab,
         "",
@@ -500,11 +611,16 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--lengths", default="2049,2049,3073,3073,3000",
-                    help="prompt tokens, one fresh prompt per entry per round (k*128+1: whole blocks + 1)")
+    ap.add_argument(
+        "--lengths",
+        default="2049,2049,3073,3073,3000",
+        help="prompt tokens, one fresh prompt per entry per round (k*128+1: whole blocks + 1)",
+    )
     ap.add_argument("--connectors", default="hybridkv,nixl")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--from-json", type=Path, default=None, help="rewrite md/png from a saved JSON, no engines")
+    ap.add_argument(
+        "--from-json", type=Path, default=None, help="rewrite md/png from a saved JSON, no engines"
+    )
     args = ap.parse_args()
     if args.from_json:
         doc = json.loads(args.from_json.read_text())
@@ -525,12 +641,19 @@ def main() -> int:
     argv = " ".join(sys.argv[1:])
     doc = {
         "meta": {
-            "command": "flock /tmp/hybridkv-engine.lock .venv/bin/python bench/pd_vs_nixl_connector.py" + (f" {argv}" if argv else ""),
+            "command": "flock /tmp/hybridkv-engine.lock .venv/bin/python bench/pd_vs_nixl_connector.py"
+            + (f" {argv}" if argv else ""),
             "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
             "host": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}",
-            "vllm": vllm.__version__, "nixl": version("nixl-cu12") if _has("nixl-cu12") else version("nixl"),
-            "load0": load0, "rounds": args.rounds, "max_model_len": max_model_len, "orders": [],
-            "model": model, "model_cfg": MODEL_CFG, "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+            "vllm": vllm.__version__,
+            "nixl": version("nixl-cu12") if _has("nixl-cu12") else version("nixl"),
+            "load0": load0,
+            "rounds": args.rounds,
+            "max_model_len": max_model_len,
+            "orders": [],
+            "model": model,
+            "model_cfg": MODEL_CFG,
+            "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
         },
         "lengths": lengths,
         "pairs": [],
@@ -544,9 +667,14 @@ def main() -> int:
             print(f"round {rnd + 1}/{args.rounds}: {LABEL[kind]} pair", flush=True)
             res = run_pair(kind, model, prompts, warm, max_model_len)
             res["round"] = rnd + 1
-            print(f"  started in {res['startup_s']:.0f} s; check {res['check']}; idle {res['idle']['pct']}", flush=True)
+            print(
+                f"  started in {res['startup_s']:.0f} s; check {res['check']}; idle {res['idle']['pct']}",
+                flush=True,
+            )
             doc["pairs"].append(res)
-            (args.out_dir / "pd_vs_nixl_connector.partial.json").write_text(json.dumps(doc, default=str))
+            (args.out_dir / "pd_vs_nixl_connector.partial.json").write_text(
+                json.dumps(doc, default=str)
+            )
     doc["meta"]["load1"] = os.getloadavg()[0]
     write_outputs(doc, args.out_dir)
     with contextlib.suppress(OSError):

@@ -54,32 +54,51 @@ def measure(nice: int, op: str, stall_s: float, tag: str) -> dict:
     dst = np.zeros_like(src)
     busy: list[subprocess.Popen] = []
     with EmbeddedMaster(default_kv_lease_ttl_ms=int(stall_s * 1000 + 10_000)) as m:
-        node = subprocess.Popen([sys.executable, "-c", _NODE, m.address, str(64 << 20)], stdout=subprocess.PIPE,
-                                text=True)
+        node = subprocess.Popen(
+            [sys.executable, "-c", _NODE, m.address, str(64 << 20)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         b = None
         try:
             assert node.stdout is not None and node.stdout.readline().strip() == "ready"
-            b = MooncakeBackend(m.address, global_segment_size=0, local_buffer_size=16 << 20,
-                                timeout_s=stall_s + 10, read_wait_nice=nice)
+            b = MooncakeBackend(
+                m.address,
+                global_segment_size=0,
+                local_buffer_size=16 << 20,
+                timeout_s=stall_s + 10,
+                read_wait_nice=nice,
+            )
             b.register(src.ctypes.data, src.nbytes)
             b.register(dst.ctypes.data, dst.nbytes)
             keys = [f"bench/{tag}/{i}" for i in range(n)]
             if op == "read":
-                assert b.put_from_parts(keys, [[src.ctypes.data + i * size] for i in range(n)], [[size]] * n) == [0] * n
+                assert (
+                    b.put_from_parts(
+                        keys, [[src.ctypes.data + i * size] for i in range(n)], [[size]] * n
+                    )
+                    == [0] * n
+                )
                 keys_w = keys
             else:
                 keys_w = [k + "/w" for k in keys]
-            busy = [subprocess.Popen([sys.executable, "-c", _BUSY.format(s=stall_s + 30)])
-                    for _ in os.sched_getaffinity(0)]
+            busy = [
+                subprocess.Popen([sys.executable, "-c", _BUSY.format(s=stall_s + 30)])
+                for _ in os.sched_getaffinity(0)
+            ]
             time.sleep(0.3)
             os.kill(node.pid, signal.SIGSTOP)
             threading.Timer(stall_s, os.kill, (node.pid, signal.SIGCONT)).start()
             cpu0, t0 = sum(os.times()[:2]), time.monotonic()
             try:
                 if op == "read":
-                    codes = b.get_into_parts(keys_w, [[dst.ctypes.data + i * size] for i in range(n)], [[size]] * n)
+                    codes = b.get_into_parts(
+                        keys_w, [[dst.ctypes.data + i * size] for i in range(n)], [[size]] * n
+                    )
                 else:
-                    codes = b.put_from_parts(keys_w, [[src.ctypes.data + i * size] for i in range(n)], [[size]] * n)
+                    codes = b.put_from_parts(
+                        keys_w, [[src.ctypes.data + i * size] for i in range(n)], [[size]] * n
+                    )
             except StoreError as e:
                 codes = [e.code]
             wall, cpu = time.monotonic() - t0, sum(os.times()[:2]) - cpu0
@@ -91,11 +110,20 @@ def measure(nice: int, op: str, stall_s: float, tag: str) -> dict:
             node.wait()
             if b is not None:
                 b.close()
-    return {"nice": nice, "op": op, "wall_s": wall, "cpu_s": cpu, "ok": ok, "codes": sorted(set(codes))}
+    return {
+        "nice": nice,
+        "op": op,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "ok": ok,
+        "codes": sorted(set(codes)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--stall-s", type=float, default=3.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -111,26 +139,39 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(r)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"command": "python bench/read_poll_cpu.py " + " ".join(argv or sys.argv[1:]),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": len(os.sched_getaffinity(0)),
-           "stall_s": args.stall_s, "rows": rows}
+    doc = {
+        "command": "python bench/read_poll_cpu.py " + " ".join(argv or sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": len(os.sched_getaffinity(0)),
+        "stall_s": args.stall_s,
+        "rows": rows,
+    }
     (out / "read_poll_cpu.json").write_text(json.dumps(doc, indent=1))
-    lines = ["# CPU a store read burns while its segment owner is stalled", "",
-             f"- command: `{doc['command']}`; date: {doc['date']}; {doc['cpus']} CPUs, each kept busy by a "
-             f"competitor process at normal priority; the node holding the objects SIGSTOPped {args.stall_s:g} s "
-             "during the call; 8 objects of 16 KiB; this process's CPU (user + system) during the call", "",
-             "| call | read_wait_nice | calls | ok | wall s (median) | CPU s (median) | CPU / wall (median [min-max]) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# CPU a store read burns while its segment owner is stalled",
+        "",
+        f"- command: `{doc['command']}`; date: {doc['date']}; {doc['cpus']} CPUs, each kept busy by a "
+        f"competitor process at normal priority; the node holding the objects SIGSTOPped {args.stall_s:g} s "
+        "during the call; 8 objects of 16 KiB; this process's CPU (user + system) during the call",
+        "",
+        "| call | read_wait_nice | calls | ok | wall s (median) | CPU s (median) | CPU / wall (median [min-max]) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for op, nice in (("read", 0), ("read", 10), ("read", 19), ("write", 0)):
         rs = [r for r in rows if r["op"] == op and r["nice"] == nice]
         if not rs:
             continue
         share = [r["cpu_s"] / r["wall_s"] for r in rs]
-        lines.append(f"| {'get_into_parts' if op == 'read' else 'put_from_parts'} | {nice} | {len(rs)} | "
-                     f"{sum(r['ok'] for r in rs)} | {statistics.median(r['wall_s'] for r in rs):.2f} | "
-                     f"{statistics.median(r['cpu_s'] for r in rs):.2f} | {statistics.median(share):.3f} "
-                     f"[{min(share):.3f}-{max(share):.3f}] |")
-    lines += ["", "Calls not ok: Mooncake's TCP session dropped the transfer across the stall (codes in the json)."]
+        lines.append(
+            f"| {'get_into_parts' if op == 'read' else 'put_from_parts'} | {nice} | {len(rs)} | "
+            f"{sum(r['ok'] for r in rs)} | {statistics.median(r['wall_s'] for r in rs):.2f} | "
+            f"{statistics.median(r['cpu_s'] for r in rs):.2f} | {statistics.median(share):.3f} "
+            f"[{min(share):.3f}-{max(share):.3f}] |"
+        )
+    lines += [
+        "",
+        "Calls not ok: Mooncake's TCP session dropped the transfer across the stall (codes in the json).",
+    ]
     (out / "read_poll_cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -69,9 +69,18 @@ def breakdown(pid: int) -> dict[str, float]:
                 name = head[5] if len(head) > 5 else ""
                 if name == "[heap]":
                     kind = "brk_heap"
-                elif name.startswith("/") and not name.startswith("/dev/shm") and not name.startswith("/memfd"):
+                elif (
+                    name.startswith("/")
+                    and not name.startswith("/dev/shm")
+                    and not name.startswith("/memfd")
+                ):
                     kind = "file"
-                elif not name and a % HEAP_MAX == 0 and b - a <= HEAP_MAX and head[1].startswith("rw"):
+                elif (
+                    not name
+                    and a % HEAP_MAX == 0
+                    and b - a <= HEAP_MAX
+                    and head[1].startswith("rw")
+                ):
                     kind = "arena_heaps"
                 else:
                     kind = "other_anon"
@@ -85,8 +94,12 @@ def main() -> None:
     ap.add_argument("--run-s", type=float, default=360)
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--env", action="append", default=[])
-    ap.add_argument("--extra", action="append", default=[],
-                    help="KEY=JSON for kv_connector_extra_config, e.g. malloc_trim_interval_s=10")
+    ap.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        help="KEY=JSON for kv_connector_extra_config, e.g. malloc_trim_interval_s=10",
+    )
     ap.add_argument("--no-connector", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -101,18 +114,48 @@ def main() -> None:
 
     env = dict(kv.split("=", 1) for kv in a.env)
     work = pathlib.Path(tempfile.mkdtemp(prefix="hybridkv-rss-"))
-    model = str(write_tiny_model("gemma3", pathlib.Path.home() / ".cache" / "hybridkv" / "tiny-models"
-                                 / "gemma3-seed0", seed=0))
+    model = str(
+        write_tiny_model(
+            "gemma3",
+            pathlib.Path.home() / ".cache" / "hybridkv" / "tiny-models" / "gemma3-seed0",
+            seed=0,
+        )
+    )
     master = None if a.no_connector else EmbeddedMaster()
-    kv = None if master is None else {
-        "kv_connector": "HybridStoreConnector", "kv_connector_module_path": "hybridkv.connector",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"master_address": master.address, "global_segment_size": "512MiB",
-                                      "timeout_s": 2.0, "lookup_timeout_s": 1.0,
-                                      **{k: json.loads(v) for k, v in (e.split("=", 1) for e in a.extra)}}}
-    srv = VllmServer(model, max_model_len=2048, kv_transfer_config=kv, log_path=work / "vllm.log",
-                     extra_args=["--num-gpu-blocks-override", "64", "--seed", "0",
-                                 "--max-num-batched-tokens", "512", "--max-num-seqs", "8"], env=env)
+    kv = (
+        None
+        if master is None
+        else {
+            "kv_connector": "HybridStoreConnector",
+            "kv_connector_module_path": "hybridkv.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "master_address": master.address,
+                "global_segment_size": "512MiB",
+                "timeout_s": 2.0,
+                "lookup_timeout_s": 1.0,
+                **{k: json.loads(v) for k, v in (e.split("=", 1) for e in a.extra)},
+            },
+        }
+    )
+    srv = VllmServer(
+        model,
+        max_model_len=2048,
+        kv_transfer_config=kv,
+        log_path=work / "vllm.log",
+        extra_args=[
+            "--num-gpu-blocks-override",
+            "64",
+            "--seed",
+            "0",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-num-seqs",
+            "8",
+        ],
+        env=env,
+    )
     samples: list[dict] = []
     reqs = {"ok": 0, "fail": 0}
     lock = threading.Lock()
@@ -122,17 +165,24 @@ def main() -> None:
         root = psutil.Process(srv.proc.pid)
         kids: list = []
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # the worker (KV cache + connector worker side): VLLM::Worker
+        while (
+            time.monotonic() < deadline
+        ):  # the worker (KV cache + connector worker side): VLLM::Worker
             kids = root.children(recursive=True)  # when the executor has one, else the EngineCore
             if any("Worker" in p.name() for p in kids):
                 break
             time.sleep(1)
         print(f"children {[(p.pid, p.name()) for p in kids]}", file=sys.stderr, flush=True)
         core = next((p for p in kids if "Worker" in p.name()), None) or next(
-            (p for p in kids if "EngineCore" in p.name()), max(kids, key=lambda p: p.memory_info().rss))
+            (p for p in kids if "EngineCore" in p.name()),
+            max(kids, key=lambda p: p.memory_info().rss),
+        )
         engine = next((p for p in kids if "EngineCore" in p.name()), core)
-        print(f"worker {core.pid} {core.name()}; engine core {engine.pid}; {sorted(p.name() for p in kids)}", file=sys.stderr,
-              flush=True)
+        print(
+            f"worker {core.pid} {core.name()}; engine core {engine.pid}; {sorted(p.name() for p in kids)}",
+            file=sys.stderr,
+            flush=True,
+        )
         model_id = Client(srv.url).model_card()[0]
         t0 = time.monotonic()
 
@@ -140,13 +190,16 @@ def main() -> None:
             with lock:
                 reqs["ok" if c is not None else "fail"] += 1
 
-        def session(slot: int) -> None:  # the soak's sessions, its default settings (6 turns, cycle 3)
+        def session(
+            slot: int,
+        ) -> None:  # the soak's sessions, its default settings (6 turns, cycle 3)
             agentic_session(srv.url, model_id, slot, SoakConfig(), stop, on_turn)
 
         seen_tids: set[int] = set()
 
         def watch_tids() -> None:  # threads that live < 10 s too (created per call/job?)
             import os
+
             while not stop.wait(0.25):
                 try:
                     seen_tids.update(int(x) for x in os.listdir(f"/proc/{core.pid}/task"))
@@ -158,10 +211,16 @@ def main() -> None:
         def sample() -> None:
             tids = {t.id for t in core.threads()}
             seen_tids.update(tids)
-            row = {"t": round(time.monotonic() - t0, 1), "rss_mib": core.memory_info().rss / 2**20,
-                   "threads": len(tids), "tids_seen": len(seen_tids), "arenas": arenas(core.pid),
-                   "api_rss_mib": root.memory_info().rss / 2**20,
-                   "engine_core_rss_mib": engine.memory_info().rss / 2**20, **breakdown(core.pid)}
+            row = {
+                "t": round(time.monotonic() - t0, 1),
+                "rss_mib": core.memory_info().rss / 2**20,
+                "threads": len(tids),
+                "tids_seen": len(seen_tids),
+                "arenas": arenas(core.pid),
+                "api_rss_mib": root.memory_info().rss / 2**20,
+                "engine_core_rss_mib": engine.memory_info().rss / 2**20,
+                **breakdown(core.pid),
+            }
             with lock:
                 row["requests"] = reqs["ok"]
                 row["failed"] = reqs["fail"]
@@ -169,7 +228,9 @@ def main() -> None:
             print(json.dumps(row), file=sys.stderr, flush=True)
 
         sample()
-        workers = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(a.sessions)]
+        workers = [
+            threading.Thread(target=session, args=(i,), daemon=True) for i in range(a.sessions)
+        ]
         for w in workers:
             w.start()
         while time.monotonic() - t0 < a.run_s:
@@ -184,10 +245,19 @@ def main() -> None:
             master.stop()
     warm = next((s for s in samples if s["t"] >= 90), samples[0])
     end = samples[-1]
-    doc = {"env": env, "extra": a.extra, "connector": not a.no_connector, "run_s": a.run_s, "samples": samples,
-           "start_mib": samples[0]["rss_mib"], "warm_mib": warm["rss_mib"], "end_mib": end["rss_mib"],
-           "growth_after_warm_pct": 100 * (end["rss_mib"] / warm["rss_mib"] - 1),
-           "requests": end["requests"], "failed": end["failed"]}
+    doc = {
+        "env": env,
+        "extra": a.extra,
+        "connector": not a.no_connector,
+        "run_s": a.run_s,
+        "samples": samples,
+        "start_mib": samples[0]["rss_mib"],
+        "warm_mib": warm["rss_mib"],
+        "end_mib": end["rss_mib"],
+        "growth_after_warm_pct": 100 * (end["rss_mib"] / warm["rss_mib"] - 1),
+        "requests": end["requests"],
+        "failed": end["failed"],
+    }
     pathlib.Path(a.out).write_text(json.dumps(doc, indent=1))
     print(json.dumps({k: v for k, v in doc.items() if k != "samples"}), flush=True)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SITECUSTOMIZE = r'''
+SITECUSTOMIZE = r"""
 import json, os, sys, importlib.abc, importlib.machinery
 _LOG = os.environ.get("HYBRIDKV_RUNLOG")
 
@@ -110,7 +110,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 if _LOG:
     sys.meta_path.insert(0, _Finder())
-'''
+"""
 
 
 def collect(log: Path, command: list[str]) -> int:
@@ -141,10 +141,15 @@ def _dist(xs: list[int]) -> dict:
     c = collections.Counter(xs)
     blocks = sum(xs)
     srt = sorted(xs)
-    return {"runs": len(xs), "blocks": blocks, "mean_run": round(blocks / len(xs), 2),
-            "median_run": srt[len(srt) // 2], "max_run": srt[-1],
-            "blocks_in_runs_ge2": round(sum(x for x in xs if x > 1) / blocks, 3),
-            "hist": {str(k): c[k] for k in sorted(c)}}
+    return {
+        "runs": len(xs),
+        "blocks": blocks,
+        "mean_run": round(blocks / len(xs), 2),
+        "median_run": srt[len(srt) // 2],
+        "max_run": srt[-1],
+        "blocks_in_runs_ge2": round(sum(x for x in xs if x > 1) / blocks, 3),
+        "hist": {str(k): c[k] for k in sorted(c)},
+    }
 
 
 def summarize(paths: list[Path]) -> dict:
@@ -164,16 +169,26 @@ def summarize(paths: list[Path]) -> dict:
                         jr += joint_runs(rem, loc)
                 # groups overlay one allocation and share the block pool: block b of one group
                 # and b+1 of another can be neighbours in memory, so pairs of all groups, by local id
-                pairs = sorted((l_, r_) for rem, loc in zip(r["remote"], r["local"]) for r_, l_ in zip(rem, loc))
+                pairs = sorted(
+                    (l_, r_)
+                    for rem, loc in zip(r["remote"], r["local"])
+                    for r_, l_ in zip(rem, loc)
+                )
                 if pairs:
                     ur += joint_runs([p[1] for p in pairs], [p[0] for p in pairs])
             res["pd"] = {
-                "handovers": len(pd), "blocks": sum(len(g) for r in pd for g in r["remote"]),
-                "remote_runs": _dist(rr), "local_runs": _dist(lr), "joint_runs": _dist(jr),
+                "handovers": len(pd),
+                "blocks": sum(len(g) for r in pd for g in r["remote"]),
+                "remote_runs": _dist(rr),
+                "local_runs": _dist(lr),
+                "joint_runs": _dist(jr),
                 "joint_runs_all_groups": _dist(ur),
-                "regions": sum(r["regions"] for r in pd), "descs": sum(r["descs"] for r in pd),
+                "regions": sum(r["regions"] for r in pd),
+                "descs": sum(r["descs"] for r in pd),
                 "bytes": sum(r["bytes"] for r in pd),
-                "bytes_coalesced_fraction": round(sum(r["merged_bytes"] for r in pd) / max(1, sum(r["bytes"] for r in pd)), 3),
+                "bytes_coalesced_fraction": round(
+                    sum(r["merged_bytes"] for r in pd) / max(1, sum(r["bytes"] for r in pd)), 3
+                ),
                 "per_handover": [[r["regions"], r["descs"]] for r in pd],
             }
         for kind in ("store_save", "store_load"):
@@ -184,11 +199,17 @@ def summarize(paths: list[Path]) -> dict:
             for r in st:
                 for ids in r["groups"].values():
                     br += runs(ids)
-            res[kind] = {"batches": len(st), "blocks": sum(len(v) for r in st for v in r["groups"].values()),
-                         "runs_in_batch_order": _dist(br),
-                         "sorted_runs": _dist([x for r in st for v in r["groups"].values() for x in runs(sorted(v))]),
-                         "parts": sum(r["parts"] for r in st), "object_parts": sum(r["object_parts"] for r in st),
-                         "staged": sorted({r["staged"] for r in st})}
+            res[kind] = {
+                "batches": len(st),
+                "blocks": sum(len(v) for r in st for v in r["groups"].values()),
+                "runs_in_batch_order": _dist(br),
+                "sorted_runs": _dist(
+                    [x for r in st for v in r["groups"].values() for x in runs(sorted(v))]
+                ),
+                "parts": sum(r["parts"] for r in st),
+                "object_parts": sum(r["object_parts"] for r in st),
+                "staged": sorted({r["staged"] for r in st}),
+            }
         out[src] = res
     return out
 
@@ -212,8 +233,18 @@ def main() -> int:
     if args.json:
         args.json.write_text(text)
     for src, res in doc.items():
-        print(src, json.dumps({k: (v if k != "pd" else {kk: vv for kk, vv in v.items() if kk != "per_handover"})
-                               for k, v in res.items()}, indent=1))
+        print(
+            src,
+            json.dumps(
+                {
+                    k: (
+                        v if k != "pd" else {kk: vv for kk, vv in v.items() if kk != "per_handover"}
+                    )
+                    for k, v in res.items()
+                },
+                indent=1,
+            ),
+        )
     return 0
 
 

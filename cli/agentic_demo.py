@@ -445,7 +445,9 @@ def run_turn(
     ref_cached = ref.cached_tokens or 0
     notes = [cmp.why] if cmp.why else []
     if main.cached_tokens is None:
-        notes.append("no prompt_tokens_details: start the server with --enable-prompt-tokens-details")
+        notes.append(
+            "no prompt_tokens_details: start the server with --enable-prompt-tokens-details"
+        )
     if ref_cached:
         notes.append(f"recompute was not a miss ({ref_cached} cached tokens)")
     row = TurnResult(
@@ -556,8 +558,15 @@ class Progress:
     (``--no-progress``) never. Without tqdm there is no bar, only the lines.
     """
 
-    def __init__(self, total: int, desc: str = "turns", unit: str = "turn", enabled: bool | None = None,
-                 out=None, err=None) -> None:  # noqa: ANN001 - text streams
+    def __init__(
+        self,
+        total: int,
+        desc: str = "turns",
+        unit: str = "turn",
+        enabled: bool | None = None,
+        out=None,
+        err=None,
+    ) -> None:  # noqa: ANN001 - text streams
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         if enabled is None:
@@ -569,8 +578,14 @@ class Progress:
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.err, leave=False,
-                                 dynamic_ncols=True)
+                self._bar = tqdm(
+                    total=total,
+                    desc=desc,
+                    unit=unit,
+                    file=self.err,
+                    leave=False,
+                    dynamic_ncols=True,
+                )
 
     @property
     def shows_bar(self) -> bool:
@@ -634,8 +649,11 @@ def run_session(
     exported = server.metrics()
     missing = [m for m in (METRIC_LOCAL_HITS, METRIC_STORE_HITS) if counter(exported, m) is None]
     if missing:
-        print(f"agent-demo: server exports no {', '.join(missing)}; hit sources will read "
-              "'none' for those tiers", file=sys.stderr)
+        print(
+            f"agent-demo: server exports no {', '.join(missing)}; hit sources will read "
+            "'none' for those tiers",
+            file=sys.stderr,
+        )
     # Warm up (first request pays one-off costs), salted so it can seed no cache hit.
     client.complete(model, trajectory.chunk(0)[:200], 1, cache_salt=f"warmup-{uuid.uuid4().hex}")
     rows: list[TurnResult] = []
@@ -681,17 +699,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'default' (HybridStoreConnector), 'none' (no connector), a JSON object or @FILE",
     )
     src.add_argument(
-        "--pd", action="store_true",
+        "--pd",
+        action="store_true",
         help="prefill/decode disaggregation: launch a prefill and a decode instance with "
         "HybridPDConnector and talk to them through `hybridkv proxy` (hits then come from "
         "the prefill instance; the recompute runs on the decode instance)",
     )
-    src.add_argument("--pd-lease-s", type=float, default=60.0,
-                     help="with --pd: seconds the prefill instance keeps a request's blocks for decode")
+    src.add_argument(
+        "--pd-lease-s",
+        type=float,
+        default=60.0,
+        help="with --pd: seconds the prefill instance keeps a request's blocks for decode",
+    )
     src.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     src.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
-    src.add_argument("--cache-dir", type=pathlib.Path, default=None,
-                     help="tiny models and server logs (default ~/.cache/hybridkv)")
+    src.add_argument(
+        "--cache-dir",
+        type=pathlib.Path,
+        default=None,
+        help="tiny models and server logs (default ~/.cache/hybridkv)",
+    )
     src.add_argument("--server-log", type=pathlib.Path, default=None)
     src.add_argument("--server-args", default="", help="extra server arguments (one string)")
     src.add_argument("--startup-timeout", type=float, default=300.0)
@@ -701,8 +728,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=0, help="trajectory seed")
     run.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     run.add_argument("--first-prompt-tokens", type=int, default=DEFAULT_FIRST_PROMPT_TOKENS)
-    run.add_argument("--turn-growth-tokens", type=int, default=DEFAULT_TURN_GROWTH_TOKENS,
-                     help="tokens of tool result / user text appended each turn (plus the answer)")
+    run.add_argument(
+        "--turn-growth-tokens",
+        type=int,
+        default=DEFAULT_TURN_GROWTH_TOKENS,
+        help="tokens of tool result / user text appended each turn (plus the answer)",
+    )
     run.add_argument(
         "--reset-local-cache",
         action=argparse.BooleanOptionalAction,
@@ -711,9 +742,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "connector (default: on for a launched server, off with --url)",
     )
     run.add_argument("--logprob-tolerance", type=float, default=DEFAULT_LOGPROB_TOL)
-    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                     help="a turn progress bar on stderr, kept below the table (default: only when "
-                     "stderr is a terminal; --no-progress for logs)")
+    run.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a turn progress bar on stderr, kept below the table (default: only when "
+        "stderr is a terminal; --no-progress for logs)",
+    )
     run.add_argument("--json-out", type=pathlib.Path, help="write config, rows and summary here")
 
 
@@ -735,11 +770,16 @@ def run_from_args(args: argparse.Namespace) -> int:
             turns=args.turns, max_tokens=args.max_tokens, reset_local_cache=reset,
             tol=args.logprob_tolerance, progress=args.progress,
         )  # fmt: skip
-        info: dict = {"reset_local_cache": reset, **asdict(trajectory),
-                      **{k: v for k, v in session.items() if k != "progress"}}
+        info: dict = {
+            "reset_local_cache": reset,
+            **asdict(trajectory),
+            **{k: v for k, v in session.items() if k != "progress"},
+        }
         if args.pd and (args.url or args.kv_transfer_config != "default"):
-            raise DemoError("--pd launches its own two instances with HybridPDConnector: "
-                            "drop --url / --kv-transfer-config")
+            raise DemoError(
+                "--pd launches its own two instances with HybridPDConnector: "
+                "drop --url / --kv-transfer-config"
+            )
         if args.url:
             info.update(url=args.url, kv_transfer_config="(external server)")
             rows = run_session(Client(args.url), trajectory, **session)
@@ -766,17 +806,36 @@ def run_from_args(args: argparse.Namespace) -> int:
 
                 prefill_cfg = pd_transfer_config("kv_producer")
                 prefill_cfg["kv_connector_extra_config"] = {"lease_s": args.pd_lease_s}
-                stack = PDStack(model, max_model_len=args.max_model_len, extra_args=extra,
-                                log_dir=cache / "logs" / f"pd-{os.getpid()}", startup_timeout_s=args.startup_timeout,
-                                prefill_config=prefill_cfg)
-                info.update(model=model, mode="pd", prefill_command=stack.prefill.command(),
-                            decode_command=stack.decode.command(), proxy_command=stack.proxy_command())
-                print(f"starting prefill + decode instances and hybridkv proxy (logs: {stack.proxy_log.parent}) ...",
-                      file=sys.stderr)
+                stack = PDStack(
+                    model,
+                    max_model_len=args.max_model_len,
+                    extra_args=extra,
+                    log_dir=cache / "logs" / f"pd-{os.getpid()}",
+                    startup_timeout_s=args.startup_timeout,
+                    prefill_config=prefill_cfg,
+                )
+                info.update(
+                    model=model,
+                    mode="pd",
+                    prefill_command=stack.prefill.command(),
+                    decode_command=stack.decode.command(),
+                    proxy_command=stack.proxy_command(),
+                )
+                print(
+                    f"starting prefill + decode instances and hybridkv proxy (logs: {stack.proxy_log.parent}) ...",
+                    file=sys.stderr,
+                )
                 with stack:
-                    print(f"P/D ready: proxy {stack.url}, decode {stack.decode.url}", file=sys.stderr)
-                    rows = run_session(Client(stack.url), trajectory, **session,
-                                       reference=Client(stack.decode.url), remote="prefill")
+                    print(
+                        f"P/D ready: proxy {stack.url}, decode {stack.decode.url}", file=sys.stderr
+                    )
+                    rows = run_session(
+                        Client(stack.url),
+                        trajectory,
+                        **session,
+                        reference=Client(stack.decode.url),
+                        remote="prefill",
+                    )
                     info["url"] = stack.url
                 return _finish(args, info, rows)
             server = VllmServer(
@@ -784,8 +843,12 @@ def run_from_args(args: argparse.Namespace) -> int:
                 kv_transfer_config=kv, extra_args=extra,
                 log_path=log, startup_timeout_s=args.startup_timeout,
             )  # fmt: skip
-            info.update(model=model, kv_transfer_config=kv, server_command=server.command(),
-                        server_log=str(log))
+            info.update(
+                model=model,
+                kv_transfer_config=kv,
+                server_command=server.command(),
+                server_log=str(log),
+            )
             print(f"starting vLLM server on {server.url} (log: {log}) ...", file=sys.stderr)
             with server:
                 print(f"server ready; model {model}", file=sys.stderr)
@@ -802,8 +865,12 @@ def _finish(args: argparse.Namespace, info: dict, rows: list[TurnResult]) -> int
     summary = summarize(rows)
     print(format_summary(summary))
     if args.json_out:
-        info["metrics"] = [METRIC_LOCAL_QUERIES, METRIC_LOCAL_HITS, METRIC_STORE_QUERIES,
-                           METRIC_STORE_HITS]
+        info["metrics"] = [
+            METRIC_LOCAL_QUERIES,
+            METRIC_LOCAL_HITS,
+            METRIC_STORE_QUERIES,
+            METRIC_STORE_HITS,
+        ]
         doc = {"config": info, "turns": [asdict(r) for r in rows], "summary": summary}
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(_strict_json(doc), indent=2, default=str) + "\n")

@@ -40,14 +40,20 @@ from typing import Any
 ENV = "HYBRIDKV_ENGINE_START"  # "fork": start engine processes by fork (see the docstring)
 _IN_FORK_SERVER = "HYBRIDKV_ENGINE_START_FORK_SERVER"  # set only while the fork server starts
 # What the engine core and its workers import; the fork server imports it once.
-ENGINE_MODULES = ("vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker")
+ENGINE_MODULES = (
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.worker.cpu_worker",
+)
 
 
 def fork_requested() -> bool:
     """Whether ``HYBRIDKV_ENGINE_START`` asks for fork (anything else but unset/"spawn" is refused)."""
     value = os.environ.get(ENV, "spawn")
     if value not in ("spawn", "fork"):
-        raise ValueError(f"{ENV}={value!r}: use 'fork' (engine processes start by fork) or 'spawn' (vLLM's own)")
+        raise ValueError(
+            f"{ENV}={value!r}: use 'fork' (engine processes start by fork) or 'spawn' (vLLM's own)"
+        )
     return value == "fork"
 
 
@@ -88,8 +94,15 @@ class _CallersStdio:
                 os.dup2(fd, target_fd)
 
 
-def _run_with_callers_state(env: dict[str, str], cpus: set[int], cwd: str, stdio: _CallersStdio,
-                            target: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _run_with_callers_state(
+    env: dict[str, str],
+    cpus: set[int],
+    cwd: str,
+    stdio: _CallersStdio,
+    target: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+) -> Any:
     """In a fork server's child: the environment, affinity, directory and stdout/stderr the
     caller had."""
     stdio.apply()
@@ -106,11 +119,28 @@ class _ForkServerWithCallersState:
     def __init__(self) -> None:
         self._ctx = multiprocessing.get_context("forkserver")
 
-    def Process(self, group: None = None, target: Callable[..., Any] | None = None, name: str | None = None,  # noqa: N802
-                args: tuple = (), kwargs: dict | None = None, *, daemon: bool | None = None) -> Any:
-        state = (dict(os.environ), os.sched_getaffinity(0), os.getcwd(), _CallersStdio(), target, tuple(args),
-                 dict(kwargs or {}))
-        return self._ctx.Process(group=group, target=_run_with_callers_state, name=name, args=state, daemon=daemon)
+    def Process(
+        self,
+        group: None = None,
+        target: Callable[..., Any] | None = None,
+        name: str | None = None,  # noqa: N802
+        args: tuple = (),
+        kwargs: dict | None = None,
+        *,
+        daemon: bool | None = None,
+    ) -> Any:
+        state = (
+            dict(os.environ),
+            os.sched_getaffinity(0),
+            os.getcwd(),
+            _CallersStdio(),
+            target,
+            tuple(args),
+            dict(kwargs or {}),
+        )
+        return self._ctx.Process(
+            group=group, target=_run_with_callers_state, name=name, args=state, daemon=daemon
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ctx, name)
@@ -123,8 +153,10 @@ def _replace_spawn(spawn_as: Callable[[], Any]) -> None:
 
     get_mp_context = system_utils.get_mp_context
     if "multiprocessing" not in get_mp_context.__code__.co_names:
-        raise RuntimeError(f"{ENV}=fork: this vLLM's get_mp_context does not call multiprocessing.get_context; "
-                           f"unset {ENV} (vLLM's own spawn) or update hybridkv.cli.engine_start")
+        raise RuntimeError(
+            f"{ENV}=fork: this vLLM's get_mp_context does not call multiprocessing.get_context; "
+            f"unset {ENV} (vLLM's own spawn) or update hybridkv.cli.engine_start"
+        )
     system_utils.multiprocessing = _StartMethods(spawn_as)
 
 
@@ -163,8 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     engine processes started by fork."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        raise SystemExit("usage: python -m hybridkv.cli.engine_start MODULE [ARGS...] "
-                         "(e.g. vllm.entrypoints.openai.api_server --model ...)")
+        raise SystemExit(
+            "usage: python -m hybridkv.cli.engine_start MODULE [ARGS...] "
+            "(e.g. vllm.entrypoints.openai.api_server --model ...)"
+        )
     install_fork()
     sys.argv = argv
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)

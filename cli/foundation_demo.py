@@ -83,31 +83,43 @@ def run_demo(turns: int = 4, seed: int = 0) -> int:
     specs = [
         FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16),
         FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16),
-        MambaSpec(block_size=32, shapes=((64,),), dtypes=(torch.float32,), mamba_cache_mode="align"),
+        MambaSpec(
+            block_size=32, shapes=((64,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+        ),
     ]
     config = KVCacheConfig(
         num_blocks=600,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)],
     )
-    manager = KVCacheManager(config, max_model_len=16384, scheduler_block_size=32, hash_block_size=16)
+    manager = KVCacheManager(
+        config, max_model_len=16384, scheduler_block_size=32, hash_block_size=16
+    )
     geometry = GroupGeometry.from_kv_cache_manager(manager)
     mirror = StoreMirror(geometry)
     schema = KeySchema.create("demo-hybrid", "bfloat16", geometry.describe())
     hasher = get_request_block_hasher(16, sha256)
-    _rows("KV cache groups (read off vLLM's coordinator)", list(geometry.describe()[0]), [list(r.values()) for r in geometry.describe()])
+    _rows(
+        "KV cache groups (read off vLLM's coordinator)",
+        list(geometry.describe()[0]),
+        [list(r.values()) for r in geometry.describe()],
+    )
 
     rng = random.Random(seed)
     payload = np.zeros(4096, dtype=np.uint8)
     master = EmbeddedMaster()
-    store = MooncakeBackend(master.address, global_segment_size=64 << 20, local_buffer_size=16 << 20)
+    store = MooncakeBackend(
+        master.address, global_segment_size=64 << 20, local_buffer_size=16 << 20
+    )
     rows, ok = [], True
     try:
         store.register(payload.ctypes.data, payload.nbytes)
         tokens: list[int] = []
         for turn in range(1, turns + 1):
             tokens = tokens + [rng.randrange(2000) for _ in range(rng.randint(150, 400))]
-            req = Request(f"t{turn}", list(tokens), SamplingParams(max_tokens=1), None, block_hasher=hasher)
+            req = Request(
+                f"t{turn}", list(tokens), SamplingParams(max_tokens=1), None, block_hasher=hasher
+            )
             t0 = time.perf_counter()
             queries = []
 
@@ -127,25 +139,52 @@ def run_demo(turns: int = 4, seed: int = 0) -> int:
             codes = store.put_from(keys, [payload.ctypes.data] * len(keys), [256] * len(keys))
             manager.free(req)
             # The store must give the same hit as a manager holding the same blocks.
-            replay = Request(f"r{turn}", list(tokens), SamplingParams(max_tokens=1), None, block_hasher=hasher)
+            replay = Request(
+                f"r{turn}", list(tokens), SamplingParams(max_tokens=1), None, block_hasher=hasher
+            )
             store_hit = mirror.longest_hit(
-                replay.block_hashes, replay.num_tokens - 1,
+                replay.block_hashes,
+                replay.num_tokens - 1,
                 lambda ks: store.exists([schema.key(g, h) for g, h in ks]),
             ).tokens
             manager_hit = manager.get_computed_blocks(replay)[1]
             ok &= store_hit == manager_hit and all(c == 0 for c in codes)
-            rows.append([turn, len(tokens), hit.tokens, f"{lookup_ms:.1f}", queries[0], len(keys), store_hit, manager_hit, store_hit == manager_hit])
+            rows.append(
+                [
+                    turn,
+                    len(tokens),
+                    hit.tokens,
+                    f"{lookup_ms:.1f}",
+                    queries[0],
+                    len(keys),
+                    store_hit,
+                    manager_hit,
+                    store_hit == manager_hit,
+                ]
+            )
     finally:
         store.close()
         master.stop()
     _rows(
         "Multi-turn session through a real mooncake_master (store hit = vLLM coordinator over store keys)",
-        ["turn", "prompt", "store_hit_before", "lookup_ms", "keys_probed", "keys_in_store", "replay_store_hit", "replay_manager_hit", "equal"],
+        [
+            "turn",
+            "prompt",
+            "store_hit_before",
+            "lookup_ms",
+            "keys_probed",
+            "keys_in_store",
+            "replay_store_hit",
+            "replay_manager_hit",
+            "equal",
+        ],
         rows,
     )
 
     # Dense reference: evict the 32-token dense group deeper than the 16-token one.
-    manager = KVCacheManager(config, max_model_len=16384, scheduler_block_size=32, hash_block_size=16)
+    manager = KVCacheManager(
+        config, max_model_len=16384, scheduler_block_size=32, hash_block_size=16
+    )
     geometry = GroupGeometry.from_kv_cache_manager(manager)
     prompt = [rng.randrange(2000) for _ in range(257)]
     req = Request("p", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
@@ -158,12 +197,31 @@ def run_demo(turns: int = 4, seed: int = 0) -> int:
     hb, hlen, _, hdiv = reconciled_computed_blocks_for_connector(manager, geometry, q)
     _rows(
         "Dense reference after evicting the 32-token dense group past token 64",
-        ["who", "reported_tokens", "fa16_covers", "fa32_covers", "diverged", "every_dense_list_covers"],
         [
-            ["vLLM 0.32", vlen, len(vb.blocks[0]) * 16, len(vb.blocks[1]) * 32, vdiv,
-             len(vb.blocks[0]) * 16 >= vlen and len(vb.blocks[1]) * 32 >= vlen],
-            ["hybridkv", hlen, len(hb.blocks[0]) * 16, len(hb.blocks[1]) * 32, hdiv,
-             len(hb.blocks[1]) * 32 >= hlen and len(hb.blocks[0]) == cdiv(hlen, 16)],
+            "who",
+            "reported_tokens",
+            "fa16_covers",
+            "fa32_covers",
+            "diverged",
+            "every_dense_list_covers",
+        ],
+        [
+            [
+                "vLLM 0.32",
+                vlen,
+                len(vb.blocks[0]) * 16,
+                len(vb.blocks[1]) * 32,
+                vdiv,
+                len(vb.blocks[0]) * 16 >= vlen and len(vb.blocks[1]) * 32 >= vlen,
+            ],
+            [
+                "hybridkv",
+                hlen,
+                len(hb.blocks[0]) * 16,
+                len(hb.blocks[1]) * 32,
+                hdiv,
+                len(hb.blocks[1]) * 32 >= hlen and len(hb.blocks[0]) == cdiv(hlen, 16),
+            ],
         ],
     )
     ok &= len(hb.blocks[1]) * 32 >= hlen

@@ -11,7 +11,9 @@ from hybridkv.cli import agentic_demo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    mirror = sub.add_parser("mirror-demo", help="store mirror + dense reference on a real mooncake_master")
+    mirror = sub.add_parser(
+        "mirror-demo", help="store mirror + dense reference on a real mooncake_master"
+    )
     mirror.add_argument("--turns", type=int, default=4)
     mirror.add_argument("--seed", type=int, default=0)
     tiny = sub.add_parser("tiny-model", help="write a tiny hybrid model (seeded random weights)")
@@ -26,17 +28,25 @@ def main(argv: list[str] | None = None) -> int:
     agentic_demo.add_arguments(agent)
     from hybridkv.cli import proxy
 
-    proxy.add_arguments(sub.add_parser("proxy", help="OpenAI-compatible P/D front door (prefill -> decode)"))
+    proxy.add_arguments(
+        sub.add_parser("proxy", help="OpenAI-compatible P/D front door (prefill -> decode)")
+    )
     from hybridkv.cli import doctor
 
-    doctor.add_arguments(sub.add_parser(
-        "doctor", help="check a --kv-transfer-config, the installed stack and a model before starting vLLM",
-        description=doctor.__doc__.split("\n\n")[0],
-    ))
+    doctor.add_arguments(
+        sub.add_parser(
+            "doctor",
+            help="check a --kv-transfer-config, the installed stack and a model before starting vLLM",
+            description=doctor.__doc__.split("\n\n")[0],
+        )
+    )
     from hybridkv.cli import grafana
 
-    grafana.add_arguments(sub.add_parser(
-        "grafana", help="print a Grafana dashboard (JSON) of hybridkv's metrics next to vLLM's"))
+    grafana.add_arguments(
+        sub.add_parser(
+            "grafana", help="print a Grafana dashboard (JSON) of hybridkv's metrics next to vLLM's"
+        )
+    )
     args = parser.parse_args(argv)
     if args.cmd == "grafana":
         return grafana.run_from_args(args)

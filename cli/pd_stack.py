@@ -16,8 +16,15 @@ import sys
 from collections.abc import Sequence
 from types import TracebackType
 
-from hybridkv.cli.server import (HOST, PORT_ATTEMPTS, ServerStartError, VllmServer, exited_on_taken_port, free_port,
-                                 wait_healthy)
+from hybridkv.cli.server import (
+    HOST,
+    PORT_ATTEMPTS,
+    ServerStartError,
+    VllmServer,
+    exited_on_taken_port,
+    free_port,
+    wait_healthy,
+)
 from hybridkv.connector.pd_auth import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
 from hybridkv.store.cpu_affinity import format_cpu_list, usable_cpus
 
@@ -26,7 +33,11 @@ PD_MODULE = "hybridkv.connector"
 
 def pd_transfer_config(role: str, module_path: bool = True) -> dict:
     """HybridPDConnector for ``kv_producer`` (prefill) or ``kv_consumer`` (decode)."""
-    cfg = {"kv_connector": "HybridPDConnector", "kv_role": role, "kv_load_failure_policy": "recompute"}
+    cfg = {
+        "kv_connector": "HybridPDConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+    }
     if module_path:
         cfg["kv_connector_module_path"] = PD_MODULE
     return cfg
@@ -35,7 +46,10 @@ def pd_transfer_config(role: str, module_path: bool = True) -> dict:
 def with_extra_config(cfg: dict, **extra: object) -> dict:
     """A copy of the kv-transfer config ``cfg`` with ``extra`` added to its
     ``kv_connector_extra_config`` (the caller's dicts are not changed)."""
-    return {**cfg, "kv_connector_extra_config": {**cfg.get("kv_connector_extra_config", {}), **extra}}
+    return {
+        **cfg,
+        "kv_connector_extra_config": {**cfg.get("kv_connector_extra_config", {}), **extra},
+    }
 
 
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -58,7 +72,9 @@ def split_cpus(cpus: set[int] | None = None) -> tuple[str, str] | None:
     return format_cpu_list(ordered[:half]), format_cpu_list(ordered[half:])
 
 
-def rank_cpus(prefill_tp: int, decode_tp: int, cpus: set[int] | None = None) -> tuple[str, str] | None:
+def rank_cpus(
+    prefill_tp: int, decode_tp: int, cpus: set[int] | None = None
+) -> tuple[str, str] | None:
     """``VLLM_CPU_OMP_THREADS_BIND`` values for a prefill and a decode instance at any TP size:
     one ``|``-separated core list per rank (vLLM's CPU worker binds rank r to the r-th).
 
@@ -80,8 +96,10 @@ def rank_cpus(prefill_tp: int, decode_tp: int, cpus: set[int] | None = None) -> 
     slots = prefill_tp + decode_tp
     if len(ordered) >= slots:
         size = len(ordered) // slots
-        runs = [ordered[i * size:(i + 1) * size] for i in range(slots)]
-        return "|".join(map(format_cpu_list, runs[:prefill_tp])), "|".join(map(format_cpu_list, runs[prefill_tp:]))
+        runs = [ordered[i * size : (i + 1) * size] for i in range(slots)]
+        return "|".join(map(format_cpu_list, runs[:prefill_tp])), "|".join(
+            map(format_cpu_list, runs[prefill_tp:])
+        )
     if len(ordered) < 2:
         return None
     return NOBIND, NOBIND
@@ -102,8 +120,9 @@ def keep_alive_env() -> dict[str, str]:
     return {} if KEEP_ALIVE_ENV in os.environ else {KEEP_ALIVE_ENV: str(INSTANCE_KEEP_ALIVE_S)}
 
 
-def disjoint_core_envs(prefill_tp: int = 1, decode_tp: int = 1,
-                       cpus: set[int] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+def disjoint_core_envs(
+    prefill_tp: int = 1, decode_tp: int = 1, cpus: set[int] | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
     """Extra environment for the prefill and the decode server: each rank its own cores
     (:func:`rank_cpus`), unless the user chose a binding (``VLLM_CPU_OMP_THREADS_BIND``
     set) or there are too few cores.
@@ -169,12 +188,20 @@ class PDStack:
         self._model, self._log_dir, self._extra_args = model, log_dir, tuple(extra_args)
         self._common = dict(max_model_len=max_model_len, startup_timeout_s=startup_timeout_s)
         self.prefill_tp = prefill_tp
-        self.prefill = VllmServer(model, kv_transfer_config=prefill_config or pd_transfer_config("kv_producer"),
-                                  log_path=log_dir / "prefill.log", extra_args=self._args(prefill_tp, prefill_args),
-                                  **self._common)
-        self.decode = self._decode_server(decode_tp, decode_config, decode_args, allow_mamba_cross_tp)
+        self.prefill = VllmServer(
+            model,
+            kv_transfer_config=prefill_config or pd_transfer_config("kv_producer"),
+            log_path=log_dir / "prefill.log",
+            extra_args=self._args(prefill_tp, prefill_args),
+            **self._common,
+        )
+        self.decode = self._decode_server(
+            decode_tp, decode_config, decode_args, allow_mamba_cross_tp
+        )
         decode_config = self.decode.kv_transfer_config
-        for name, value in (disjoint_core_envs(prefill_tp, decode_tp)[0] | keep_alive_env()).items():
+        for name, value in (
+            disjoint_core_envs(prefill_tp, decode_tp)[0] | keep_alive_env()
+        ).items():
             self.prefill.extra_env.setdefault(name, value)
         # One deployment secret for the pair (signs kv_transfer_params and the side channel),
         # fresh per stack, unless the caller configured one.
@@ -184,7 +211,11 @@ class PDStack:
             or (cfg or {}).get("kv_connector_extra_config", {}).get("allow_unauthenticated")
             for cfg in (prefill_config, decode_config)
         )
-        if not configured and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
+        if (
+            not configured
+            and not os.environ.get(SECRET_ENV)
+            and not os.environ.get(SECRET_FILE_ENV)
+        ):
             self.secret_file = write_secret_file(log_dir / "pd-secret")
             for server in (self.prefill, self.decode):
                 server.extra_env.setdefault(SECRET_FILE_ENV, str(self.secret_file))
@@ -196,22 +227,41 @@ class PDStack:
     def _args(self, tp: int, own: Sequence[str]) -> list[str]:
         return [*self._extra_args, *(["--tensor-parallel-size", str(tp)] if tp != 1 else []), *own]
 
-    def _decode_server(self, decode_tp: int, decode_config: dict | None, decode_args: Sequence[str],
-                       allow_mamba_cross_tp: bool, port: int | None = None) -> VllmServer:
+    def _decode_server(
+        self,
+        decode_tp: int,
+        decode_config: dict | None,
+        decode_args: Sequence[str],
+        allow_mamba_cross_tp: bool,
+        port: int | None = None,
+    ) -> VllmServer:
         """The decode server for this stack's prefill: its TP size, config (with the switch
         merged in) and its cores for the pair (:func:`disjoint_core_envs`)."""
         decode_config = decode_config or pd_transfer_config("kv_consumer")
         if allow_mamba_cross_tp:
             decode_config = with_extra_config(decode_config, allow_mamba_cross_tp=True)
-        server = VllmServer(self._model, port=port, kv_transfer_config=decode_config,
-                            log_path=self._log_dir / "decode.log", extra_args=self._args(decode_tp, decode_args),
-                            **self._common)
-        for name, value in (disjoint_core_envs(self.prefill_tp, decode_tp)[1] | keep_alive_env()).items():
+        server = VllmServer(
+            self._model,
+            port=port,
+            kv_transfer_config=decode_config,
+            log_path=self._log_dir / "decode.log",
+            extra_args=self._args(decode_tp, decode_args),
+            **self._common,
+        )
+        for name, value in (
+            disjoint_core_envs(self.prefill_tp, decode_tp)[1] | keep_alive_env()
+        ).items():
             server.extra_env.setdefault(name, value)
         return server
 
-    def replace_decode(self, decode_tp: int = 1, *, decode_config: dict | None = None,
-                       decode_args: Sequence[str] = (), allow_mamba_cross_tp: bool = False) -> pathlib.Path | None:
+    def replace_decode(
+        self,
+        decode_tp: int = 1,
+        *,
+        decode_config: dict | None = None,
+        decode_args: Sequence[str] = (),
+        allow_mamba_cross_tp: bool = False,
+    ) -> pathlib.Path | None:
         """Stop the decode server and start another one on its port (the proxy's ``--decode``
         URL), e.g. at another ``--tensor-parallel-size``, with the stack's secret; wait until it
         is healthy. The prefill and the proxy keep running (what a rolling change of the decode
@@ -221,7 +271,9 @@ class PDStack:
         port, old_env = self.decode.port, self.decode.extra_env
         self.decode.stop()
         old = _keep_log(self.decode.log_path)
-        self.decode = self._decode_server(decode_tp, decode_config, decode_args, allow_mamba_cross_tp, port=port)
+        self.decode = self._decode_server(
+            decode_tp, decode_config, decode_args, allow_mamba_cross_tp, port=port
+        )
         if SECRET_FILE_ENV in old_env:
             self.decode.extra_env.setdefault(SECRET_FILE_ENV, old_env[SECRET_FILE_ENV])
         self.decode.start()
@@ -233,8 +285,18 @@ class PDStack:
         return f"http://{HOST}:{self.proxy_port}"
 
     def proxy_command(self) -> list[str]:
-        return [sys.executable, "-m", "hybridkv.cli.main", "proxy", "--prefill", self.prefill.url,
-                "--decode", self.decode.url, "--port", str(self.proxy_port)]
+        return [
+            sys.executable,
+            "-m",
+            "hybridkv.cli.main",
+            "proxy",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+            "--port",
+            str(self.proxy_port),
+        ]
 
     def start(self) -> None:
         # Both engines boot at once (each spends most of its start in imports and loading).
@@ -247,17 +309,27 @@ class PDStack:
         # (both engines boot first): one taken meanwhile is chosen again (PORT_ATTEMPTS).
         for attempt in range(1, PORT_ATTEMPTS + 1):
             with open(self.proxy_log, "wb") as log:
-                self._proxy = subprocess.Popen(self.proxy_command(), stdin=subprocess.DEVNULL, stdout=log,
-                                               stderr=subprocess.STDOUT, start_new_session=True)
+                self._proxy = subprocess.Popen(
+                    self.proxy_command(),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             problem = wait_healthy(self.url, self._proxy, 60)
             if not problem:
                 return
             if attempt == PORT_ATTEMPTS or not exited_on_taken_port(self._proxy, self.proxy_log):
-                raise ServerStartError(f"hybridkv proxy {problem}; log: {self.proxy_log}\n"
-                                       + self.proxy_log.read_text()[-3000:])
+                raise ServerStartError(
+                    f"hybridkv proxy {problem}; log: {self.proxy_log}\n"
+                    + self.proxy_log.read_text()[-3000:]
+                )
             taken, self.proxy_port = self.proxy_port, free_port()
-            print(f"hybridkv: proxy port {taken} was taken before it bound; starting it again on "
-                  f"{self.proxy_port} (attempt {attempt + 1} of {PORT_ATTEMPTS})", file=sys.stderr)
+            print(
+                f"hybridkv: proxy port {taken} was taken before it bound; starting it again on "
+                f"{self.proxy_port} (attempt {attempt + 1} of {PORT_ATTEMPTS})",
+                file=sys.stderr,
+            )
 
     def kill_prefill(self) -> None:
         """SIGKILL the prefill server's whole process group (API server, engine core, workers:
@@ -302,6 +374,9 @@ class PDStack:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()

@@ -57,7 +57,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hybridkv.cli.proxy_batch import MalformedAnswer, batch_prompts, merge_answers, samples, split_request
+from hybridkv.cli.proxy_batch import (
+    MalformedAnswer,
+    batch_prompts,
+    merge_answers,
+    samples,
+    split_request,
+)
 from hybridkv.store.logs import get_logger
 
 logger = get_logger(__name__, "proxy")
@@ -72,7 +78,15 @@ PREFILL_PARAMS = {
 }
 # What the prefill leg does not need: output logprobs and echo are the decode leg's work (the
 # requests that need the PROMPT's logprobs never take a prefill leg: decode_only_reason).
-PREFILL_DROPS = ("best_of", "stream_options", "min_tokens", "echo", "logprobs", "top_logprobs", "prompt_logprobs")
+PREFILL_DROPS = (
+    "best_of",
+    "stream_options",
+    "min_tokens",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+)
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,11 @@ class ProxyLimits:
     """Seconds a leg waits for a free connection under max_connections."""
 
     def __post_init__(self) -> None:
-        bad = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if not getattr(self, f.name) > 0]
+        bad = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if not getattr(self, f.name) > 0
+        ]
         if bad:
             raise ValueError(f"proxy limits must be > 0: {', '.join(bad)}")
 
@@ -139,8 +157,10 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
 def decode_request(body: dict[str, Any], prefill_response: Any) -> dict[str, Any]:
     """The decode leg: the user's request plus the prefill side's transfer parameters."""
     if not isinstance(prefill_response, dict):
-        raise ValueError(f"answered a JSON {type(prefill_response).__name__} where an object with "
-                         "kv_transfer_params was expected")
+        raise ValueError(
+            f"answered a JSON {type(prefill_response).__name__} where an object with "
+            "kv_transfer_params was expected"
+        )
     params = prefill_response.get("kv_transfer_params")
     if not params or not isinstance(params, dict):
         raise ValueError(
@@ -242,25 +262,36 @@ COUNTER_HELP = {
     "hand_overs": "Prefill -> decode hand-overs attempted (one per prompt and sample of a request)",
     "decode_only_fallbacks": "Hand-overs decode computed alone: no prefill instance served them",
     "decode_only_by_request": "Requests sent to decode alone because they cannot use a hand-over "
-                              "(prompt_logprobs, echo with logprobs, use_beam_search)",
+    "(prompt_logprobs, echo with logprobs, use_beam_search)",
     "prefill_errors": "Prefill instance attempts that failed (unreachable, timed out, 5xx, malformed answer, "
-                      "no transfer parameters)",
+    "no transfer parameters)",
     "decode_only_rejected": "Requests answered 503: no prefill instance served them and "
-                            "--max-decode-only decode-only requests were running",
+    "--max-decode-only decode-only requests were running",
     "rejected_busy": "Requests answered 503: --max-concurrent requests were in flight",
     "decode_retries": "Decode legs sent once more: the decode instance's connection failed before it answered",
 }
 
 
-def _error_response(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> Any:
+def _error_response(
+    status: int, message: str, headers: dict[str, str] | None = None, **extra: Any
+) -> Any:
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(status_code=status, headers=headers, content={"error": {"message": message, **extra}})
+    return JSONResponse(
+        status_code=status, headers=headers, content={"error": {"message": message, **extra}}
+    )
 
 
-def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s: float | None = None,
-              fallback: bool = True, max_decode_only: int = DEFAULT_MAX_DECODE_ONLY, decode_only_wait_s: float = 0.0,
-              retry_after_s: float = 1.0, **limits: Any):
+def build_app(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    timeout_s: float | None = None,
+    fallback: bool = True,
+    max_decode_only: int = DEFAULT_MAX_DECODE_ONLY,
+    decode_only_wait_s: float = 0.0,
+    retry_after_s: float = 1.0,
+    **limits: Any,
+):
     """A FastAPI app routing every request prefill -> decode (decode alone when no prefill
     instance can serve it and ``fallback`` is on; at most ``max_decode_only`` of those at once,
     0: no bound). ``limits``: :class:`ProxyLimits` fields; ``timeout_s`` sets both legs' read
@@ -277,17 +308,30 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
     prefill_list = [u.rstrip("/") for u in prefill_urls]
     prefill_start = itertools.cycle(range(len(prefill_list)))
     decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
-    prefill_timeout = httpx.Timeout(connect=lim.connect_timeout_s, read=lim.prefill_read_timeout_s,
-                                    write=lim.write_timeout_s, pool=lim.pool_timeout_s)
-    decode_timeout = httpx.Timeout(connect=lim.connect_timeout_s, read=lim.read_timeout_s,
-                                   write=lim.write_timeout_s, pool=lim.pool_timeout_s)
+    prefill_timeout = httpx.Timeout(
+        connect=lim.connect_timeout_s,
+        read=lim.prefill_read_timeout_s,
+        write=lim.write_timeout_s,
+        pool=lim.pool_timeout_s,
+    )
+    decode_timeout = httpx.Timeout(
+        connect=lim.connect_timeout_s,
+        read=lim.read_timeout_s,
+        write=lim.write_timeout_s,
+        pool=lim.pool_timeout_s,
+    )
     # Idle connections are dropped before the instances' servers drop them (vLLM's uvicorn:
     # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; httpx's default expiry is the same 5 s): a request
     # sent on a connection the server is closing at that moment fails with a ReadError
     # (P/D soak: 3 streamed answers cut at the prefill kill, all on reused decode connections).
-    client = httpx.AsyncClient(timeout=decode_timeout, limits=httpx.Limits(
-        max_connections=lim.max_connections, max_keepalive_connections=lim.max_connections,
-        keepalive_expiry=KEEPALIVE_EXPIRY_S))
+    client = httpx.AsyncClient(
+        timeout=decode_timeout,
+        limits=httpx.Limits(
+            max_connections=lim.max_connections,
+            max_keepalive_connections=lim.max_connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        ),
+    )
     counts = dict.fromkeys(COUNTER_HELP, 0)
     # The decode leg is sent once more when the decode instance's connection fails before any
     # answer (read/write error, or the server closed it): the P/D soak of 2026-12-03 lost 2 of
@@ -302,20 +346,29 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
 
     def unreachable(role: str, url: str, e: Exception) -> Any:
         if isinstance(e, httpx.PoolTimeout):
-            e = type(e)(f"no free connection within --pool-timeout-s {lim.pool_timeout_s:g} "
-                        f"(--max-connections {lim.max_connections} in use)")
+            e = type(e)(
+                f"no free connection within --pool-timeout-s {lim.pool_timeout_s:g} "
+                f"(--max-connections {lim.max_connections} in use)"
+            )
         return _unreachable(role, url, e)
 
     async def send_decode(url: str, dreq: dict[str, Any], stream: bool) -> "httpx.Response":
         try:
-            return await client.send(client.build_request("POST", url, json=dreq, timeout=decode_timeout),
-                                     stream=stream)
+            return await client.send(
+                client.build_request("POST", url, json=dreq, timeout=decode_timeout), stream=stream
+            )
         except retry_errors as e:
             counts["decode_retries"] += 1
-            logger.warning("decode %s dropped the connection before answering (%s: %s); "
-                           "sending the request once more", url, type(e).__name__, e)
-            return await client.send(client.build_request("POST", url, json=dreq, timeout=decode_timeout),
-                                     stream=stream)
+            logger.warning(
+                "decode %s dropped the connection before answering (%s: %s); "
+                "sending the request once more",
+                url,
+                type(e).__name__,
+                e,
+            )
+            return await client.send(
+                client.build_request("POST", url, json=dreq, timeout=decode_timeout), stream=stream
+            )
 
     async def prefill_leg(path: str, body: dict[str, Any]) -> dict[str, Any]:
         """The decode leg's request from the first prefill instance that serves it (each
@@ -325,7 +378,9 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         for k in range(len(prefill_list)):
             prefill = prefill_list[(first + k) % len(prefill_list)]
             try:
-                r = await client.post(prefill + path, json=prefill_request(body), timeout=prefill_timeout)
+                r = await client.post(
+                    prefill + path, json=prefill_request(body), timeout=prefill_timeout
+                )
             except httpx.HTTPError as e:
                 failure = unreachable("prefill", prefill, e)
             else:
@@ -333,16 +388,26 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
                     try:
                         return decode_request(body, r.json())
                     except ValueError as e:  # not JSON, or answered but handed nothing over
-                        why = (f"answered 200 with a body that is not JSON: {r.text[:200]!r}"
-                               if isinstance(e, json.JSONDecodeError) else str(e))
+                        why = (
+                            f"answered 200 with a body that is not JSON: {r.text[:200]!r}"
+                            if isinstance(e, json.JSONDecodeError)
+                            else str(e)
+                        )
                         failure = _error_response(502, f"prefill {prefill}: {why}")
                 elif r.status_code < 500:  # the request itself is wrong: decode would refuse it too
-                    raise _PrefillFailed(JSONResponse(status_code=r.status_code, content=_error(r, f"prefill {prefill}")))
+                    raise _PrefillFailed(
+                        JSONResponse(
+                            status_code=r.status_code, content=_error(r, f"prefill {prefill}")
+                        )
+                    )
                 else:
                     failure = JSONResponse(status_code=502, content=_error(r, f"prefill {prefill}"))
             counts["prefill_errors"] += 1
-            logger.warning("prefill %s could not serve a request: %s", prefill,
-                           bytes(failure.body)[:300].decode(errors="replace"))
+            logger.warning(
+                "prefill %s could not serve a request: %s",
+                prefill,
+                bytes(failure.body)[:300].decode(errors="replace"),
+            )
         raise _PrefillFailed(failure)
 
     async def hand_over(path: str, leg: dict[str, Any]) -> Any:
@@ -358,16 +423,28 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
             release = await slots.acquire()
             if release is None:
                 counts["decode_only_rejected"] += 1
-                logger.warning("no prefill instance served the request and %d decode-only requests "
-                               "are running (--max-decode-only); answered 503", slots.limit)
+                logger.warning(
+                    "no prefill instance served the request and %d decode-only requests "
+                    "are running (--max-decode-only); answered 503",
+                    slots.limit,
+                )
                 return _error_response(
-                    503, f"no prefill instance can serve the request and the decode instances already compute "
-                         f"{slots.limit} requests alone (--max-decode-only); retry later",
-                    headers=retry_after, detail=json.loads(bytes(failed.response.body) or b"{}"))
+                    503,
+                    f"no prefill instance can serve the request and the decode instances already compute "
+                    f"{slots.limit} requests alone (--max-decode-only); retry later",
+                    headers=retry_after,
+                    detail=json.loads(bytes(failed.response.body) or b"{}"),
+                )
             counts["decode_only_fallbacks"] += 1
-            logger.warning("no prefill instance served the request; decode computes the "
-                           "prompt itself (--no-fallback answers 502 instead)")
-            return decode_only_request(leg), {"x-hybridkv-pd-fallback": "prefill-unavailable"}, release
+            logger.warning(
+                "no prefill instance served the request; decode computes the "
+                "prompt itself (--no-fallback answers 502 instead)"
+            )
+            return (
+                decode_only_request(leg),
+                {"x-hybridkv-pd-fallback": "prefill-unavailable"},
+                release,
+            )
 
     async def whole_answer(path: str, leg: Any) -> Any:
         """(decode URL, status, JSON answer, headers) of one non-streamed leg, or its error response."""
@@ -389,17 +466,22 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         try:
             return decode, d.status_code, d.json(), headers
         except ValueError:
-            return _error_response(502, f"decode instance {decode} answered {d.status_code} with a body that is "
-                                        f"not JSON: {d.text[:200]!r}")
+            return _error_response(
+                502,
+                f"decode instance {decode} answered {d.status_code} with a body that is "
+                f"not JSON: {d.text[:200]!r}",
+            )
 
     async def answer_whole(path: str, body: dict[str, Any], direct: tuple | None) -> Any:
         legs = [direct] if direct is not None else split_request(path, body)
         if len(legs) > lim.max_hand_overs:
             prompts = batch_prompts(path, body)
             return _error_response(
-                400, f"{len(prompts) if prompts else 1} prompt(s) x n={samples(body)} is {len(legs)} P/D hand-overs, "
-                     f"more than --max-hand-overs {lim.max_hand_overs} per request: send fewer prompts or "
-                     f"samples per request")
+                400,
+                f"{len(prompts) if prompts else 1} prompt(s) x n={samples(body)} is {len(legs)} P/D hand-overs, "
+                f"more than --max-hand-overs {lim.max_hand_overs} per request: send fewer prompts or "
+                f"samples per request",
+            )
         results = await asyncio.gather(*(whole_answer(path, leg) for leg in legs))
         for res in results:
             if not isinstance(res, tuple):
@@ -412,19 +494,25 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         if len(results) == 1:
             return JSONResponse(status_code=200, content=results[0][2], headers=headers)
         try:
-            merged = merge_answers([res[2] for res in results], samples(body),
-                                   [f"decode instance {res[0]}" for res in results])
+            merged = merge_answers(
+                [res[2] for res in results],
+                samples(body),
+                [f"decode instance {res[0]}" for res in results],
+            )
         except MalformedAnswer as e:
             return _error_response(502, str(e))
         return JSONResponse(status_code=200, content=merged, headers=headers)
 
-    async def answer_stream(path: str, body: dict[str, Any], direct: tuple | None,
-                            leave: Callable[[], None]) -> Any:
+    async def answer_stream(
+        path: str, body: dict[str, Any], direct: tuple | None, leave: Callable[[], None]
+    ) -> Any:
         prompts = batch_prompts(path, body)
         if direct is None and prompts is not None and len(prompts) > 1:
             return _error_response(
-                400, f"prompt: a batch of {len(prompts)} prompts cannot be streamed through the P/D proxy (each "
-                     f"prompt is its own hand-over); send one prompt per request, or stream: false")
+                400,
+                f"prompt: a batch of {len(prompts)} prompts cannot be streamed through the P/D proxy (each "
+                f"prompt is its own hand-over); send one prompt per request, or stream: false",
+            )
         leg = direct if direct is not None else await hand_over(path, body)
         if not isinstance(leg, tuple):
             return leg
@@ -455,13 +543,19 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
             finally:
                 await done()
 
-        return StreamingResponse(relay(), status_code=d.status_code,
-                                 media_type=d.headers.get("content-type", "text/event-stream"),
-                                 headers=headers, background=BackgroundTask(done))
+        return StreamingResponse(
+            relay(),
+            status_code=d.status_code,
+            media_type=d.headers.get("content-type", "text/event-stream"),
+            headers=headers,
+            background=BackgroundTask(done),
+        )
 
     async def read_body(request: Request) -> Any:
         """The request's JSON object, or the 4xx response that answers it."""
-        too_large = _error_response(413, f"request body larger than --max-body-bytes {lim.max_body_bytes}")
+        too_large = _error_response(
+            413, f"request body larger than --max-body-bytes {lim.max_body_bytes}"
+        )
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > lim.max_body_bytes:
             return too_large
@@ -482,8 +576,11 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         leave = await in_flight.acquire()
         if leave is None:
             counts["rejected_busy"] += 1
-            return _error_response(503, f"--max-concurrent {lim.max_concurrent} requests are in flight; retry later",
-                                   headers=retry_after)
+            return _error_response(
+                503,
+                f"--max-concurrent {lim.max_concurrent} requests are in flight; retry later",
+                headers=retry_after,
+            )
         streaming = False
         try:
             body = await read_body(request)
@@ -509,14 +606,19 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
     async def metrics():
         lines = []
         for name, value in counts.items():
-            lines += [f"# HELP hybridkv_proxy_{name}_total {COUNTER_HELP[name]}",
-                      f"# TYPE hybridkv_proxy_{name}_total counter", f"hybridkv_proxy_{name}_total {value}"]
-        lines += ["# HELP hybridkv_proxy_decode_only_in_flight Decode-only requests running now",
-                  "# TYPE hybridkv_proxy_decode_only_in_flight gauge",
-                  f"hybridkv_proxy_decode_only_in_flight {slots.in_flight}",
-                  "# HELP hybridkv_proxy_in_flight Client requests in flight now (streams until their end)",
-                  "# TYPE hybridkv_proxy_in_flight gauge",
-                  f"hybridkv_proxy_in_flight {in_flight.in_flight}"]
+            lines += [
+                f"# HELP hybridkv_proxy_{name}_total {COUNTER_HELP[name]}",
+                f"# TYPE hybridkv_proxy_{name}_total counter",
+                f"hybridkv_proxy_{name}_total {value}",
+            ]
+        lines += [
+            "# HELP hybridkv_proxy_decode_only_in_flight Decode-only requests running now",
+            "# TYPE hybridkv_proxy_decode_only_in_flight gauge",
+            f"hybridkv_proxy_decode_only_in_flight {slots.in_flight}",
+            "# HELP hybridkv_proxy_in_flight Client requests in flight now (streams until their end)",
+            "# TYPE hybridkv_proxy_in_flight gauge",
+            f"hybridkv_proxy_in_flight {in_flight.in_flight}",
+        ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.post("/v1/completions")
@@ -534,7 +636,9 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         bad = []
         for url in list(prefill_urls) + list(decode_urls):
             try:
-                if (await client.get(url.rstrip("/") + "/health", timeout=health_timeout)).status_code != 200:
+                if (
+                    await client.get(url.rstrip("/") + "/health", timeout=health_timeout)
+                ).status_code != 200:
                     bad.append(url)
             except httpx.HTTPError:
                 bad.append(url)
@@ -544,8 +648,11 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
 
 
 def _unreachable(role: str, url: str, e: Exception) -> Any:
-    return _error_response(502, f"{role} instance {url} unreachable: {type(e).__name__}: {e}; check that it is "
-                                f"running and that --{role} points at it")
+    return _error_response(
+        502,
+        f"{role} instance {url} unreachable: {type(e).__name__}: {e}; check that it is "
+        f"running and that --{role} points at it",
+    )
 
 
 def _error(r: Any, who: str) -> dict[str, Any]:
@@ -563,40 +670,87 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", action="append", required=True, help="prefill instance URL (repeatable)")
-    p.add_argument("--decode", action="append", required=True, help="decode instance URL (repeatable)")
+    p.add_argument(
+        "--prefill", action="append", required=True, help="prefill instance URL (repeatable)"
+    )
+    p.add_argument(
+        "--decode", action="append", required=True, help="decode instance URL (repeatable)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     defaults = ProxyLimits()
     for f in fields(ProxyLimits):
         kind = _positive_int if f.type in (int, "int") else _positive_float
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=getattr(defaults, f.name),
-                       help=f"{_field_doc(f.name)} (default {getattr(defaults, f.name):g})")
-    p.add_argument("--timeout-s", type=_positive_float, default=None,
-                   help="sets both --read-timeout-s and --prefill-read-timeout-s")
-    p.add_argument("--timeout-keep-alive-s", type=_positive_int, default=CLIENT_KEEPALIVE_S, metavar="S",
-                   help=f"close a client's idle connection after S seconds (default {CLIENT_KEEPALIVE_S}; keep it "
-                        "above a load balancer's idle timeout and above any stall of the proxy's process)")
-    p.add_argument("--no-fallback", dest="fallback", action="store_false",
-                   help="answer 502 when no prefill instance serves a request (default: decode computes it alone)")
-    p.add_argument("--max-decode-only", type=_non_negative_int, default=DEFAULT_MAX_DECODE_ONLY, metavar="N",
-                   help=f"at most N decode-only fallbacks at once (default {DEFAULT_MAX_DECODE_ONLY}; 0: no bound); one "
-                        "past it waits --decode-only-wait-s, then is answered 503 with Retry-After")
-    p.add_argument("--decode-only-wait-s", type=float, default=DEFAULT_DECODE_ONLY_WAIT_S,
-                   help="how long a decode-only request waits for a slot under --max-decode-only "
-                        f"(default {DEFAULT_DECODE_ONLY_WAIT_S:g})")
-    p.add_argument("--retry-after-s", type=float, default=1.0,
-                   help="the Retry-After of 503 answers (whole seconds, at least 1)")
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=getattr(defaults, f.name),
+            help=f"{_field_doc(f.name)} (default {getattr(defaults, f.name):g})",
+        )
+    p.add_argument(
+        "--timeout-s",
+        type=_positive_float,
+        default=None,
+        help="sets both --read-timeout-s and --prefill-read-timeout-s",
+    )
+    p.add_argument(
+        "--timeout-keep-alive-s",
+        type=_positive_int,
+        default=CLIENT_KEEPALIVE_S,
+        metavar="S",
+        help=f"close a client's idle connection after S seconds (default {CLIENT_KEEPALIVE_S}; keep it "
+        "above a load balancer's idle timeout and above any stall of the proxy's process)",
+    )
+    p.add_argument(
+        "--no-fallback",
+        dest="fallback",
+        action="store_false",
+        help="answer 502 when no prefill instance serves a request (default: decode computes it alone)",
+    )
+    p.add_argument(
+        "--max-decode-only",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_DECODE_ONLY,
+        metavar="N",
+        help=f"at most N decode-only fallbacks at once (default {DEFAULT_MAX_DECODE_ONLY}; 0: no bound); one "
+        "past it waits --decode-only-wait-s, then is answered 503 with Retry-After",
+    )
+    p.add_argument(
+        "--decode-only-wait-s",
+        type=float,
+        default=DEFAULT_DECODE_ONLY_WAIT_S,
+        help="how long a decode-only request waits for a slot under --max-decode-only "
+        f"(default {DEFAULT_DECODE_ONLY_WAIT_S:g})",
+    )
+    p.add_argument(
+        "--retry-after-s",
+        type=float,
+        default=1.0,
+        help="the Retry-After of 503 answers (whole seconds, at least 1)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     import uvicorn
 
     limits = {f.name: getattr(args, f.name) for f in fields(ProxyLimits)}
-    app = build_app(args.prefill, args.decode, args.timeout_s, args.fallback, max_decode_only=args.max_decode_only,
-                    decode_only_wait_s=args.decode_only_wait_s, retry_after_s=args.retry_after_s, **limits)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_keep_alive=args.timeout_keep_alive_s)
+    app = build_app(
+        args.prefill,
+        args.decode,
+        args.timeout_s,
+        args.fallback,
+        max_decode_only=args.max_decode_only,
+        decode_only_wait_s=args.decode_only_wait_s,
+        retry_after_s=args.retry_after_s,
+        **limits,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_keep_alive=args.timeout_keep_alive_s,
+    )
     return 0
 
 

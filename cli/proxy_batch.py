@@ -63,7 +63,9 @@ def split_request(path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
 def answer_choices(answer: Any, who: str) -> list[dict[str, Any]]:
     """``answer``'s choices, checked to be an object with a list of objects."""
     if not isinstance(answer, dict):
-        raise MalformedAnswer(f"{who} answered a JSON {type(answer).__name__} where a completion object was expected")
+        raise MalformedAnswer(
+            f"{who} answered a JSON {type(answer).__name__} where a completion object was expected"
+        )
     choices = answer.get("choices")
     if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
         raise MalformedAnswer(f"{who} answered a completion without a list of choices")
@@ -81,8 +83,11 @@ def merge_answers(answers: list[dict[str, Any]], n: int, who: list[str]) -> dict
         for choice in answer_choices(answer, who[k]):
             choices.append({**choice, "index": len(choices)})
         usage = answer.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int) \
-                and isinstance(usage.get("completion_tokens"), int):
+        if (
+            isinstance(usage, dict)
+            and isinstance(usage.get("prompt_tokens"), int)
+            and isinstance(usage.get("completion_tokens"), int)
+        ):
             if k % n == 0:  # the n samples of one prompt share its prompt tokens
                 prompt_tokens += usage["prompt_tokens"]
             completion_tokens += usage["completion_tokens"]
@@ -90,6 +95,9 @@ def merge_answers(answers: list[dict[str, Any]], n: int, who: list[str]) -> dict
             have_usage = False
     merged["choices"] = choices
     if have_usage:
-        merged["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": prompt_tokens + completion_tokens}
+        merged["usage"] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
     return merged

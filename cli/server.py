@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from hybridkv.store.embedded_master import listener_among
-from hybridkv.store.local_ports import free_port as local_free_port, reports_port_in_use
+from hybridkv.store.local_ports import free_port as local_free_port
+from hybridkv.store.local_ports import reports_port_in_use
 from hybridkv.store.mooncake_backend import without_own_stall_bounds
 
 __all__ = [
@@ -127,8 +128,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> str | No
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:
                     if port is not None and held_by_tree(proc.pid, port) is False:
-                        return (f"another process listens on port {port}, not this server (pid {proc.pid}): "
-                                "pick another port")
+                        return (
+                            f"another process listens on port {port}, not this server (pid {proc.pid}): "
+                            "pick another port"
+                        )
                     return None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
@@ -136,7 +139,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> str | No
     return f"not healthy after {timeout_s:.0f} s"
 
 
-PORT_ATTEMPTS = 3  # a server on a port it chose itself is started again on a new one when it was taken
+PORT_ATTEMPTS = (
+    3  # a server on a port it chose itself is started again on a new one when it was taken
+)
 
 
 def exited_on_taken_port(proc: subprocess.Popen, log_path: pathlib.Path | None) -> bool:
@@ -285,11 +290,18 @@ class VllmServer:
             if not problem:
                 self._own_port = False  # from now on others hold the address: a restart keeps it
                 return
-            if not (self._own_port and attempt < PORT_ATTEMPTS and exited_on_taken_port(self.proc, self.log_path)):
+            if not (
+                self._own_port
+                and attempt < PORT_ATTEMPTS
+                and exited_on_taken_port(self.proc, self.log_path)
+            ):
                 raise self._start_error(problem)
             taken, self.port = self.port, free_port()
-            print(f"hybridkv: vLLM server port {taken} was taken before it bound; starting it again on "
-                  f"{self.port} (attempt {attempt + 1} of {PORT_ATTEMPTS})", file=sys.stderr)
+            print(
+                f"hybridkv: vLLM server port {taken} was taken before it bound; starting it again on "
+                f"{self.port} (attempt {attempt + 1} of {PORT_ATTEMPTS})",
+                file=sys.stderr,
+            )
             self.stop()
             self.start_async()
 

@@ -66,7 +66,14 @@ from safetensors.torch import save_file
 
 from hybridkv.cli.tiny_tokenizer import write_tiny_tokenizer
 
-__all__ = ["DRAFTER_KINDS", "KINDS", "pinned_engine_args", "pinned_server_args", "write_tiny_model", "main"]
+__all__ = [
+    "DRAFTER_KINDS",
+    "KINDS",
+    "pinned_engine_args",
+    "pinned_server_args",
+    "write_tiny_model",
+    "main",
+]
 
 # Bump when the config or the initialisation changes, so stale folders are rewritten.
 _FORMAT_VERSION = 3  # 2: a tokenizer is written too; 3: qwen3next uses all experts
@@ -134,8 +141,16 @@ def _plain_norm(dim: int, gain: float = 1.0) -> _Init:
 # ---------------------------------------------------------------------------- gemma3
 
 
-def _attention_and_mlp(t: dict[str, _Init], p: str, h: int, nq: int, nkv: int, d: int, inter: int,
-                       qk_norm: _Init | None) -> None:
+def _attention_and_mlp(
+    t: dict[str, _Init],
+    p: str,
+    h: int,
+    nq: int,
+    nkv: int,
+    d: int,
+    inter: int,
+    qk_norm: _Init | None,
+) -> None:
     """One decoder layer's attention and gated-MLP projections (Llama/Gemma/Qwen names)."""
     t[p + "self_attn.q_proj.weight"] = _linear(nq * d, h)
     t[p + "self_attn.k_proj.weight"] = _linear(nkv * d, h)
@@ -438,7 +453,11 @@ def _eagle_gemma4_config() -> dict:
 
 def _eagle_qwen3next_config() -> dict:
     target = _qwen3next_config()
-    return {**_eagle_gemma3_config(), "vocab_size": target["vocab_size"], "hidden_size": target["hidden_size"]}
+    return {
+        **_eagle_gemma3_config(),
+        "vocab_size": target["vocab_size"],
+        "hidden_size": target["hidden_size"],
+    }
 
 
 def _eagle_llama_tensors(cfg: dict) -> dict[str, _Init]:
@@ -488,7 +507,11 @@ def _qwen3_config() -> dict:
 
 def _qwen3_tensors(cfg: dict) -> dict[str, _Init]:
     h, d = cfg["hidden_size"], cfg["head_dim"]
-    nq, nkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    nq, nkv, inter = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+    )
     t: dict[str, _Init] = {
         "model.embed_tokens.weight": _output_rows(cfg["vocab_size"], h, 1.0),
         "lm_head.weight": _output_rows(cfg["vocab_size"], h, 1.0 / math.sqrt(h)),
@@ -571,7 +594,9 @@ def pinned_engine_args(model_dir: str | os.PathLike) -> dict[str, str]:
 
 def pinned_server_args(model_dir: str | os.PathLike) -> list[str]:
     """pinned_engine_args as `vllm serve` flags (--mamba-ssm-cache-dtype float32)."""
-    return [a for k, v in pinned_engine_args(model_dir).items() for a in ("--" + k.replace("_", "-"), v)]
+    return [
+        a for k, v in pinned_engine_args(model_dir).items() for a in ("--" + k.replace("_", "-"), v)
+    ]
 
 
 def write_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:

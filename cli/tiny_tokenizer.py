@@ -129,9 +129,12 @@ def _byte_level(text: str) -> str:
     """``text`` in the byte-level alphabet (a space is ``Ġ``), as BPE vocab entries are."""
     from tokenizers import pre_tokenizers
 
-    return "".join(piece for piece, _ in pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                  use_regex=False)
-                   .pre_tokenize_str(text))
+    return "".join(
+        piece
+        for piece, _ in pre_tokenizers.ByteLevel(
+            add_prefix_space=False, use_regex=False
+        ).pre_tokenize_str(text)
+    )
 
 
 def _check(tok, vocab_size: int) -> None:

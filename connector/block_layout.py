@@ -127,7 +127,9 @@ def block_geometry(
     if layout:
         what += f" (KV cache layout {layout})"
     if not isinstance(t, torch.Tensor):
-        raise LayoutError(f"{what}: KV cache is a {type(t).__name__}, expected one tensor per layer")
+        raise LayoutError(
+            f"{what}: KV cache is a {type(t).__name__}, expected one tensor per layer"
+        )
     if t.dim() < 2:
         raise LayoutError(
             f"{what}: KV cache is a flat {tuple(t.shape)} buffer (a spec without per-layer "
@@ -236,12 +238,18 @@ class GroupLayout:
         """This layout with consecutive regions that meet in every block merged (see :meth:`object_regions`)."""
         if len(self.bases) < 2:
             return self
-        meet = (self.bases[:-1] + self.block_bytes[:-1] == self.bases[1:]) & (self.strides[:-1] == self.strides[1:])
+        meet = (self.bases[:-1] + self.block_bytes[:-1] == self.bases[1:]) & (
+            self.strides[:-1] == self.strides[1:]
+        )
         if not meet.any():
             return self
         starts = np.concatenate(([0], np.nonzero(~meet)[0] + 1))
-        return replace(self, bases=self.bases[starts], strides=self.strides[starts],
-                       block_bytes=np.add.reduceat(self.block_bytes, starts))
+        return replace(
+            self,
+            bases=self.bases[starts],
+            strides=self.strides[starts],
+            block_bytes=np.add.reduceat(self.block_bytes, starts),
+        )
 
 
 def _group_num_blocks(kv_cache_config: "KVCacheConfig", group) -> int:  # noqa: ANN001
@@ -250,7 +258,9 @@ def _group_num_blocks(kv_cache_config: "KVCacheConfig", group) -> int:  # noqa: 
     return int(kv_cache_config.num_blocks)
 
 
-def _check_disjoint_in_block(gid: int, names: list[str], bases: list[int], sizes: list[int]) -> None:
+def _check_disjoint_in_block(
+    gid: int, names: list[str], bases: list[int], sizes: list[int]
+) -> None:
     """Two layer views of one group covering the same bytes would be moved twice."""
     order = sorted(range(len(bases)), key=bases.__getitem__)
     for a, b in zip(order, order[1:]):
@@ -286,7 +296,9 @@ class KVLayout:
             seen: set[tuple] = set()
             for name in names:
                 t = kv_caches[name]
-                geo = block_geometry(t, num_blocks, name, getattr(kv_cache_config, "kv_cache_layout", None))
+                geo = block_geometry(
+                    t, num_blocks, name, getattr(kv_cache_config, "kv_cache_layout", None)
+                )
                 key = view_key(t)
                 if key in seen:  # cross-layer KV sharing: the same view twice
                     continue
@@ -323,7 +335,9 @@ def layer_specs(group) -> list:  # noqa: ANN001 - a vllm KVCacheGroupSpec
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     spec = group.kv_cache_spec
-    return list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    return (
+        list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    )
 
 
 def layout_rows(kv_cache_config: "KVCacheConfig") -> list[dict]:
@@ -357,8 +371,11 @@ def layout_rows(kv_cache_config: "KVCacheConfig") -> list[dict]:
 
 
 def coalesce(
-    dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
-    dst_dev: np.ndarray | None = None, src_dev: np.ndarray | None = None,
+    dst: np.ndarray,
+    src: np.ndarray,
+    sizes: np.ndarray,
+    dst_dev: np.ndarray | None = None,
+    src_dev: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The fewest copies, each contiguous on BOTH sides, that move exactly the bytes of the given ones.
 
@@ -384,7 +401,9 @@ def coalesce(
     dd = np.zeros_like(d) if dst_dev is None else np.asarray(dst_dev, dtype=np.int64).reshape(-1)
     sd = np.zeros_like(d) if src_dev is None else np.asarray(src_dev, dtype=np.int64).reshape(-1)
     if not (len(d) == len(s) == len(n) == len(dd) == len(sd)):
-        raise ValueError(f"row counts differ: dst {len(d)}, src {len(s)}, sizes {len(n)}, devs {len(dd)}/{len(sd)}")
+        raise ValueError(
+            f"row counts differ: dst {len(d)}, src {len(s)}, sizes {len(n)}, devs {len(dd)}/{len(sd)}"
+        )
     if len(d) == 0:
         return d, s, n, dd, sd
     if (n <= 0).any():

@@ -100,12 +100,16 @@ def _geometry(t: torch.Tensor, num_blocks: int | None) -> BlockGeometry:
     return block_geometry(t, int(t.shape[0]) if num_blocks is None else num_blocks)
 
 
-def region_rows(t: torch.Tensor, geo: BlockGeometry, num_blocks: int, width: int = 1) -> list[torch.Tensor]:
+def region_rows(
+    t: torch.Tensor, geo: BlockGeometry, num_blocks: int, width: int = 1
+) -> list[torch.Tensor]:
     """Per region of ``geo``: a ``[num_blocks, region_bytes // width]`` integer view of
     the layer's storage (row b = that region of manager block b; element ``width``
     bytes: 1 uint8, 2 int16, 4 int32, 8 int64). Same storage, no copy, any device."""
     dtype = dict(_WIDTHS)[width]
-    if (geo.stride | geo.storage_offset | sum(o | s for o, s in zip(geo.offsets, geo.sizes))) % width:
+    if (
+        geo.stride | geo.storage_offset | sum(o | s for o, s in zip(geo.offsets, geo.sizes))
+    ) % width:
         raise ValueError(f"layer geometry is not a multiple of {width} bytes")
     storage = t.untyped_storage()
     base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)

@@ -55,7 +55,9 @@ class CounterStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         out: dict[str, int | float] = {
-            k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(d.items()) if not isinstance(v, list)
+            k: round(v, 4) if isinstance(v, float) else v
+            for k, v in sorted(d.items())
+            if not isinstance(v, list)
         }
         for kind in self.LATENCY_KINDS:
             if d.get(f"lat.{kind}"):
@@ -81,21 +83,47 @@ class CounterPromMetrics(KVConnectorPromMetrics):
     any ``labeled`` counters: data key prefix -> (metric suffix, help, label name), the rest
     of the key being the label's value (e.g. ``hit_tokens.g3`` -> ``group="3"``)."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues, *,  # noqa: ANN001
-                 prefix: str, counters: Mapping[str, str], failures_help: str,
-                 latencies: Mapping[str, str], buckets: Sequence[float],
-                 labeled: Mapping[str, tuple[str, str, str]] | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config,
+        metric_types,
+        labelnames,
+        per_engine_labelvalues,
+        *,  # noqa: ANN001
+        prefix: str,
+        counters: Mapping[str, str],
+        failures_help: str,
+        latencies: Mapping[str, str],
+        buckets: Sequence[float],
+        labeled: Mapping[str, tuple[str, str, str]] | None = None,
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {name: self._counter_cls(name=f"{prefix}{name}", documentation=doc, labelnames=labelnames)
-                          for name, doc in counters.items()}
-        self._labeled = {"fail.": self._counter_cls(name=f"{prefix}failures", documentation=failures_help,
-                                                    labelnames=labelnames + ["cause"])}
+        self._counters = {
+            name: self._counter_cls(
+                name=f"{prefix}{name}", documentation=doc, labelnames=labelnames
+            )
+            for name, doc in counters.items()
+        }
+        self._labeled = {
+            "fail.": self._counter_cls(
+                name=f"{prefix}failures",
+                documentation=failures_help,
+                labelnames=labelnames + ["cause"],
+            )
+        }
         for key_prefix, (suffix, doc, label) in (labeled or {}).items():
-            self._labeled[key_prefix] = self._counter_cls(name=f"{prefix}{suffix}", documentation=doc,
-                                                          labelnames=labelnames + [label])
-        self._latencies = {kind: self._histogram_cls(name=f"{prefix}{kind}_latency_seconds", documentation=doc,
-                                                     buckets=list(buckets), labelnames=labelnames)
-                           for kind, doc in latencies.items()}
+            self._labeled[key_prefix] = self._counter_cls(
+                name=f"{prefix}{suffix}", documentation=doc, labelnames=labelnames + [label]
+            )
+        self._latencies = {
+            kind: self._histogram_cls(
+                name=f"{prefix}{kind}_latency_seconds",
+                documentation=doc,
+                buckets=list(buckets),
+                labelnames=labelnames,
+            )
+            for kind, doc in latencies.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -111,5 +139,5 @@ class CounterPromMetrics(KVConnectorPromMetrics):
             else:
                 for key_prefix, counter in self._labeled.items():
                     if key.startswith(key_prefix):
-                        counter.labels(*labels, key[len(key_prefix):]).inc(value)
+                        counter.labels(*labels, key[len(key_prefix) :]).inc(value)
                         break

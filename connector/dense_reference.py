@@ -173,7 +173,9 @@ def requery_at_reported(
     (hit == reported: that group converges) and otherwise the group lags with
     a list that ends below the reported length.
     """
-    above = [g for g, (h, d, c) in enumerate(zip(hits, dense, cacheable)) if c and not d and h > reported]
+    above = [
+        g for g, (h, d, c) in enumerate(zip(hits, dense, cacheable)) if c and not d and h > reported
+    ]
     if not above:
         return
     again, hits_again = coordinator.find_longest_cache_hit_per_group(request.block_hashes, reported)
@@ -182,7 +184,9 @@ def requery_at_reported(
         hits[g] = min(hits_again[g], reported)
 
 
-def install_reconciled_lookup(manager: "KVCacheManager", extends: Extends | None = None) -> GroupGeometry:
+def install_reconciled_lookup(
+    manager: "KVCacheManager", extends: Extends | None = None
+) -> GroupGeometry:
     """Replace ``get_computed_blocks_for_connector`` on THIS manager only.
 
     Called from a hybridkv connector's ``bind_kv_cache_manager``; the scheduler
@@ -192,7 +196,9 @@ def install_reconciled_lookup(manager: "KVCacheManager", extends: Extends | None
     """
     geometry = GroupGeometry.from_kv_cache_manager(manager)
 
-    def _lookup(self: "KVCacheManager", request: "Request", max_cache_hit_length: int | None = None):
+    def _lookup(
+        self: "KVCacheManager", request: "Request", max_cache_hit_length: int | None = None
+    ):
         # vLLM 0.33's scheduler passes (request, max_cache_hit_length); 0.32's (request).
         return reconciled_computed_blocks_for_connector(
             self, geometry, request, extends, max_cache_hit_length

@@ -37,8 +37,12 @@ class FailedLoads:
         self._owed: dict[str, bool] = {}  # request id -> its one skipped admission is still to come
         self.deferrals = 0  # admissions skipped so far
 
-    def mark(self, failed: Iterable[str], is_own: Callable[[str], bool],
-             is_tracked: Callable[[str], bool] = lambda _r: False) -> None:
+    def mark(
+        self,
+        failed: Iterable[str],
+        is_own: Callable[[str], bool],
+        is_tracked: Callable[[str], bool] = lambda _r: False,
+    ) -> None:
         """Remember the failed loads (``KVConnectorOutput.failed_recving``): those ``is_own``
         says this connector posted owe one deferral; another connector's failure of a request
         ``is_tracked`` (one this connector will be asked about again, and will forget when it

@@ -73,10 +73,15 @@ def _read_secret_file(path: str, what: str) -> bytes:
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{what}={path!r}: not a regular file")
     if st.st_mode & 0o022:
-        raise ConfigError(f"{what}={path!r}: writable by group or others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+        raise ConfigError(
+            f"{what}={path!r}: writable by group or others (mode {st.st_mode & 0o777:o}); chmod 600 it"
+        )
     if st.st_mode & 0o044:
-        logger.warning("secret file %s is readable by group or others (mode %o); chmod 600 it",
-                       path, st.st_mode & 0o777)
+        logger.warning(
+            "secret file %s is readable by group or others (mode %o); chmod 600 it",
+            path,
+            st.st_mode & 0o777,
+        )
     return p.read_bytes().strip()
 
 
@@ -88,7 +93,10 @@ def load_key(secret_file: str | None, allow_unauthenticated: bool) -> Deployment
     the secret is too short.
     """
     if secret_file:
-        secret, source = _read_secret_file(secret_file, "kv_connector_extra_config.auth_secret_file"), secret_file
+        secret, source = (
+            _read_secret_file(secret_file, "kv_connector_extra_config.auth_secret_file"),
+            secret_file,
+        )
     elif os.environ.get(SECRET_FILE_ENV):
         path = os.environ[SECRET_FILE_ENV]
         secret, source = _read_secret_file(path, f"${SECRET_FILE_ENV}"), path

@@ -33,10 +33,14 @@ from hybridkv.connector.pd_scheduler import PDScheduler
 from hybridkv.connector.pd_stats import HybridPDPromMetrics, HybridPDStats
 from hybridkv.connector.pd_tp import MAMBA_TP_CROSS_SWITCH, MAMBA_TP_NOT_ENABLED
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings, mamba_reslice_problem
+from hybridkv.connector.store_config import (
+    ConfigError,
+    refuse_non_tensor_parallelism,
+    refuse_unknown_keys,
+)
 from hybridkv.connector.vllm_hooks import PDConnectorHooks
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.keys import kv_identity
-from hybridkv.connector.store_config import ConfigError, refuse_non_tensor_parallelism, refuse_unknown_keys
 from hybridkv.store.logs import get_logger
 
 if TYPE_CHECKING:
@@ -85,12 +89,18 @@ class PDConnectorConfig:
         for key in ("lease_s", "handshake_timeout_s", "read_timeout_s"):
             v = extra.get(key, 1.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ConfigError(f"kv_connector_extra_config.{key}={v!r}: expected a positive number of seconds")
+                raise ConfigError(
+                    f"kv_connector_extra_config.{key}={v!r}: expected a positive number of seconds"
+                )
         port = extra.get("handshake_port", 0)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ConfigError(f"kv_connector_extra_config.handshake_port={port!r}: expected 0 (any free port) or a port")
+            raise ConfigError(
+                f"kv_connector_extra_config.handshake_port={port!r}: expected 0 (any free port) or a port"
+            )
         if not isinstance(extra.get("handshake_host", ""), str):
-            raise ConfigError("kv_connector_extra_config.handshake_host: expected a host name or address")
+            raise ConfigError(
+                "kv_connector_extra_config.handshake_host: expected a host name or address"
+            )
         if not isinstance(extra.get("auth_secret_file", "") or "", str):
             raise ConfigError("kv_connector_extra_config.auth_secret_file: expected a file path")
         for flag in ("allow_unauthenticated", "allow_mamba_cross_tp"):
@@ -98,8 +108,10 @@ class PDConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config.{flag}: expected true or false")
         frac = extra.get("max_lease_fraction", 0.5)
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
-            raise ConfigError(f"kv_connector_extra_config.max_lease_fraction={frac!r}: expected a number in (0, 1] "
-                              "(the share of KV cache blocks unread P/D leases may hold)")
+            raise ConfigError(
+                f"kv_connector_extra_config.max_lease_fraction={frac!r}: expected a number in (0, 1] "
+                "(the share of KV cache blocks unread P/D leases may hold)"
+            )
         return cls(**extra)
 
 
@@ -114,13 +126,17 @@ def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
 def _group_windows(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:
     """Each group's sliding window in tokens (0: none); see PDScheduler's ``group_windows``."""
     return tuple(
-        max((int(s.sliding_window) for s in layer_specs(group) if isinstance(s, SlidingWindowSpec)), default=0)
+        max(
+            (int(s.sliding_window) for s in layer_specs(group) if isinstance(s, SlidingWindowSpec)),
+            default=0,
+        )
         for group in kv_cache_config.kv_cache_groups
     )
 
 
-def _mamba_problem(cfg: PDConnectorConfig, kv_cache_config: "KVCacheConfig", mamba: tuple[int, ...],
-                   engine_id: str) -> str | None:
+def _mamba_problem(
+    cfg: PDConnectorConfig, kv_cache_config: "KVCacheConfig", mamba: tuple[int, ...], engine_id: str
+) -> str | None:
     """Why this instance does not pair with a prefill instance of another TP size for its
     Mamba state (None: it may; ``LocalLayout.mamba_problem``). With ``allow_mamba_cross_tp``
     a layout whose state pd_tp cannot re-slice is still refused, with the reason."""
@@ -134,8 +150,11 @@ def _mamba_problem(cfg: PDConnectorConfig, kv_cache_config: "KVCacheConfig", mam
             "%s: allow_mamba_cross_tp is ON: requests from prefill instances of another "
             "--tensor-parallel-size get their Mamba/GDN state (groups %s) re-sliced by heads%s. The state a "
             "prefill at another TP size computes is not the bits this size computes (vLLM's CPU GDN runs only "
-            "in bfloat16), so outputs can differ from a local recompute", engine_id, list(mamba),
-            f"; NOT for this model ({problem})" if problem else "")
+            "in bfloat16), so outputs can differ from a local recompute",
+            engine_id,
+            list(mamba),
+            f"; NOT for this model ({problem})" if problem else "",
+        )
     return problem
 
 
@@ -144,7 +163,9 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.P2P
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self._cfg = PDConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
@@ -154,7 +175,9 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
         refuse_non_tensor_parallelism(parallel, "HybridPDConnector")
         tp_size = int(parallel.tensor_parallel_size)
         model_config = vllm_config.model_config  # None in configs built without a model (tests)
-        total_kv_heads = int(model_config.get_total_num_kv_heads()) if model_config is not None else 0
+        total_kv_heads = (
+            int(model_config.get_total_num_kv_heads()) if model_config is not None else 0
+        )
         engine_id = str(ktc.engine_id)
         mamba = _mamba_group_ids(kv_cache_config)
         key = load_key(self._cfg.auth_secret_file, self._cfg.allow_unauthenticated)
@@ -170,7 +193,9 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
         self._block_pool: Any = None
         self._pacer = IdlePacer()
         self._awaiting_reads: set[str] = set()
-        self._leases_ended: set[str] = set()  # worker side: for the next build_connector_worker_meta
+        self._leases_ended: set[str] = (
+            set()
+        )  # worker side: for the next build_connector_worker_meta
         self._copy_views: list[torch.Tensor] = []
         if role == KVConnectorRole.SCHEDULER:
             mamba_problem = _mamba_problem(self._cfg, kv_cache_config, mamba, engine_id)
@@ -178,15 +203,25 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
             for group in kv_cache_config.kv_cache_groups:
                 align = math.lcm(align, group.kv_cache_spec.block_size)
             self._scheduler = PDScheduler(
-                engine_id, bool(mamba), self._cfg.lease_s, mamba, align,
-                can_prefill=ktc.is_kv_producer, can_decode=ktc.is_kv_consumer,
-                group_block_sizes=tuple(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups),
-                num_blocks=kv_cache_config.num_blocks, key=key,
+                engine_id,
+                bool(mamba),
+                self._cfg.lease_s,
+                mamba,
+                align,
+                can_prefill=ktc.is_kv_producer,
+                can_decode=ktc.is_kv_consumer,
+                group_block_sizes=tuple(
+                    g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
+                ),
+                num_blocks=kv_cache_config.num_blocks,
+                key=key,
                 fail_on_refusal=ktc.kv_load_failure_policy == "fail",
-                tp_size=tp_size, total_kv_heads=total_kv_heads,
+                tp_size=tp_size,
+                total_kv_heads=total_kv_heads,
                 # The lease budget is decided here over physical blocks (pd_lease_pins), so
                 # PDScheduler's own per-lease count is off (0: no budget).
-                max_lease_fraction=0.0, mamba_problem=mamba_problem,
+                max_lease_fraction=0.0,
+                mamba_problem=mamba_problem,
                 group_windows=_group_windows(kv_cache_config),
             )
         else:
@@ -199,10 +234,19 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
             port = self._cfg.handshake_port + rank if self._cfg.handshake_port else 0
             with unpinned():  # its read thread must not share the engine's pinned core
                 self._worker = PDWorker(
-                    PDWorkerSettings(engine_id, rank, tp_size, self._cfg.handshake_host, port,
-                                     self._cfg.handshake_timeout_s, self._cfg.read_timeout_s,
-                                     serve_handshake=ktc.is_kv_producer, key=key,
-                                     kv_identity=kv_identity(vllm_config), total_kv_heads=total_kv_heads),
+                    PDWorkerSettings(
+                        engine_id,
+                        rank,
+                        tp_size,
+                        self._cfg.handshake_host,
+                        port,
+                        self._cfg.handshake_timeout_s,
+                        self._cfg.read_timeout_s,
+                        serve_handshake=ktc.is_kv_producer,
+                        key=key,
+                        kv_identity=kv_identity(vllm_config),
+                        total_kv_heads=total_kv_heads,
+                    ),
                     kv_cache_config,
                 )
 
@@ -215,11 +259,15 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -230,12 +278,19 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
         self._pacer.after_step(self._only_waiting_on_leases(scheduler_output, meta))
         return meta
 
-    def _only_waiting_on_leases(self, scheduler_output: "SchedulerOutput", meta: PDConnectorMetadata) -> bool:
+    def _only_waiting_on_leases(
+        self, scheduler_output: "SchedulerOutput", meta: PDConnectorMetadata
+    ) -> bool:
         """This step runs nothing and ships nothing, no READ of this engine is awaited, and
         leases or read-target pins are what keeps vLLM stepping: a step to pace (pd_idle)."""
-        return (not scheduler_output.total_num_scheduled_tokens and not scheduler_output.finished_req_ids
-                and not meta.reads and not meta.leases and not self._awaiting_reads
-                and (len(self._lease_pins) > 0 or self.has_pending_push_work()))
+        return (
+            not scheduler_output.total_num_scheduled_tokens
+            and not scheduler_output.finished_req_ids
+            and not meta.reads
+            and not meta.leases
+            and not self._awaiting_reads
+            and (len(self._lease_pins) > 0 or self.has_pending_push_work())
+        )
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
@@ -270,23 +325,36 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
         if in_use + self._lease_pins.added_by(block_ids) <= self._lease_budget:
             return False
         self.leases_refused += 1
-        logger.warning("not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
-                       "of the KV cache); its blocks are freed now and decode computes the prompt itself. Many "
-                       "do_remote_decode requests whose decode leg never comes, or a slow decode: raise "
-                       "max_lease_fraction or lower lease_s", request.request_id, in_use, self._lease_budget)
+        logger.warning(
+            "not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
+            "of the KV cache); its blocks are freed now and decode computes the prompt itself. Many "
+            "do_remote_decode requests whose decode leg never comes, or a slow decode: raise "
+            "max_lease_fraction or lower lease_s",
+            request.request_id,
+            in_use,
+            self._lease_budget,
+        )
         return True
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
-            self._awaiting_reads.difference_update(getattr(connector_output, "finished_recving", None) or ())
+            self._awaiting_reads.difference_update(
+                getattr(connector_output, "finished_recving", None) or ()
+            )
             meta = connector_output.kv_connector_worker_meta
-            if isinstance(meta, PDLeaseWorkerMetadata) and meta.leases_ended and self._block_pool is not None:
+            if (
+                isinstance(meta, PDLeaseWorkerMetadata)
+                and meta.leases_ended
+                and self._block_pool is not None
+            ):
                 freed = self._lease_pins.ended(self._block_pool, meta.leases_ended)
                 if freed:  # the lease budget counts them no more
                     from vllm.v1.outputs import KVConnectorOutput
 
-                    self._scheduler.update_connector_output(KVConnectorOutput(finished_sending=set(freed)))
+                    self._scheduler.update_connector_output(
+                        KVConnectorOutput(finished_sending=set(freed))
+                    )
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pins()
@@ -329,7 +397,9 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # reads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None  # decode pulls; prefill only keeps its blocks alive
 
     def wait_for_save(self) -> None:

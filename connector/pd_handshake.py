@@ -46,7 +46,13 @@ from hybridkv.connector.block_layout import GroupLayout, KVLayout
 from hybridkv.connector.pd_auth import PURPOSE_RPC_ANSWER, PURPOSE_RPC_REQUEST, DeploymentKey
 from hybridkv.connector.pd_refusal_log import RefusalLog
 from hybridkv.connector.pd_replay import ReplayGuard
-from hybridkv.connector.pd_tp import MAX_TP, StateSplit, head_outermost, ratio_problem, state_split_problem
+from hybridkv.connector.pd_tp import (
+    MAX_TP,
+    StateSplit,
+    head_outermost,
+    ratio_problem,
+    state_split_problem,
+)
 from hybridkv.connector.pd_transport import HOST, MemorySpace
 from hybridkv.store.logs import get_logger
 
@@ -252,11 +258,17 @@ class LayoutDescriptor:
                     kv_heads=int(kv_heads[gi]) if kv_heads is not None else 0,
                     kernel_rows=tuple(int(k) for k in g.kernel_rows),
                     kv_cache_layout=str(row.get("kv_cache_layout") or ""),
-                    state_splits=tuple(s.to_wire() for s in (state_splits[gi] if state_splits else ())),
+                    state_splits=tuple(
+                        s.to_wire() for s in (state_splits[gi] if state_splits else ())
+                    ),
                 )
             )
-        return cls(tp_size=tp_size, groups=tuple(groups), kv_identity=_identity_pairs(kv_identity or {}),
-                   total_kv_heads=int(total_kv_heads))
+        return cls(
+            tp_size=tp_size,
+            groups=tuple(groups),
+            kv_identity=_identity_pairs(kv_identity or {}),
+            total_kv_heads=int(total_kv_heads),
+        )
 
     def identity(self) -> dict[str, str]:
         return dict(self.kv_identity)
@@ -264,7 +276,9 @@ class LayoutDescriptor:
     def without_addresses(self) -> "LayoutDescriptor":
         return replace(
             self,
-            groups=tuple(None if g is None else replace(g, bases=(), strides=()) for g in self.groups),
+            groups=tuple(
+                None if g is None else replace(g, bases=(), strides=()) for g in self.groups
+            ),
         )
 
     def group_layouts(self) -> tuple[GroupLayout | None, ...]:
@@ -317,7 +331,9 @@ class LayoutDescriptor:
                 spec=str(g["spec"]),
                 block_size=int(g["block_size"]),
                 dtype=str(g["dtype"]),
-                sliding_window=None if g.get("sliding_window") is None else int(g["sliding_window"]),
+                sliding_window=None
+                if g.get("sliding_window") is None
+                else int(g["sliding_window"]),
                 block_bytes=tuple(int(x) for x in g["block_bytes"]),
                 bases=tuple(int(x) for x in g.get("bases", ())),
                 strides=tuple(int(x) for x in g.get("strides", ())),
@@ -341,8 +357,12 @@ class LayoutDescriptor:
                 f"HANDSHAKE_VERSION={HANDSHAKE_VERSION}): the peer runs an older hybridkv; install the "
                 "same hybridkv version on both instances"
             )
-        return cls(tp_size=int(obj["tp_size"]), groups=tuple(groups),
-                   kv_identity=_identity_pairs(obj["kv_identity"]), total_kv_heads=int(obj.get("total_kv_heads", 0)))
+        return cls(
+            tp_size=int(obj["tp_size"]),
+            groups=tuple(groups),
+            kv_identity=_identity_pairs(obj["kv_identity"]),
+            total_kv_heads=int(obj.get("total_kv_heads", 0)),
+        )
 
 
 def _identity_pairs(identity: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -448,9 +468,7 @@ class Mismatch:
 
 
 _SAME_MODEL = "serve the same model (and speculative/drafter config) on both instances"
-_SAME_IDENTITY = (
-    "both instances must serve the same model with the same --kv-cache-dtype/quantization/rope settings"
-)
+_SAME_IDENTITY = "both instances must serve the same model with the same --kv-cache-dtype/quantization/rope settings"
 _MISSING = "<absent>"
 
 
@@ -470,7 +488,11 @@ def version_mismatch(prefill: int, decode: int) -> Mismatch | None:
     if prefill == decode:
         return None
     return Mismatch(
-        "handshake", "version", prefill, decode, "install the same hybridkv version on both instances"
+        "handshake",
+        "version",
+        prefill,
+        decode,
+        "install the same hybridkv version on both instances",
     )
 
 
@@ -489,9 +511,16 @@ def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list
         if prefill.total_kv_heads != decode.total_kv_heads or prefill.total_kv_heads < max(
             prefill.tp_size, decode.tp_size
         ):
-            out.append(Mismatch("", "total_kv_heads", prefill.total_kv_heads, decode.total_kv_heads,
-                                "heads re-sliced between TP sizes need the same model with at least as many "
-                                "KV heads as ranks on each side; else use the same --tensor-parallel-size"))
+            out.append(
+                Mismatch(
+                    "",
+                    "total_kv_heads",
+                    prefill.total_kv_heads,
+                    decode.total_kv_heads,
+                    "heads re-sliced between TP sizes need the same model with at least as many "
+                    "KV heads as ranks on each side; else use the same --tensor-parallel-size",
+                )
+            )
     if len(prefill.groups) != len(decode.groups):
         out.append(Mismatch("", "num_groups", len(prefill.groups), len(decode.groups), _SAME_MODEL))
         return out
@@ -524,7 +553,9 @@ def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list
                 )
             )
         if p.sliding_window != d.sliding_window:
-            out.append(Mismatch(g, "sliding_window", p.sliding_window, d.sliding_window, _SAME_MODEL))
+            out.append(
+                Mismatch(g, "sliding_window", p.sliding_window, d.sliding_window, _SAME_MODEL)
+            )
         if p.num_layers != d.num_layers:
             out.append(
                 Mismatch(
@@ -576,7 +607,11 @@ def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list
 
 
 def _heterogeneous_group_mismatches(
-    g: str, p: GroupDescriptor, d: GroupDescriptor, prefill: LayoutDescriptor, decode: LayoutDescriptor
+    g: str,
+    p: GroupDescriptor,
+    d: GroupDescriptor,
+    prefill: LayoutDescriptor,
+    decode: LayoutDescriptor,
 ) -> list[Mismatch]:
     """What stops decode assembling its blocks of one group from head ranges of prefill's
     (prefill and decode at different TP sizes; see pd_tp)."""
@@ -585,7 +620,11 @@ def _heterogeneous_group_mismatches(
         try:
             ps, ds = p.splits(), d.splits()
         except ValueError as e:
-            return [Mismatch(g, "state_splits", list(p.state_splits), list(d.state_splits), f"{e}; {same_tp}")]
+            return [
+                Mismatch(
+                    g, "state_splits", list(p.state_splits), list(d.state_splits), f"{e}; {same_tp}"
+                )
+            ]
         problem = state_split_problem(ds, ps, decode.tp_size, prefill.tp_size)
         if problem is None:  # the states must also fit each layer's page on both sides
             for layer, (pb, db) in enumerate(zip(p.block_bytes, d.block_bytes)):
@@ -593,33 +632,75 @@ def _heterogeneous_group_mismatches(
                     problem = f"layer {layer}: {why}"
                     break
         if problem:
-            return [Mismatch(g, "state_splits", list(p.state_splits), list(d.state_splits),
-                             f"{p.spec} state cannot be re-sliced between TP {prefill.tp_size} and "
-                             f"{decode.tp_size}: {problem}; {same_tp} for this model")]
+            return [
+                Mismatch(
+                    g,
+                    "state_splits",
+                    list(p.state_splits),
+                    list(d.state_splits),
+                    f"{p.spec} state cannot be re-sliced between TP {prefill.tp_size} and "
+                    f"{decode.tp_size}: {problem}; {same_tp} for this model",
+                )
+            ]
         return []
     if p.kv_heads < 1 or d.kv_heads < 1:
-        return [Mismatch(g, "kv_heads", p.kv_heads, d.kv_heads,
-                         f"a side did not say how many KV heads its {p.spec} blocks hold; {same_tp}")]
+        return [
+            Mismatch(
+                g,
+                "kv_heads",
+                p.kv_heads,
+                d.kv_heads,
+                f"a side did not say how many KV heads its {p.spec} blocks hold; {same_tp}",
+            )
+        ]
     out = []
     total = prefill.total_kv_heads
     if p.kv_heads * prefill.tp_size != total or d.kv_heads * decode.tp_size != total:
-        out.append(Mismatch(g, "kv_heads", p.kv_heads, d.kv_heads,
-                            f"per-rank KV heads x TP size must be the model's {total} heads on both sides "
-                            f"(vLLM replicates heads when there are fewer than ranks); {same_tp}"))
+        out.append(
+            Mismatch(
+                g,
+                "kv_heads",
+                p.kv_heads,
+                d.kv_heads,
+                f"per-rank KV heads x TP size must be the model's {total} heads on both sides "
+                f"(vLLM replicates heads when there are fewer than ranks); {same_tp}",
+            )
+        )
     for side, layout_name in (("prefill", p.kv_cache_layout), ("decode", d.kv_cache_layout)):
         if not head_outermost(layout_name):
-            out.append(Mismatch(g, "kv_cache_layout", p.kv_cache_layout, d.kv_cache_layout,
-                                f"the {side} side's layout {layout_name or '<unknown>'} is not head-outermost within a "
-                                f"block; use LBHNC (VLLM_KV_CACHE_LAYOUT unset) on both, or {same_tp}"))
+            out.append(
+                Mismatch(
+                    g,
+                    "kv_cache_layout",
+                    p.kv_cache_layout,
+                    d.kv_cache_layout,
+                    f"the {side} side's layout {layout_name or '<unknown>'} is not head-outermost within a "
+                    f"block; use LBHNC (VLLM_KV_CACHE_LAYOUT unset) on both, or {same_tp}",
+                )
+            )
             break
     if p.kernel_rows != d.kernel_rows:
-        out.append(Mismatch(g, "kernel_rows", list(p.kernel_rows), list(d.kernel_rows),
-                            "run the same attention backend / kernel block size on both instances"))
+        out.append(
+            Mismatch(
+                g,
+                "kernel_rows",
+                list(p.kernel_rows),
+                list(d.kernel_rows),
+                "run the same attention backend / kernel block size on both instances",
+            )
+        )
     for layer, (a, b) in enumerate(zip(p.block_bytes, d.block_bytes)):
         if a * d.kv_heads != b * p.kv_heads:
-            out.append(Mismatch(f"{g} layer {layer}", "block_bytes", a, b,
-                                f"block bytes must be proportional to the KV heads ({p.kv_heads} vs {d.kv_heads}): "
-                                "same model, --kv-cache-dtype and --block-size"))
+            out.append(
+                Mismatch(
+                    f"{g} layer {layer}",
+                    "block_bytes",
+                    a,
+                    b,
+                    f"block bytes must be proportional to the KV heads ({p.kv_heads} vs {d.kv_heads}): "
+                    "same model, --kv-cache-dtype and --block-size",
+                )
+            )
             break
     return out
 
@@ -661,20 +742,32 @@ class HandshakeServer:
         self._requested_port = port
         self._replays = ReplayGuard()
         self._refusals = RefusalLog(logger)
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pd-handshake")
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="pd-handshake"
+        )
         # No SO_REUSEPORT (gRPC's default): a second worker configured with the same port must
         # fail to start, not silently share the port and answer for the other rank. Calls past
         # MAX_CONCURRENT_RPCS are answered RESOURCE_EXHAUSTED instead of queueing without bound.
-        self._server = grpc.server(self._executor, options=[("grpc.so_reuseport", 0)],
-                                   maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+        self._server = grpc.server(
+            self._executor,
+            options=[("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        )
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
-                self._authenticated(name, fn), request_deserializer=lambda b: b, response_serializer=lambda b: b
+                self._authenticated(name, fn),
+                request_deserializer=lambda b: b,
+                response_serializer=lambda b: b,
             )
-            for name, fn in ((METHOD, self._get_agent_info), (RELEASE_METHOD, self._release_blocks),
-                             (CLAIM_METHOD, self._claim_lease))
+            for name, fn in (
+                (METHOD, self._get_agent_info),
+                (RELEASE_METHOD, self._release_blocks),
+                (CLAIM_METHOD, self._claim_lease),
+            )
         }
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+        )
         self.port: int | None = None
 
     @property
@@ -715,10 +808,16 @@ class HandshakeServer:
 
         def handler(body: bytes, context: grpc.ServicerContext) -> bytes:
             if self._key is not None:
-                if not self._key.verify(_metadata_value(context.invocation_metadata()), PURPOSE_RPC_REQUEST,
-                                        method, _digest(body)):
-                    message = (f"P/D side channel: {method} from {context.peer()} refused: no valid {MAC_METADATA} "
-                               "(a caller without this deployment's secret, or another auth_secret_file)")
+                if not self._key.verify(
+                    _metadata_value(context.invocation_metadata()),
+                    PURPOSE_RPC_REQUEST,
+                    method,
+                    _digest(body),
+                ):
+                    message = (
+                        f"P/D side channel: {method} from {context.peer()} refused: no valid {MAC_METADATA} "
+                        "(a caller without this deployment's secret, or another auth_secret_file)"
+                    )
                     self._refusals.warn(context.peer(), "mac", "%s", message)
                     context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
                 try:
@@ -731,7 +830,9 @@ class HandshakeServer:
                     context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             answer = fn(body, context)
             if self._key is not None:
-                context.set_trailing_metadata(((MAC_METADATA, answer_mac(self._key, method, body, answer)),))
+                context.set_trailing_metadata(
+                    ((MAC_METADATA, answer_mac(self._key, method, body, answer)),)
+                )
             return answer
 
         return handler
@@ -746,7 +847,9 @@ class HandshakeServer:
                 self._refuse(context, _refusal(peer, [v]))
             req = AgentInfoRequest.from_json(obj)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GetAgentInfo request: {e!r}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed GetAgentInfo request: {e!r}"
+            )
         if req.wanted_rank != self._info.tp_rank:
             self._refuse(
                 context,
@@ -771,7 +874,9 @@ class HandshakeServer:
                 raise TypeError("request_ids must be a list of strings")
             reader, readers = _reader_fields(obj)
         except (ValueError, KeyError, TypeError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ReleaseBlocks request: {e!r}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed ReleaseBlocks request: {e!r}"
+            )
         if self._on_release is not None:
             self._on_release(ids, reader, readers)
         return b"{}"
@@ -845,8 +950,9 @@ class _Channels:
             if channel is not None:
                 self._by_address.move_to_end(key)
                 return channel
-            channel = grpc.insecure_channel(address, options=[*_CHANNEL_OPTIONS,
-                                                              ("grpc.min_reconnect_backoff_ms", key[1])])
+            channel = grpc.insecure_channel(
+                address, options=[*_CHANNEL_OPTIONS, ("grpc.min_reconnect_backoff_ms", key[1])]
+            )
             self.opened += 1
             self._by_address[key] = channel
             while len(self._by_address) > self._capacity:
@@ -867,7 +973,9 @@ MAX_PEER_CHANNELS = 64  # as many as the NIXL peers a decode worker keeps (PDWor
 _channels = _Channels(MAX_PEER_CHANNELS)
 
 
-def _call(address: str, method: str, obj: dict[str, Any], timeout_s: float, key: DeploymentKey | None) -> bytes:
+def _call(
+    address: str, method: str, obj: dict[str, Any], timeout_s: float, key: DeploymentKey | None
+) -> bytes:
     """One authenticated unary call: a nonce in the body, the MAC in the metadata, the
     answer's MAC checked (raises :class:`HandshakeError` if it is missing or wrong)."""
     body = json.dumps({**obj, "nonce": secrets.token_hex(16), "ts": time.time()}).encode()
@@ -875,14 +983,23 @@ def _call(address: str, method: str, obj: dict[str, Any], timeout_s: float, key:
     channel = _channels.get(address, timeout_s)
     try:
         answer, call = channel.unary_unary(
-            f"/{SERVICE}/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+            f"/{SERVICE}/{method}",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
         ).with_call(body, timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as e:
-        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # a refusal is an answer: the channel is fine
+        if (
+            e.code() != grpc.StatusCode.FAILED_PRECONDITION
+        ):  # a refusal is an answer: the channel is fine
             _channels.drop(address, channel)
         raise
-    if key is not None and not key.verify(_metadata_value(call.trailing_metadata()), PURPOSE_RPC_ANSWER,
-                                          method, _digest(body), _digest(answer)):
+    if key is not None and not key.verify(
+        _metadata_value(call.trailing_metadata()),
+        PURPOSE_RPC_ANSWER,
+        method,
+        _digest(body),
+        _digest(answer),
+    ):
         raise HandshakeError(
             f"P/D side channel: the {method} answer of {address} carries no valid {MAC_METADATA}: it does not "
             "hold this deployment's secret (another auth_secret_file, or not a hybridkv prefill worker)"
@@ -894,25 +1011,45 @@ def _rpc_failure(e: grpc.RpcError) -> str:
     """``CODE: details``, with what a busy side channel means."""
     text = f"{e.code().name}: {e.details()}"
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        text += (f" (the prefill worker's side channel holds {MAX_CONCURRENT_RPCS} calls already and refuses "
-                 "more; the request recomputes)")
+        text += (
+            f" (the prefill worker's side channel holds {MAX_CONCURRENT_RPCS} calls already and refuses "
+            "more; the request recomputes)"
+        )
     return text
 
 
-def release_blocks(address: str, request_ids: Sequence[str], timeout_s: float,
-                   key: DeploymentKey | None = None, reader: int = 0, readers: int = 1) -> None:
+def release_blocks(
+    address: str,
+    request_ids: Sequence[str],
+    timeout_s: float,
+    key: DeploymentKey | None = None,
+    reader: int = 0,
+    readers: int = 1,
+) -> None:
     """Tell the prefill worker at ``address`` it may free these requests' blocks now
     (once all ``readers`` decode ranks that read it said so; ``reader``: this one)."""
     try:
-        _call(address, RELEASE_METHOD, {"request_ids": list(request_ids), "reader": reader, "readers": readers},
-              timeout_s, key)
+        _call(
+            address,
+            RELEASE_METHOD,
+            {"request_ids": list(request_ids), "reader": reader, "readers": readers},
+            timeout_s,
+            key,
+        )
     except grpc.RpcError as e:
         raise HandshakeError(f"P/D release on {address} failed: {_rpc_failure(e)}") from None
 
 
-def claim_lease(address: str, request_id: str, lease_id: str, timeout_s: float,
-                key: DeploymentKey | None = None, reader: int = 0, readers: int = 1,
-                wait_s: float = CLAIM_WAIT_S) -> float:
+def claim_lease(
+    address: str,
+    request_id: str,
+    lease_id: str,
+    timeout_s: float,
+    key: DeploymentKey | None = None,
+    reader: int = 0,
+    readers: int = 1,
+    wait_s: float = CLAIM_WAIT_S,
+) -> float:
     """Claim the prefill side's lease on ``request_id``'s blocks once a READ of them ended.
 
     Success proves the blocks were held (not expired, released or claimed by another
@@ -926,12 +1063,24 @@ def claim_lease(address: str, request_id: str, lease_id: str, timeout_s: float,
     give_up = time.monotonic() + wait_s
     while True:
         try:
-            raw = _call(address, CLAIM_METHOD, {"request_id": request_id, "lease_id": lease_id, "reader": reader,
-                                                "readers": readers}, timeout_s, key)
+            raw = _call(
+                address,
+                CLAIM_METHOD,
+                {
+                    "request_id": request_id,
+                    "lease_id": lease_id,
+                    "reader": reader,
+                    "readers": readers,
+                },
+                timeout_s,
+                key,
+            )
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise LeaseRefused(f"{e.details()} (prefill worker at {address})") from None
-            raise HandshakeError(f"P/D lease claim on {address} failed: {_rpc_failure(e)}") from None
+            raise HandshakeError(
+                f"P/D lease claim on {address} failed: {_rpc_failure(e)}"
+            ) from None
         try:
             obj = json.loads(raw)
             if obj["request_id"] != request_id:
@@ -942,18 +1091,27 @@ def claim_lease(address: str, request_id: str, lease_id: str, timeout_s: float,
                 if isinstance(remaining, bool) or not isinstance(remaining, (int, float)):
                     raise TypeError(f"answer {obj!r}")
                 return float(remaining)
-            if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not 0 <= retry <= 1:
+            if (
+                isinstance(retry, bool)
+                or not isinstance(retry, (int, float))
+                or not 0 <= retry <= 1
+            ):
                 raise TypeError(f"answer {obj!r}")
         except (ValueError, KeyError, TypeError) as e:
-            raise HandshakeError(f"P/D lease claim on {address}: malformed answer ({e!r})") from None
+            raise HandshakeError(
+                f"P/D lease claim on {address}: malformed answer ({e!r})"
+            ) from None
         if time.monotonic() + retry >= give_up:
-            raise LeaseRefused(f"request {request_id}: no such lease (the prefill worker at {address} did not "
-                               f"hold it within {wait_s:g} s)")
+            raise LeaseRefused(
+                f"request {request_id}: no such lease (the prefill worker at {address} did not "
+                f"hold it within {wait_s:g} s)"
+            )
         time.sleep(max(float(retry), 0.005))
 
 
-def request_agent_info(address: str, request: AgentInfoRequest, timeout_s: float,
-                       key: DeploymentKey | None = None) -> AgentInfo:
+def request_agent_info(
+    address: str, request: AgentInfoRequest, timeout_s: float, key: DeploymentKey | None = None
+) -> AgentInfo:
     """One GetAgentInfo round trip, decoded; only the version is checked (it decides
     how to parse). :func:`fetch_agent_info` adds the layout checks."""
     try:
@@ -1041,12 +1199,18 @@ def fetch_agent_info(
     wanted = tp_rank if prefill_rank is None else prefill_rank
     info = request_agent_info(
         address,
-        AgentInfoRequest(engine_id=engine_id, tp_rank=tp_rank, expected=local.without_addresses(),
-                         prefill_rank=wanted),
+        AgentInfoRequest(
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            expected=local.without_addresses(),
+            prefill_rank=wanted,
+        ),
         timeout_s,
         key,
     )
-    check_agent_info(info, local, address=address, tp_rank=wanted, prefill_engine_id=prefill_engine_id)
+    check_agent_info(
+        info, local, address=address, tp_rank=wanted, prefill_engine_id=prefill_engine_id
+    )
     return info
 
 

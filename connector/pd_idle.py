@@ -38,8 +38,12 @@ def wake() -> None:
 class IdlePacer:
     """Counts consecutive idle steps and pauses after each (see the module docstring)."""
 
-    def __init__(self, min_pause_s: float = MIN_PAUSE_S, max_pause_s: float = MAX_PAUSE_S,
-                 wait: Callable[[float], bool] | None = None) -> None:
+    def __init__(
+        self,
+        min_pause_s: float = MIN_PAUSE_S,
+        max_pause_s: float = MAX_PAUSE_S,
+        wait: Callable[[float], bool] | None = None,
+    ) -> None:
         self._min, self._max = min_pause_s, max_pause_s
         self._wait = wait if wait is not None else _WAKE.wait
         self._pause = 0.0

@@ -32,7 +32,9 @@ LEASE_ID_HEX_CHARS = 32
 _HOST = re.compile(r"^[A-Za-z0-9._:\-\[\]]+$")
 _HEX = re.compile(r"^[0-9a-f]+$")
 
-_SAME_PARAMS = "send the kv_transfer_params the prefill instance returned, unchanged, with the same prompt"
+_SAME_PARAMS = (
+    "send the kv_transfer_params the prefill instance returned, unchanged, with the same prompt"
+)
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,25 @@ class RemotePrefill:
     def signed_fields(self, covered_hashes: Sequence[bytes]) -> list[Any]:
         """What the prefill side's MAC covers: every field decode acts on, and the
         prompt block hashes the KV belongs to (so it cannot be replayed for another prompt)."""
-        return [self.engine_id, self.request_id, self.host, self.port, [list(g) for g in self.block_ids],
-                self.num_tokens, self.lease_id, [bytes(h).hex() for h in covered_hashes], list(self.rank_ports)]
+        return [
+            self.engine_id,
+            self.request_id,
+            self.host,
+            self.port,
+            [list(g) for g in self.block_ids],
+            self.num_tokens,
+            self.lease_id,
+            [bytes(h).hex() for h in covered_hashes],
+            list(self.rank_ports),
+        ]
 
 
 ParsedParams = RemoteDecode | RemotePrefill | Refused | None
 
 
-def covered_hashes(block_hashes: Sequence[bytes], num_tokens: int, hash_block_size: int) -> Sequence[bytes] | None:
+def covered_hashes(
+    block_hashes: Sequence[bytes], num_tokens: int, hash_block_size: int
+) -> Sequence[bytes] | None:
     """The prompt's block hashes covering its first ``num_tokens`` tokens (None: not that many)."""
     n = num_tokens // hash_block_size
     return block_hashes[:n] if n <= len(block_hashes) else None
@@ -156,44 +169,74 @@ def _int(raw: dict, name: str, lo: int, hi: int, what: str) -> int | Refused:
     return v
 
 
-def _str(raw: dict, name: str, max_chars: int, pattern: re.Pattern[str] | None = None,
-         exact: int | None = None) -> str | Refused:
+def _str(
+    raw: dict,
+    name: str,
+    max_chars: int,
+    pattern: re.Pattern[str] | None = None,
+    exact: int | None = None,
+) -> str | Refused:
     v = raw.get(name)
     if not isinstance(v, str) or not v:
-        return Refused(name, f"is {type(v).__name__} {_short(v)}, not a non-empty string", _SAME_PARAMS)
+        return Refused(
+            name, f"is {type(v).__name__} {_short(v)}, not a non-empty string", _SAME_PARAMS
+        )
     if len(v) > max_chars or (exact is not None and len(v) != exact):
-        return Refused(name, f"has {len(v)} characters (expected {exact or f'at most {max_chars}'})", _SAME_PARAMS)
+        return Refused(
+            name,
+            f"has {len(v)} characters (expected {exact or f'at most {max_chars}'})",
+            _SAME_PARAMS,
+        )
     if pattern is not None and not pattern.match(v):
         return Refused(name, f"{_short(v)} has characters outside {pattern.pattern}", _SAME_PARAMS)
     return v
 
 
-def _block_ids(raw: dict, prompt: PromptView, local: LocalLayout) -> tuple[tuple[int, ...], ...] | Refused:
+def _block_ids(
+    raw: dict, prompt: PromptView, local: LocalLayout
+) -> tuple[tuple[int, ...], ...] | Refused:
     name = "remote_block_ids"
     groups = raw.get(name)
     n_groups = len(local.group_block_sizes)
     if not isinstance(groups, list):
-        return Refused(name, f"is {type(groups).__name__} {_short(groups)}, not a list of lists (one per KV cache "
-                             "group)", _SAME_PARAMS)
+        return Refused(
+            name,
+            f"is {type(groups).__name__} {_short(groups)}, not a list of lists (one per KV cache "
+            "group)",
+            _SAME_PARAMS,
+        )
     if len(groups) != n_groups:
-        return Refused(name, f"has {len(groups)} groups but this instance has {n_groups} KV cache groups",
-                       "serve the same model with the same config on prefill and decode")
+        return Refused(
+            name,
+            f"has {len(groups)} groups but this instance has {n_groups} KV cache groups",
+            "serve the same model with the same config on prefill and decode",
+        )
     seen: set[int] = set()
     out: list[tuple[int, ...]] = []
     for gid, (ids, bs) in enumerate(zip(groups, local.group_block_sizes)):
         where = f"{name}[{gid}]"
         if not isinstance(ids, list):
-            return Refused(where, f"is {type(ids).__name__} {_short(ids)}, not a list", _SAME_PARAMS)
+            return Refused(
+                where, f"is {type(ids).__name__} {_short(ids)}, not a list", _SAME_PARAMS
+            )
         most = math.ceil(prompt.num_prompt_tokens / bs)
         if len(ids) > most:
-            return Refused(where, f"has {len(ids)} blocks but a {prompt.num_prompt_tokens}-token prompt has at most "
-                                  f"{most} at this instance's group {gid} block_size={bs}",
-                           "start prefill and decode with the same model and --block-size; else " + _SAME_PARAMS)
+            return Refused(
+                where,
+                f"has {len(ids)} blocks but a {prompt.num_prompt_tokens}-token prompt has at most "
+                f"{most} at this instance's group {gid} block_size={bs}",
+                "start prefill and decode with the same model and --block-size; else "
+                + _SAME_PARAMS,
+            )
         for b in ids:
             if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < local.num_blocks:
-                return Refused(where, f"holds {_short(b)}, not a block id in [0, {local.num_blocks})",
-                               "serve the same model with the same KV cache size on prefill and decode"
-                               if isinstance(b, int) and not isinstance(b, bool) and b >= 0 else _SAME_PARAMS)
+                return Refused(
+                    where,
+                    f"holds {_short(b)}, not a block id in [0, {local.num_blocks})",
+                    "serve the same model with the same KV cache size on prefill and decode"
+                    if isinstance(b, int) and not isinstance(b, bool) and b >= 0
+                    else _SAME_PARAMS,
+                )
             if b and b in seen:  # groups share one block pool: real ids never repeat (0 = null)
                 return Refused(where, f"repeats block {b}", _SAME_PARAMS)
             seen.add(b)
@@ -208,18 +251,27 @@ def _ports(raw: dict, port: int | Refused, local: LocalLayout) -> tuple[int, ...
         return port
     ports = raw.get(name, [port])
     if not isinstance(ports, list) or not 1 <= len(ports) <= MAX_TP:
-        return Refused(name, f"is {_short(ports)}, not a list of 1 to {MAX_TP} ports (one per prefill rank)",
-                       _SAME_PARAMS)
+        return Refused(
+            name,
+            f"is {_short(ports)}, not a list of 1 to {MAX_TP} ports (one per prefill rank)",
+            _SAME_PARAMS,
+        )
     for v in ports:
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65535:
             return Refused(name, f"holds {_short(v)}, not a TCP port", _SAME_PARAMS)
     if ports[0] != port:
-        return Refused(name, f"starts with {ports[0]} but remote_port is {port} (rank 0's port)", _SAME_PARAMS)
-    problem = heterogeneous_tp_problem(len(ports), local.tp_size, local.mamba_group_ids, local.total_kv_heads,
-                                       local.mamba_problem)
+        return Refused(
+            name, f"starts with {ports[0]} but remote_port is {port} (rank 0's port)", _SAME_PARAMS
+        )
+    problem = heterogeneous_tp_problem(
+        len(ports), local.tp_size, local.mamba_group_ids, local.total_kv_heads, local.mamba_problem
+    )
     if problem:
-        return Refused(name, f"lists {len(ports)} prefill ranks: {problem}",
-                       "pair instances whose --tensor-parallel-size this model can be re-sliced between")
+        return Refused(
+            name,
+            f"lists {len(ports)} prefill ranks: {problem}",
+            "pair instances whose --tensor-parallel-size this model can be re-sliced between",
+        )
     return tuple(ports)
 
 
@@ -235,7 +287,9 @@ def parse_kv_transfer_params(
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        return Refused("", f"is {type(raw).__name__}, not an object", "send a JSON object or leave it out")
+        return Refused(
+            "", f"is {type(raw).__name__}, not an object", "send a JSON object or leave it out"
+        )
     decode = _flag(raw, "do_remote_decode")
     if isinstance(decode, Refused):
         return decode
@@ -243,25 +297,38 @@ def parse_kv_transfer_params(
     if isinstance(remote, Refused):
         return remote
     if decode and remote:
-        return Refused("do_remote_prefill", "and do_remote_decode are both true",
-                       "a request is either the prefill leg (do_remote_decode) or the decode leg")
+        return Refused(
+            "do_remote_prefill",
+            "and do_remote_decode are both true",
+            "a request is either the prefill leg (do_remote_decode) or the decode leg",
+        )
     if decode:
         if not local.can_prefill:
-            return Refused("do_remote_decode", "is true on an instance that is not a prefill instance",
-                           "send the prefill leg to an instance with kv_role kv_producer or kv_both")
+            return Refused(
+                "do_remote_decode",
+                "is true on an instance that is not a prefill instance",
+                "send the prefill leg to an instance with kv_role kv_producer or kv_both",
+            )
         return RemoteDecode()
     if not remote:
         return None
     if not local.can_decode:
-        return Refused("do_remote_prefill", "is true on an instance that is not a decode instance",
-                       "send the decode leg to an instance with kv_role kv_consumer or kv_both")
+        return Refused(
+            "do_remote_prefill",
+            "is true on an instance that is not a decode instance",
+            "send the decode leg to an instance with kv_role kv_consumer or kv_both",
+        )
     fields: dict[str, Any] = {
         "engine_id": _str(raw, "remote_engine_id", MAX_ENGINE_ID_CHARS),
         "request_id": _str(raw, "remote_request_id", MAX_REQUEST_ID_CHARS),
         "host": _str(raw, "remote_host", MAX_HOST_CHARS, _HOST),
         "port": _int(raw, "remote_port", 1, 65535, "a TCP port"),
-        "num_tokens": _int(raw, "remote_num_tokens", 0, prompt.num_prompt_tokens, "this prompt's length"),
-        "lease_id": _str(raw, "remote_lease_id", LEASE_ID_HEX_CHARS, _HEX, exact=LEASE_ID_HEX_CHARS),
+        "num_tokens": _int(
+            raw, "remote_num_tokens", 0, prompt.num_prompt_tokens, "this prompt's length"
+        ),
+        "lease_id": _str(
+            raw, "remote_lease_id", LEASE_ID_HEX_CHARS, _HEX, exact=LEASE_ID_HEX_CHARS
+        ),
         "block_ids": _block_ids(raw, prompt, local),
     }
     fields["ports"] = _ports(raw, fields["port"], local)
@@ -271,12 +338,21 @@ def parse_kv_transfer_params(
     p = RemotePrefill(**fields)
     hashes = covered_hashes(prompt.block_hashes, p.num_tokens, local.hash_block_size)
     if hashes is None:
-        return Refused("remote_num_tokens", f"is {p.num_tokens} but only {len(prompt.block_hashes)} blocks of "
-                                            f"{local.hash_block_size} tokens of this prompt are hashed", _SAME_PARAMS)
-    if key is not None and not key.verify(raw.get("remote_mac"), PURPOSE_PARAMS, *p.signed_fields(hashes)):
-        return Refused("remote_mac", "does not verify for this prompt and these fields (missing, altered, issued "
-                                     "for another prompt, or signed with another secret)",
-                       f"{_SAME_PARAMS}; give prefill and decode the same auth_secret_file")
+        return Refused(
+            "remote_num_tokens",
+            f"is {p.num_tokens} but only {len(prompt.block_hashes)} blocks of "
+            f"{local.hash_block_size} tokens of this prompt are hashed",
+            _SAME_PARAMS,
+        )
+    if key is not None and not key.verify(
+        raw.get("remote_mac"), PURPOSE_PARAMS, *p.signed_fields(hashes)
+    ):
+        return Refused(
+            "remote_mac",
+            "does not verify for this prompt and these fields (missing, altered, issued "
+            "for another prompt, or signed with another secret)",
+            f"{_SAME_PARAMS}; give prefill and decode the same auth_secret_file",
+        )
     return p
 
 

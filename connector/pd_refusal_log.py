@@ -27,13 +27,19 @@ def peer_host(peer: str) -> str:
 class RefusalLog:
     """``warn(peer, kind, fmt, *args)``: logged unless this peer host logged this kind lately."""
 
-    def __init__(self, logger: logging.Logger | logging.LoggerAdapter, interval_s: float = REFUSAL_LOG_INTERVAL_S,
-                 capacity: int = MAX_PEERS_TRACKED) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger | logging.LoggerAdapter,
+        interval_s: float = REFUSAL_LOG_INTERVAL_S,
+        capacity: int = MAX_PEERS_TRACKED,
+    ) -> None:
         self._logger = logger
         self._interval = interval_s
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._last: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()  # -> (logged at, left out)
+        self._last: OrderedDict[tuple[str, str], tuple[float, int]] = (
+            OrderedDict()
+        )  # -> (logged at, left out)
 
     def warn(self, peer: str, kind: str, fmt: str, *args: Any) -> bool:
         """True if this one was logged."""

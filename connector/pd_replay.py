@@ -33,8 +33,12 @@ MAX_NONCE_CHARS = 128
 class ReplayGuard:
     """Accepts each (``ts``, ``nonce``) of an authenticated body once within the window."""
 
-    def __init__(self, window_s: float = REPLAY_WINDOW_S, capacity: int = MAX_NONCES,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        window_s: float = REPLAY_WINDOW_S,
+        capacity: int = MAX_NONCES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._window = window_s
         self._capacity = capacity
         self._clock = clock
@@ -52,13 +56,17 @@ class ReplayGuard:
             return "the body is not a JSON object"
         ts, nonce = obj.get("ts"), obj.get("nonce")
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-            return "the body carries no timestamp (ts): a caller of an older version, or a forged body"
+            return (
+                "the body carries no timestamp (ts): a caller of an older version, or a forged body"
+            )
         if not isinstance(nonce, str) or not MIN_NONCE_CHARS <= len(nonce) <= MAX_NONCE_CHARS:
             return f"the body carries no nonce of {MIN_NONCE_CHARS}-{MAX_NONCE_CHARS} characters"
         now = self._clock()
         if abs(now - ts) > self._window:
-            return (f"its timestamp is {now - ts:+.0f} s from this host's clock, outside the {self._window:g} s "
-                    "replay window: a replayed request, or the two hosts' clocks differ by more than that (run NTP)")
+            return (
+                f"its timestamp is {now - ts:+.0f} s from this host's clock, outside the {self._window:g} s "
+                "replay window: a replayed request, or the two hosts' clocks differ by more than that (run NTP)"
+            )
         with self._lock:
             while self._expiry and self._expiry[0][0] < now:
                 self._seen.discard(heapq.heappop(self._expiry)[1])

@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.connector.block_copies import step_block_copies
 from hybridkv.connector.failed_loads import FailedLoads
 from hybridkv.connector.pd_auth import DeploymentKey
-from hybridkv.connector.pd_metadata import Lease, PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata, ReadJob
+from hybridkv.connector.pd_metadata import (
+    Lease,
+    PDConnectorMetadata,
+    PDHandshakeMetadata,
+    PDWorkerMetadata,
+    ReadJob,
+)
 from hybridkv.connector.pd_params import (
     LocalLayout,
     ParsedParams,
@@ -81,11 +87,23 @@ class PDScheduler:
     connector's own per-request state lives here, never in the client's dict."""
 
     def __init__(
-        self, engine_id: str, has_recurrent_state: bool, lease_s: float, mamba_group_ids: tuple[int, ...],
-        align_tokens: int, *, can_prefill: bool = True, can_decode: bool = True,
-        group_block_sizes: tuple[int, ...] = (), num_blocks: int = 0, key: DeploymentKey | None = None,
-        fail_on_refusal: bool = False, tp_size: int = 1, total_kv_heads: int = 0,
-        max_lease_fraction: float = 1.0, mamba_problem: str | None = MAMBA_TP_NOT_ENABLED,
+        self,
+        engine_id: str,
+        has_recurrent_state: bool,
+        lease_s: float,
+        mamba_group_ids: tuple[int, ...],
+        align_tokens: int,
+        *,
+        can_prefill: bool = True,
+        can_decode: bool = True,
+        group_block_sizes: tuple[int, ...] = (),
+        num_blocks: int = 0,
+        key: DeploymentKey | None = None,
+        fail_on_refusal: bool = False,
+        tp_size: int = 1,
+        total_kv_heads: int = 0,
+        max_lease_fraction: float = 1.0,
+        mamba_problem: str | None = MAMBA_TP_NOT_ENABLED,
         group_windows: tuple[int, ...] = (),
     ) -> None:
         self._engine_id = engine_id
@@ -132,7 +150,9 @@ class PDScheduler:
         # Decode: requests whose READ job this connector posted (it loads into their blocks),
         # until the workers report it finished; a failed one goes to _failed_reads.
         self._reading: set[str] = set()
-        self._failed_reads = FailedLoads()  # failed READs: the next admission attempt is skipped once
+        self._failed_reads = (
+            FailedLoads()
+        )  # failed READs: the next admission attempt is skipped once
 
     @property
     def failed_read_deferrals(self) -> int:
@@ -145,9 +165,17 @@ class PDScheduler:
     # ------------------------------------------------------------- parameters
     def local_layout(self) -> LocalLayout:
         hash_bs = getattr(self._block_pool, "hash_block_size", None) or self._align
-        return LocalLayout(self._can_prefill, self._can_decode, self._group_block_sizes, self._num_blocks, hash_bs,
-                           tp_size=self._tp_size, mamba_group_ids=tuple(sorted(self._mamba)),
-                           total_kv_heads=self._total_kv_heads, mamba_problem=self._mamba_problem)
+        return LocalLayout(
+            self._can_prefill,
+            self._can_decode,
+            self._group_block_sizes,
+            self._num_blocks,
+            hash_bs,
+            tp_size=self._tp_size,
+            mamba_group_ids=tuple(sorted(self._mamba)),
+            total_kv_heads=self._total_kv_heads,
+            mamba_problem=self._mamba_problem,
+        )
 
     def params(self, request: "Request") -> ParsedParams:
         """The request's validated ``kv_transfer_params`` (parsed on first use, then cached)."""
@@ -182,16 +210,23 @@ class PDScheduler:
             return
         hosts = {m.host for m in ranks.values()}
         if sorted(ranks) != list(range(self._tp_size)) or len(hosts) != 1:
-            logger.error("handshake addresses for ranks %s on hosts %s, expected ranks 0..%d on one "
-                         "host; this prefill instance hands no KV over (decode recomputes)", sorted(ranks),
-                         sorted(hosts), self._tp_size - 1)
+            logger.error(
+                "handshake addresses for ranks %s on hosts %s, expected ranks 0..%d on one "
+                "host; this prefill instance hands no KV over (decode recomputes)",
+                sorted(ranks),
+                sorted(hosts),
+                self._tp_size - 1,
+            )
             return
         self._handshake = ranks[0]
         self._rank_ports = tuple(ranks[r].port for r in range(self._tp_size))
 
     # --------------------------------------------------------------- prefill
     def on_new_request(self, request: "Request") -> None:
-        if not isinstance(self.params(request), RemoteDecode) or request.request_id in self._truncated:
+        if (
+            not isinstance(self.params(request), RemoteDecode)
+            or request.request_id in self._truncated
+        ):
             return
         keep = self.prefill_tokens(request.num_prompt_tokens)
         drop = request.num_prompt_tokens - keep
@@ -238,11 +273,15 @@ class PDScheduler:
         self._forget(request.request_id)
         if not isinstance(parsed, RemoteDecode):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
             return False, None  # aborted: nothing to hand over
         if self._handshake is None:
-            logger.warning("no handshake address from the workers; cannot hand over %s",
-                           request.request_id)
+            logger.warning(
+                "no handshake address from the workers; cannot hand over %s", request.request_id
+            )
             return False, None
         remote = [list(group) for group in block_ids]
         if not any(any(group) for group in remote):
@@ -251,10 +290,15 @@ class PDScheduler:
         in_use = self._leased_blocks
         if self._lease_budget and in_use + held > self._lease_budget:
             self.leases_refused += 1
-            logger.warning("not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
-                           "of the KV cache); its blocks are freed now and decode computes the prompt itself. "
-                           "Many do_remote_decode requests whose decode leg never comes, or a slow decode: raise "
-                           "max_lease_fraction or lower lease_s", request.request_id, in_use, self._lease_budget)
+            logger.warning(
+                "not handing %s over: unread leases hold %d of %d blocks (max_lease_fraction "
+                "of the KV cache); its blocks are freed now and decode computes the prompt itself. "
+                "Many do_remote_decode requests whose decode leg never comes, or a slow decode: raise "
+                "max_lease_fraction or lower lease_s",
+                request.request_id,
+                in_use,
+                self._lease_budget,
+            )
             return False, None
         hash_bs = self.local_layout().hash_block_size
         # Sign only what this request hashed (a prompt's last partial block has no hash).
@@ -272,15 +316,24 @@ class PDScheduler:
         # lease when its READ has ended and keeps the bytes only if that is granted.
         return True, issue_remote_prefill(
             RemotePrefill(
-                engine_id=self._engine_id, request_id=request.request_id, host=self._handshake.host,
-                port=self._handshake.port, block_ids=tuple(tuple(g) for g in remote), num_tokens=num_tokens,
-                lease_id=lease.lease_id, ports=self._rank_ports,
+                engine_id=self._engine_id,
+                request_id=request.request_id,
+                host=self._handshake.host,
+                port=self._handshake.port,
+                block_ids=tuple(tuple(g) for g in remote),
+                num_tokens=num_tokens,
+                lease_id=lease.lease_id,
+                ports=self._rank_ports,
             ),
-            self._key, request.block_hashes, hash_bs,
+            self._key,
+            request.block_hashes,
+            hash_bs,
         )
 
     # ---------------------------------------------------------------- decode
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens decode READs from the prefill side (async), 0 to compute them itself.
 
         ``None`` (vLLM: "not known yet", the request is skipped this step) exactly once
@@ -305,14 +358,20 @@ class PDScheduler:
             if missing:
                 # Reading around the gap would leave those blocks' KV unwritten (silently wrong
                 # output); recompute instead (the lease is released by the empty job).
-                logger.warning("request %s: the prefill side's blocks miss (group, block) %s that "
-                               "decode needs to resume at token %d; recomputing from token %d", request.request_id,
-                               missing, target, num_computed_tokens)
+                logger.warning(
+                    "request %s: the prefill side's blocks miss (group, block) %s that "
+                    "decode needs to resume at token %d; recomputing from token %d",
+                    request.request_id,
+                    missing,
+                    target,
+                    num_computed_tokens,
+                )
                 return 0, False
         return (count, True) if count > 0 else (0, False)
 
-    def missing_blocks(self, remote_groups: tuple[tuple[int, ...], ...], num_computed_tokens: int,
-                       target: int) -> list[tuple[int, int]]:
+    def missing_blocks(
+        self, remote_groups: tuple[tuple[int, ...], ...], num_computed_tokens: int, target: int
+    ) -> list[tuple[int, int]]:
         """(group, block index) pairs decode needs from the prefill side to resume at ``target``
         with ``num_computed_tokens`` cached here, but the positional lists hold none for
         (null or past the end). Attention groups only: a full-attention group needs every
@@ -332,7 +391,9 @@ class PDScheduler:
                     missing.append((gid, idx))
         return missing
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
         parsed = self.params(request)
         if request.request_id in self._read_started:
             return
@@ -340,7 +401,9 @@ class PDScheduler:
             if num_external_tokens > 0:  # fail policy: the worker reports this load failed
                 self._read_started.add(request.request_id)
                 self._reading.add(request.request_id)
-                self._reads.append(ReadJob(request.request_id, "", "", "", 0, [], [], refused=str(parsed)))
+                self._reads.append(
+                    ReadJob(request.request_id, "", "", "", 0, [], [], refused=str(parsed))
+                )
             return
         if not isinstance(parsed, RemotePrefill):
             return
@@ -366,7 +429,9 @@ class PDScheduler:
             return
         remote_groups = parsed.block_ids
         if len(remote_groups) != len(blocks.blocks):
-            job.refused = f"prefill has {len(remote_groups)} KV cache groups, decode {len(blocks.blocks)}"
+            job.refused = (
+                f"prefill has {len(remote_groups)} KV cache groups, decode {len(blocks.blocks)}"
+            )
         else:
             target = min(parsed.num_tokens, self.handover_tokens(request.num_prompt_tokens))
             for gid, (remote, group) in enumerate(zip(remote_groups, blocks.blocks)):
@@ -382,14 +447,17 @@ class PDScheduler:
                 job.local_block_ids.append(l_)
             if self._block_pool is not None:
                 # A READ that timed out may still write: the request recomputes in other blocks.
-                pinned = [self._block_pool.blocks[b] for group in job.local_block_ids for b in group]
+                pinned = [
+                    self._block_pool.blocks[b] for group in job.local_block_ids for b in group
+                ]
                 self._block_pool.touch(pinned)
                 self._pins[request.request_id] = pinned
         self._reading.add(request.request_id)
         self._reads.append(job)
 
-    def pair_state_blocks(self, gid: int, remote: tuple[int, ...], local: list[Any], remote_tokens: int,
-                          target: int) -> tuple[list[int], list[int]] | str:
+    def pair_state_blocks(
+        self, gid: int, remote: tuple[int, ...], local: list[Any], remote_tokens: int, target: int
+    ) -> tuple[list[int], list[int]] | str:
         """The prefill side's state block -> decode's state block of Mamba group ``gid``, or why
         none can be paired (the READ is refused, decode recomputes).
 
@@ -418,7 +486,9 @@ class PDScheduler:
         for req_id in getattr(output, "finished_recving", None) or ():
             self._reading.discard(req_id)
         for req_id in getattr(output, "finished_sending", None) or ():
-            self._leased_blocks -= self._leased.pop(req_id, 0)  # the lease ended: vLLM frees its blocks now
+            self._leased_blocks -= self._leased.pop(
+                req_id, 0
+            )  # the lease ended: vLLM frees its blocks now
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PDWorkerMetadata):
             return
@@ -436,7 +506,8 @@ class PDScheduler:
         return bool(self._pins)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PDConnectorMetadata:
-        meta = PDConnectorMetadata(reads=self._reads, leases=self._leases,
-                                   block_copies=step_block_copies(scheduler_output))
+        meta = PDConnectorMetadata(
+            reads=self._reads, leases=self._leases, block_copies=step_block_copies(scheduler_output)
+        )
         self._reads, self._leases = [], []
         return meta

@@ -29,22 +29,22 @@ from hybridkv.connector.counter_stats import CounterPromMetrics, CounterStats
 # Every counter is a plain sum; names are the Prometheus suffixes.
 COUNTERS: dict[str, str] = {
     "reads": "Decode: requests whose KV this rank read and used (READs done, every lease claim granted; "
-             "once per TP rank per request)",
+    "once per TP rank per request)",
     "read_blocks": "Decode: blocks this rank read for the requests counted in reads, summed over KV cache groups",
     "read_bytes": "Decode: bytes this rank's READs moved for the requests counted in reads",
     "read_descriptors": "Decode: NIXL descriptors the READs counted in reads posted (coalesced: one per run of "
-                        "blocks contiguous on both sides, per region)",
+    "blocks contiguous on both sides, per region)",
     "read_regions": "Decode: (block, region) pairs those READs covered before coalescing",
     "read_seconds": "Decode: seconds the reads counted in reads took on their read thread (handshake with a "
-                    "new peer, READs, lease claims, release)",
+    "new peer, READs, lease claims, release)",
     "failed_reads": "Decode: requests whose read on this rank failed, timed out, was refused or discarded "
-                    "(no KV used: the request recomputes or fails per kv_load_failure_policy)",
+    "(no KV used: the request recomputes or fails per kv_load_failure_policy)",
     "timed_out_reads": "Decode: reads counted in failed_reads whose READs did not finish within read_timeout_s",
     "leases": "Prefill: requests this rank holds blocks for until the decode side reads them (one lease each)",
     "leases_released": "Prefill: leases ended because every decode rank reading this rank released them "
-                       "(their blocks freed)",
+    "(their blocks freed)",
     "leases_expired": "Prefill: leases that expired (lease_s) before every decode rank reading this rank "
-                      "released them: read never came, failed, or its release was lost (their blocks freed)",
+    "released them: read never came, failed, or its release was lost (their blocks freed)",
 }
 
 # Why a read failed (``fail.<cause>``, the ``cause`` label); each is also counted in ``failed_reads``.
@@ -52,9 +52,9 @@ FAILURE_CAUSES: dict[str, str] = {
     "TransferTimeout": "the READs did not finish within read_timeout_s; also counted in timed_out_reads",
     "TransferError": "a READ could not be posted or failed, or the prefill rank's NIXL agent could not be added",
     "LeaseRefused": "the prefill side refused the lease claim after the READ: expired, claimed before or "
-                    "unknown; the bytes are discarded",
+    "unknown; the bytes are discarded",
     "HandshakeError": "the side channel failed: no or a bad answer to the handshake or lease claim, or the "
-                      "handshake refused the peer's layout",
+    "handshake refused the peer's layout",
     "plan": "a TP plan, span or KV layout the two sides cannot serve",
     "refused": "the scheduler refused the request's hand-over: kv_transfer_params or KV cache groups",
     "crash": "an unexpected error in the read",
@@ -66,7 +66,23 @@ LATENCIES: dict[str, str] = {
     "read": "Decode: one request's successful read on one rank (as in read_seconds)",
 }
 # Up to read_timeout_s's default (30 s); a read also waits for a new peer's handshake (5 s).
-LATENCY_BUCKETS = [1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+LATENCY_BUCKETS = [
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+]
 
 
 @dataclass
@@ -88,6 +104,14 @@ class HybridPDPromMetrics(CounterPromMetrics):
     ``vllm:hybridkv_pd_<kind>_latency_seconds`` histograms."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:  # noqa: ANN001
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues, prefix="vllm:hybridkv_pd_",
-                         counters=COUNTERS, failures_help=FAILURES_HELP, latencies=LATENCIES,
-                         buckets=LATENCY_BUCKETS)
+        super().__init__(
+            vllm_config,
+            metric_types,
+            labelnames,
+            per_engine_labelvalues,
+            prefix="vllm:hybridkv_pd_",
+            counters=COUNTERS,
+            failures_help=FAILURES_HELP,
+            latencies=LATENCIES,
+            buckets=LATENCY_BUCKETS,
+        )

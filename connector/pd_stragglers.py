@@ -44,9 +44,16 @@ class StragglerDrain:
     """``add(req_id, handles, blocks)`` after a READ timed out; ``on_settled(req_id)`` runs on
     the drain thread once every handle has settled (DONE or failed) and been released."""
 
-    def __init__(self, poll: Callable[[Any], str], release: Callable[[Any], None],
-                 on_settled: Callable[[str], None], *, warn_after_s: float = WARN_AFTER_S,
-                 max_pause_s: float = MAX_PAUSE_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        poll: Callable[[Any], str],
+        release: Callable[[Any], None],
+        on_settled: Callable[[str], None],
+        *,
+        warn_after_s: float = WARN_AFTER_S,
+        max_pause_s: float = MAX_PAUSE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._poll, self._release, self._on_settled = poll, release, on_settled
         self.warn_after_s, self.max_pause_s, self._clock = warn_after_s, max_pause_s, clock
         self._cond = threading.Condition()
@@ -63,7 +70,9 @@ class StragglerDrain:
             else:  # one job per request: unreachable, but must not drop handles
                 entry.handles.extend(handles)
             if (self._thread is None or not self._thread.is_alive()) and not self._stopped:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="hybridkv-pd-stragglers")
+                self._thread = threading.Thread(
+                    target=self._run, daemon=True, name="hybridkv-pd-stragglers"
+                )
                 self._thread.start()
             self._cond.notify()
 
@@ -90,8 +99,12 @@ class StragglerDrain:
             except TransferError:
                 pass  # failed: it writes nothing more
             except Exception as e:  # noqa: BLE001 - one odd handle must not stop the drain of all
-                warn_once(logger, "pd_straggler_poll", "polling a timed-out READ failed (%r); its blocks "
-                          "stay out of use", e)
+                warn_once(
+                    logger,
+                    "pd_straggler_poll",
+                    "polling a timed-out READ failed (%r); its blocks stay out of use",
+                    e,
+                )
                 still.append(handle)
                 continue
             try:
@@ -109,22 +122,28 @@ class StragglerDrain:
                     pause = FIRST_PAUSE_S
                 if self._stopped:
                     return
-                items = [(req_id, entry, list(entry.handles)) for req_id, entry in self._pending.items()]
+                items = [
+                    (req_id, entry, list(entry.handles)) for req_id, entry in self._pending.items()
+                ]
             settled = []
             for req_id, entry, polled in items:
                 still = self._settle(polled)
                 with self._cond:  # handles added meanwhile were appended after the polled ones
-                    entry.handles = still + entry.handles[len(polled):]
+                    entry.handles = still + entry.handles[len(polled) :]
                     if not entry.handles:
                         self._pending.pop(req_id, None)
                         settled.append(req_id)
                         continue
                 if not entry.warned and self._clock() - entry.since >= self.warn_after_s:
                     entry.warned = True
-                    logger.warning("a timed-out READ for %s is still in flight after %.0f s; its %d "
-                                   "destination blocks stay out of use until it settles (is the prefill "
-                                   "instance stopped? killing it ends the READ)", req_id,
-                                   self._clock() - entry.since, entry.blocks)
+                    logger.warning(
+                        "a timed-out READ for %s is still in flight after %.0f s; its %d "
+                        "destination blocks stay out of use until it settles (is the prefill "
+                        "instance stopped? killing it ends the READ)",
+                        req_id,
+                        self._clock() - entry.since,
+                        entry.blocks,
+                    )
             for req_id in settled:
                 try:
                     self._on_settled(req_id)

@@ -60,21 +60,31 @@ def ratio_problem(prefill_tp: int, decode_tp: int) -> str | None:
     if not (1 <= prefill_tp <= MAX_TP and 1 <= decode_tp <= MAX_TP):
         return f"TP sizes must be in [1, {MAX_TP}] (prefill {prefill_tp}, decode {decode_tp})"
     if prefill_tp % decode_tp and decode_tp % prefill_tp:
-        return (f"prefill tensor_parallel_size={prefill_tp} and decode {decode_tp}: one must divide the other "
-                "(each decode rank's heads must come from whole prefill ranks, or lie inside one)")
+        return (
+            f"prefill tensor_parallel_size={prefill_tp} and decode {decode_tp}: one must divide the other "
+            "(each decode rank's heads must come from whole prefill ranks, or lie inside one)"
+        )
     return None
 
 
 def heads_split_problem(total_heads: int, prefill_tp: int, decode_tp: int) -> str | None:
     """Why the model's KV heads cannot be cut evenly over both TP sizes (None: they can).
     vLLM replicates heads when there are fewer heads than ranks, which this does not model."""
-    if total_heads < max(1, prefill_tp, decode_tp) or total_heads % prefill_tp or total_heads % decode_tp:
-        return (f"the model's {total_heads} KV heads do not split evenly over prefill TP {prefill_tp} and "
-                f"decode TP {decode_tp} (vLLM replicates heads when there are fewer heads than ranks)")
+    if (
+        total_heads < max(1, prefill_tp, decode_tp)
+        or total_heads % prefill_tp
+        or total_heads % decode_tp
+    ):
+        return (
+            f"the model's {total_heads} KV heads do not split evenly over prefill TP {prefill_tp} and "
+            f"decode TP {decode_tp} (vLLM replicates heads when there are fewer heads than ranks)"
+        )
     return None
 
 
-def rank_reads(decode_rank: int, decode_tp: int, prefill_tp: int, total_heads: int) -> list[RankRead]:
+def rank_reads(
+    decode_rank: int, decode_tp: int, prefill_tp: int, total_heads: int
+) -> list[RankRead]:
     """The prefill ranks decode rank ``decode_rank`` reads, with head ranges, in rank order.
 
     ``total_heads``: the model's KV heads per layer (all ranks together); must be a
@@ -128,22 +138,36 @@ def head_slices(
     that move ``part``'s heads. Raises ``ValueError`` when a region's bytes are not
     ``rows * heads * head_bytes`` on both sides with the same ``head_bytes``."""
     if len(local_bytes) != len(remote_bytes) or len(local_bytes) != len(rows):
-        raise ValueError(f"{len(local_bytes)} local, {len(remote_bytes)} remote regions, {len(rows)} row counts")
+        raise ValueError(
+            f"{len(local_bytes)} local, {len(remote_bytes)} remote regions, {len(rows)} row counts"
+        )
     if local_heads < 1 or remote_heads < 1:
         raise ValueError(f"head counts {local_heads} (local), {remote_heads} (remote)")
-    if part.local_head0 + part.num_heads > local_heads or part.remote_head0 + part.num_heads > remote_heads:
+    if (
+        part.local_head0 + part.num_heads > local_heads
+        or part.remote_head0 + part.num_heads > remote_heads
+    ):
         raise ValueError(f"{part} outside {local_heads} local / {remote_heads} remote heads")
     out = []
     for i, (lb, rb, k) in enumerate(zip(local_bytes, remote_bytes, rows, strict=True)):
         lb, rb, k = int(lb), int(rb), int(k)
         if k < 1 or lb % (k * local_heads) or rb % (k * remote_heads):
-            raise ValueError(f"region {i}: {lb} / {rb} bytes do not split into {k} rows of "
-                             f"{local_heads} / {remote_heads} heads")
+            raise ValueError(
+                f"region {i}: {lb} / {rb} bytes do not split into {k} rows of "
+                f"{local_heads} / {remote_heads} heads"
+            )
         hb = lb // (k * local_heads)
         if rb // (k * remote_heads) != hb:
-            raise ValueError(f"region {i}: {hb} bytes per head here, {rb // (k * remote_heads)} on the peer")
+            raise ValueError(
+                f"region {i}: {hb} bytes per head here, {rb // (k * remote_heads)} on the peer"
+            )
         lrow, rrow, n = lb // k, rb // k, part.num_heads * hb
-        out.append([(j * lrow + part.local_head0 * hb, j * rrow + part.remote_head0 * hb, n) for j in range(k)])
+        out.append(
+            [
+                (j * lrow + part.local_head0 * hb, j * rrow + part.remote_head0 * hb, n)
+                for j in range(k)
+            ]
+        )
     return out
 
 
@@ -163,8 +187,13 @@ MAMBA_TP_NOT_ENABLED = (
 )
 
 
-def heterogeneous_tp_problem(prefill_tp: int, decode_tp: int, mamba_group_ids: Sequence[int],
-                             total_kv_heads: int, mamba_problem: str | None = MAMBA_TP_NOT_ENABLED) -> str | None:
+def heterogeneous_tp_problem(
+    prefill_tp: int,
+    decode_tp: int,
+    mamba_group_ids: Sequence[int],
+    total_kv_heads: int,
+    mamba_problem: str | None = MAMBA_TP_NOT_ENABLED,
+) -> str | None:
     """Why a decode instance cannot pair with a prefill instance of another TP size
     (None: it can, or the sizes are equal). ``mamba_problem``: why this instance's
     Mamba state is not re-sliced (default :data:`MAMBA_TP_NOT_ENABLED`; a kind
@@ -174,11 +203,15 @@ def heterogeneous_tp_problem(prefill_tp: int, decode_tp: int, mamba_group_ids: S
     if problem or prefill_tp == decode_tp:
         return problem
     if mamba_group_ids and mamba_problem:
-        return (f"prefill runs tensor_parallel_size={prefill_tp} and this decode instance {decode_tp}: hybridkv "
-                f"does not re-slice this model's Mamba/linear-attention state (groups {list(mamba_group_ids)}: "
-                f"{mamba_problem}); start both with the same --tensor-parallel-size for this model")
+        return (
+            f"prefill runs tensor_parallel_size={prefill_tp} and this decode instance {decode_tp}: hybridkv "
+            f"does not re-slice this model's Mamba/linear-attention state (groups {list(mamba_group_ids)}: "
+            f"{mamba_problem}); start both with the same --tensor-parallel-size for this model"
+        )
     problem = heads_split_problem(total_kv_heads, prefill_tp, decode_tp)
-    return None if problem is None else f"{problem}; start both with the same --tensor-parallel-size"
+    return (
+        None if problem is None else f"{problem}; start both with the same --tensor-parallel-size"
+    )
 
 
 @dataclass(frozen=True)
@@ -205,15 +238,18 @@ class StateSplit:
     @classmethod
     def from_wire(cls, t: Sequence[int]) -> "StateSplit":
         if len(t) < 4 or any(int(x) < 0 for x in t):
-            raise ValueError(f"state split {list(t)}: need offset, rows, unit and >= 1 part, all >= 0")
+            raise ValueError(
+                f"state split {list(t)}: need offset, rows, unit and >= 1 part, all >= 0"
+            )
         return cls(int(t[0]), int(t[1]), int(t[2]), tuple(int(x) for x in t[3:]))
 
 
 GDN_TYPE = "gdn_attn"  # MambaAttentionBackendEnum.GDN_ATTN's value (MambaSpec.mamba_type)
 
 
-def gdn_state_splits(shapes: Sequence[Sequence[int]], dtype_sizes: Sequence[int],
-                     conv_dim_first: bool) -> tuple[StateSplit, ...]:
+def gdn_state_splits(
+    shapes: Sequence[Sequence[int]], dtype_sizes: Sequence[int], conv_dim_first: bool
+) -> tuple[StateSplit, ...]:
     """The two states of a GDN layer on one rank, from its ``MambaSpec`` shapes and dtype
     sizes (``gated_delta_net_state_shape``: conv ``(state_len, conv_dim/tp)`` in SD,
     ``(conv_dim/tp, state_len)`` in DS, with ``conv_dim = 2 * key_dim + value_dim``;
@@ -222,7 +258,9 @@ def gdn_state_splits(shapes: Sequence[Sequence[int]], dtype_sizes: Sequence[int]
     channels hold beyond ``value_dim``, halved. Raises ``ValueError`` when the shapes do
     not decompose so."""
     if len(shapes) != 2 or len(dtype_sizes) != 2:
-        raise ValueError(f"GDN has 2 states (conv, ssm); the spec has {len(shapes)} shapes, {len(dtype_sizes)} dtypes")
+        raise ValueError(
+            f"GDN has 2 states (conv, ssm); the spec has {len(shapes)} shapes, {len(dtype_sizes)} dtypes"
+        )
     conv, ssm = [tuple(int(x) for x in s) for s in shapes]
     if len(conv) != 2 or len(ssm) != 3 or min(conv + ssm) < 1 or min(dtype_sizes) < 1:
         raise ValueError(f"GDN state shapes {conv}, {ssm}: expected 2-D conv and 3-D SSM state")
@@ -231,31 +269,51 @@ def gdn_state_splits(shapes: Sequence[Sequence[int]], dtype_sizes: Sequence[int]
     value_dim = v_heads * head_v
     rest = channels - value_dim
     if rest <= 0 or rest % 2:
-        raise ValueError(f"GDN conv channels {channels} are not 2 * key_dim + value_dim ({value_dim})")
+        raise ValueError(
+            f"GDN conv channels {channels} are not 2 * key_dim + value_dim ({value_dim})"
+        )
     key_dim = rest // 2
     if key_dim % head_k:
         raise ValueError(f"GDN key_dim per rank {key_dim} is not a multiple of head_k_dim {head_k}")
     cs, ss = int(dtype_sizes[0]), int(dtype_sizes[1])
     parts = (key_dim, key_dim, value_dim)
-    conv_split = (StateSplit(0, 1, state_len * cs, parts) if conv_dim_first
-                  else StateSplit(0, state_len, cs, parts))
+    conv_split = (
+        StateSplit(0, 1, state_len * cs, parts)
+        if conv_dim_first
+        else StateSplit(0, state_len, cs, parts)
+    )
     return conv_split, StateSplit(conv_split.nbytes, 1, head_v * head_k * ss, (v_heads,))
 
 
-def spec_state_splits(mamba_type: str, shapes: Sequence[Sequence[int]], dtype_sizes: Sequence[int],
-                      conv_dim_first: bool, tp_replicated: bool = False) -> tuple[StateSplit, ...]:
+def spec_state_splits(
+    mamba_type: str,
+    shapes: Sequence[Sequence[int]],
+    dtype_sizes: Sequence[int],
+    conv_dim_first: bool,
+    tp_replicated: bool = False,
+) -> tuple[StateSplit, ...]:
     """A ``MambaSpec``'s states as :class:`StateSplit` s (``mamba_type``: its
     ``mamba_type`` value). Raises ``ValueError`` naming why a kind is not re-sliced."""
     kind = str(mamba_type).rpartition(".")[2].lower()
     if tp_replicated:
-        raise ValueError("the state is replicated on every rank (MambaSpec.tp_replicated), not split")
+        raise ValueError(
+            "the state is replicated on every rank (MambaSpec.tp_replicated), not split"
+        )
     if kind != GDN_TYPE:
-        raise ValueError(f"mamba_type {kind!r}: only {GDN_TYPE!r} (gated delta net) state is re-sliced")
+        raise ValueError(
+            f"mamba_type {kind!r}: only {GDN_TYPE!r} (gated delta net) state is re-sliced"
+        )
     return gdn_state_splits(shapes, dtype_sizes, conv_dim_first)
 
 
-def state_split_problem(local: Sequence[StateSplit], remote: Sequence[StateSplit], local_tp: int, remote_tp: int,
-                        local_bytes: int | None = None, remote_bytes: int | None = None) -> str | None:
+def state_split_problem(
+    local: Sequence[StateSplit],
+    remote: Sequence[StateSplit],
+    local_tp: int,
+    remote_tp: int,
+    local_bytes: int | None = None,
+    remote_bytes: int | None = None,
+) -> str | None:
     """Why these two ranks' state descriptions cannot be re-sliced into each other (None:
     they can). ``*_bytes``: the page (region) size each state must fit in."""
     if not local or not remote:
@@ -264,12 +322,16 @@ def state_split_problem(local: Sequence[StateSplit], remote: Sequence[StateSplit
         return f"{len(local)} states here, {len(remote)} on the peer"
     for i, (a, b) in enumerate(zip(local, remote, strict=True)):
         if a.rows != b.rows or a.unit != b.unit or len(a.parts) != len(b.parts):
-            return (f"state {i}: rows/unit/parts {a.rows}/{a.unit}/{len(a.parts)} here, {b.rows}/{b.unit}/"
-                    f"{len(b.parts)} on the peer (another conv layout, dtype or model)")
+            return (
+                f"state {i}: rows/unit/parts {a.rows}/{a.unit}/{len(a.parts)} here, {b.rows}/{b.unit}/"
+                f"{len(b.parts)} on the peer (another conv layout, dtype or model)"
+            )
         for j, (x, y) in enumerate(zip(a.parts, b.parts, strict=True)):
             if x < 1 or y < 1 or x * local_tp != y * remote_tp:
-                return (f"state {i} part {j}: {x} x TP{local_tp} here, {y} x TP{remote_tp} on the peer "
-                        "(not the same dimension split evenly)")
+                return (
+                    f"state {i} part {j}: {x} x TP{local_tp} here, {y} x TP{remote_tp} on the peer "
+                    "(not the same dimension split evenly)"
+                )
     for side, splits, size in (("local", local, local_bytes), ("peer", remote, remote_bytes)):
         end = 0
         for i, s in enumerate(splits):
@@ -281,8 +343,14 @@ def state_split_problem(local: Sequence[StateSplit], remote: Sequence[StateSplit
     return None
 
 
-def mamba_slices(local: Sequence[StateSplit], remote: Sequence[StateSplit], local_tp: int, remote_tp: int,
-                 local_rank: int, remote_rank: int) -> list[tuple[int, int, int]]:
+def mamba_slices(
+    local: Sequence[StateSplit],
+    remote: Sequence[StateSplit],
+    local_tp: int,
+    remote_tp: int,
+    local_rank: int,
+    remote_rank: int,
+) -> list[tuple[int, int, int]]:
     """``(local offset, remote offset, length)`` spans of one layer's page that move remote
     rank ``remote_rank``'s share of every state part into local rank ``local_rank``'s
     (empty when the ranks share nothing). Adjacent spans are merged. Raises
@@ -298,10 +366,18 @@ def mamba_slices(local: Sequence[StateSplit], remote: Sequence[StateSplit], loca
         lpre = rpre = 0
         runs = []
         for lp, rp in zip(a.parts, b.parts, strict=True):
-            lo, hi = max(local_rank * lp, remote_rank * rp), min((local_rank + 1) * lp, (remote_rank + 1) * rp)
+            lo, hi = (
+                max(local_rank * lp, remote_rank * rp),
+                min((local_rank + 1) * lp, (remote_rank + 1) * rp),
+            )
             if lo < hi:
-                runs.append(((lpre + lo - local_rank * lp) * a.unit, (rpre + lo - remote_rank * rp) * a.unit,
-                             (hi - lo) * a.unit))
+                runs.append(
+                    (
+                        (lpre + lo - local_rank * lp) * a.unit,
+                        (rpre + lo - remote_rank * rp) * a.unit,
+                        (hi - lo) * a.unit,
+                    )
+                )
             lpre, rpre = lpre + lp, rpre + rp
         for i in range(a.rows):
             for lo_, ro_, n in runs:
@@ -347,7 +423,9 @@ def read_spans(
     if part.whole:
         return None
     out: list = []
-    for gid, (mine, theirs, ids) in enumerate(zip(local_groups, peer_groups, remote_block_ids, strict=True)):
+    for gid, (mine, theirs, ids) in enumerate(
+        zip(local_groups, peer_groups, remote_block_ids, strict=True)
+    ):
         if not ids or mine is None or theirs is None:
             out.append(None)
             continue
@@ -357,9 +435,16 @@ def read_spans(
             spans = mamba_slices(mine.splits(), theirs.splits(), decode_tp, prefill_tp, lr, rr)  # type: ignore[attr-defined]
             out.append([spans] * len(mine.block_bytes))  # type: ignore[attr-defined]
             continue
-        out.append(head_slices(mine.block_bytes, theirs.block_bytes,  # type: ignore[attr-defined]
-                               region_rows(mine.block_bytes, local_kernel_rows[gid]),  # type: ignore[attr-defined]
-                               mine.kv_heads, theirs.kv_heads, part))  # type: ignore[attr-defined]
+        out.append(
+            head_slices(
+                mine.block_bytes,
+                theirs.block_bytes,  # type: ignore[attr-defined]
+                region_rows(mine.block_bytes, local_kernel_rows[gid]),  # type: ignore[attr-defined]
+                mine.kv_heads,
+                theirs.kv_heads,
+                part,
+            )
+        )  # type: ignore[attr-defined]
     return out
 
 

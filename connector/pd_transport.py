@@ -52,9 +52,9 @@ Facts this relies on (NIXL 1.5.1, UCX backend, checked on a CPU host):
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,7 +62,6 @@ from typing import Any, Literal
 import numpy as np
 
 from hybridkv.connector.block_layout import GroupLayout, KVLayout, coalesce
-
 
 
 @dataclass(frozen=True)
@@ -109,12 +108,12 @@ def allocation_spaces(layout: KVLayout, kv_caches: Mapping[str, Any]) -> tuple[M
     try:
         return tuple(by_base[base] for base, _ in layout.allocations)
     except KeyError as e:
-        raise ValueError(f"allocation 0x{e.args[0]:x} of the layout is no tensor's storage") from None
+        raise ValueError(
+            f"allocation 0x{e.args[0]:x} of the layout is no tensor's storage"
+        ) from None
 
 
-def group_spaces(
-    layout: KVLayout, spaces: Sequence[MemorySpace]
-) -> tuple[MemorySpace | None, ...]:
+def group_spaces(layout: KVLayout, spaces: Sequence[MemorySpace]) -> tuple[MemorySpace | None, ...]:
     """Per group: the memory space of the allocation holding its regions (None: no layer).
 
     A group whose regions lie in allocations of different spaces, or outside
@@ -132,10 +131,14 @@ def group_spaces(
         for base in g.bases.tolist():
             i = bisect.bisect_right(starts, int(base)) - 1
             if i < 0 or int(base) >= starts[i] + layout.allocations[i][1]:
-                raise ValueError(f"group {g.group_id}: region 0x{int(base):x} lies in no registered allocation")
+                raise ValueError(
+                    f"group {g.group_id}: region 0x{int(base):x} lies in no registered allocation"
+                )
             found.add(spaces[i])
         if len(found) != 1:
-            raise ValueError(f"group {g.group_id}: regions in several memory spaces {sorted(map(str, found))}")
+            raise ValueError(
+                f"group {g.group_id}: regions in several memory spaces {sorted(map(str, found))}"
+            )
         out.append(found.pop())
     return tuple(out)
 
@@ -232,7 +235,9 @@ def read_descriptors(
     block to move instead of the whole region; the regions' sizes then differ between
     the sides, and every span must lie inside its region on both.
     """
-    if not (len(local_groups) == len(remote_groups) == len(remote_block_ids) == len(local_block_ids)):
+    if not (
+        len(local_groups) == len(remote_groups) == len(remote_block_ids) == len(local_block_ids)
+    ):
         raise ValueError(
             f"group counts differ: local layout {len(local_groups)}, peer layout "
             f"{len(remote_groups)}, remote ids {len(remote_block_ids)}, local ids {len(local_block_ids)}"
@@ -246,12 +251,16 @@ def read_descriptors(
         zip(local_groups, remote_groups, remote_block_ids, local_block_ids, strict=True)
     ):
         if len(r_ids) != len(l_ids):
-            raise ValueError(f"group {gid}: {len(r_ids)} remote block ids but {len(l_ids)} local ones")
+            raise ValueError(
+                f"group {gid}: {len(r_ids)} remote block ids but {len(l_ids)} local ones"
+            )
         if len(r_ids) == 0:
             continue
         if lg is None or rg is None:
             side = "this worker" if lg is None else "the peer"
-            raise ValueError(f"group {gid} has no layer on {side} but {len(r_ids)} blocks were asked for")
+            raise ValueError(
+                f"group {gid} has no layer on {side} but {len(r_ids)} blocks were asked for"
+            )
         if min(r_ids) < 0 or min(l_ids) < 0:
             raise ValueError(f"group {gid}: negative block id")
         group_slices = slices[gid] if slices is not None else None
@@ -275,8 +284,12 @@ def read_descriptors(
             remote_parts.append(ra.reshape(-1).astype(np.uint64))
             sizes.append(np.tile(n.astype(np.uint64), len(l_ids)))
         n = len(sizes[-1])
-        l_devs.append(np.full(n, int((local_devs[gid] if local_devs else None) or 0), dtype=np.uint64))
-        r_devs.append(np.full(n, int((remote_devs[gid] if remote_devs else None) or 0), dtype=np.uint64))
+        l_devs.append(
+            np.full(n, int((local_devs[gid] if local_devs else None) or 0), dtype=np.uint64)
+        )
+        r_devs.append(
+            np.full(n, int((remote_devs[gid] if remote_devs else None) or 0), dtype=np.uint64)
+        )
     if not sizes:
         empty = np.zeros((0, 3), dtype=np.uint64)
         return empty, empty.copy()
@@ -300,27 +313,47 @@ def coalesced(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.nda
     """
     if len(local) == 0:
         return local, remote
-    d, s, n, dd, sd = coalesce(local[:, 0].astype(np.int64), remote[:, 0].astype(np.int64),
-                               local[:, 1].astype(np.int64), local[:, 2].astype(np.int64),
-                               remote[:, 2].astype(np.int64))
-    return (np.stack([d, n, dd], axis=1).astype(np.uint64),
-            np.stack([s, n, sd], axis=1).astype(np.uint64))
+    d, s, n, dd, sd = coalesce(
+        local[:, 0].astype(np.int64),
+        remote[:, 0].astype(np.int64),
+        local[:, 1].astype(np.int64),
+        local[:, 2].astype(np.int64),
+        remote[:, 2].astype(np.int64),
+    )
+    return (
+        np.stack([d, n, dd], axis=1).astype(np.uint64),
+        np.stack([s, n, sd], axis=1).astype(np.uint64),
+    )
 
 
 def _span_table(
-    gid: int, group_slices: Sequence[Sequence[tuple[int, int, int]]], local_bytes: np.ndarray,
+    gid: int,
+    group_slices: Sequence[Sequence[tuple[int, int, int]]],
+    local_bytes: np.ndarray,
     remote_bytes: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Flatten one group's per-region spans into (region index, local offset, remote
     offset, length) arrays; refuses a span outside its region on either side."""
     if len(group_slices) != len(local_bytes) or len(group_slices) != len(remote_bytes):
-        raise ValueError(f"group {gid}: spans for {len(group_slices)} regions, local has {len(local_bytes)}, "
-                         f"peer {len(remote_bytes)}")
-    rows = [(i, int(lo), int(ro), int(n)) for i, spans in enumerate(group_slices) for lo, ro, n in spans]
+        raise ValueError(
+            f"group {gid}: spans for {len(group_slices)} regions, local has {len(local_bytes)}, "
+            f"peer {len(remote_bytes)}"
+        )
+    rows = [
+        (i, int(lo), int(ro), int(n)) for i, spans in enumerate(group_slices) for lo, ro, n in spans
+    ]
     for i, lo, ro, n in rows:
-        if n <= 0 or lo < 0 or ro < 0 or lo + n > int(local_bytes[i]) or ro + n > int(remote_bytes[i]):
-            raise ValueError(f"group {gid} region {i}: span ({lo}, {ro}, {n}) outside {int(local_bytes[i])} local / "
-                             f"{int(remote_bytes[i])} peer bytes")
+        if (
+            n <= 0
+            or lo < 0
+            or ro < 0
+            or lo + n > int(local_bytes[i])
+            or ro + n > int(remote_bytes[i])
+        ):
+            raise ValueError(
+                f"group {gid} region {i}: span ({lo}, {ro}, {n}) outside {int(local_bytes[i])} local / "
+                f"{int(remote_bytes[i])} peer bytes"
+            )
     t = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
     return t[:, 0], t[:, 1], t[:, 2], t[:, 3]
 
@@ -378,7 +411,11 @@ class PDTransport:
         """``memory``: the space of every allocation, or one per ``layout.allocations``
         (:func:`allocation_spaces`); the default is host memory (CPU KV caches)."""
         *_, self._errors = _nixl()
-        spaces = (memory,) * len(layout.allocations) if isinstance(memory, MemorySpace) else tuple(memory)
+        spaces = (
+            (memory,) * len(layout.allocations)
+            if isinstance(memory, MemorySpace)
+            else tuple(memory)
+        )
         try:
             self.group_spaces = group_spaces(layout, spaces)
         except ValueError as e:
@@ -399,12 +436,19 @@ class PDTransport:
                 f"NIXL agent {agent_name!r}: none of the backends {list(backends)} is available "
                 f"(plugins: {self._agent.get_plugin_list()})"
             )
-        regions = [(int(base), int(n), sp.dev, "") for (base, n), sp in zip(layout.allocations, spaces, strict=True)]
+        regions = [
+            (int(base), int(n), sp.dev, "")
+            for (base, n), sp in zip(layout.allocations, spaces, strict=True)
+        ]
         try:
             self._reg = self._agent.register_memory(regions, self.mem_kind) if regions else None
         except self._errors as e:
-            raise TransferError(f"NIXL agent {agent_name!r}: registering {len(regions)} KV region(s) failed: {e!r}") from e
-        self._peers: dict[str, tuple[tuple[GroupLayout | None, ...], tuple[MemorySpace | None, ...], str]] = {}
+            raise TransferError(
+                f"NIXL agent {agent_name!r}: registering {len(regions)} KV region(s) failed: {e!r}"
+            ) from e
+        self._peers: dict[
+            str, tuple[tuple[GroupLayout | None, ...], tuple[MemorySpace | None, ...], str]
+        ] = {}
         self._open: set[ReadHandle] = set()
         self._leaked: list[object] = []  # NIXL handles whose release failed; retried at shutdown
 
@@ -431,15 +475,23 @@ class PDTransport:
             raise TransferError(
                 f"peer layout has {len(peer_groups)} groups but this worker has {len(self.layout.groups)}"
             )
-        spaces = tuple(peer_spaces) if peer_spaces is not None else tuple(None if g is None else HOST for g in peer_groups)
+        spaces = (
+            tuple(peer_spaces)
+            if peer_spaces is not None
+            else tuple(None if g is None else HOST for g in peer_groups)
+        )
         if len(spaces) != len(peer_groups):
-            raise TransferError(f"peer gave {len(spaces)} memory spaces for {len(peer_groups)} groups")
+            raise TransferError(
+                f"peer gave {len(spaces)} memory spaces for {len(peer_groups)} groups"
+            )
         kind = _one_kind(spaces, "the peer's")
         with self._lock:
             try:
                 name = self._live().add_remote_agent(peer_metadata)
             except self._errors as e:
-                raise TransferError(f"NIXL agent {self.name!r}: loading peer metadata failed: {e!r}") from e
+                raise TransferError(
+                    f"NIXL agent {self.name!r}: loading peer metadata failed: {e!r}"
+                ) from e
             name = name.decode() if isinstance(name, bytes) else str(name)
             self._peers[name] = (tuple(peer_groups), spaces, kind)
             return name
@@ -484,10 +536,15 @@ class PDTransport:
         try:
             peer_groups, peer_spaces, peer_kind = self._peers[peer]
         except KeyError:
-            raise TransferError(f"unknown peer {peer!r}: call add_peer with its handshake answer first") from None
+            raise TransferError(
+                f"unknown peer {peer!r}: call add_peer with its handshake answer first"
+            ) from None
         try:
             local, remote = read_descriptors(
-                self.layout.groups, peer_groups, remote_block_ids, local_block_ids,
+                self.layout.groups,
+                peer_groups,
+                remote_block_ids,
+                local_block_ids,
                 [None if s is None else s.dev for s in self.group_spaces],
                 [None if s is None else s.dev for s in peer_spaces],
                 slices,
@@ -496,8 +553,12 @@ class PDTransport:
             local, remote = coalesced(local, remote)
         except ValueError as e:
             raise TransferError(f"READ from {peer!r} refused: {e}") from e
-        handle = ReadHandle(peer=peer, num_descs=len(local), nbytes=int(local[:, 1].sum()) if len(local) else 0,
-                            num_regions=regions)
+        handle = ReadHandle(
+            peer=peer,
+            num_descs=len(local),
+            nbytes=int(local[:, 1].sum()) if len(local) else 0,
+            num_regions=regions,
+        )
         with self._lock:
             self._live()
             if len(local) == 0:
@@ -525,7 +586,9 @@ class PDTransport:
                 state = self._agent.transfer(xfer)
             except self._errors as e:
                 self._fail_locked(handle)
-                raise TransferError(f"{what} failed at post: {e!r}; is the prefill instance alive?") from e
+                raise TransferError(
+                    f"{what} failed at post: {e!r}; is the prefill instance alive?"
+                ) from e
             if state == "ERR":
                 self._fail_locked(handle)
                 raise TransferError(f"{what} failed at post; is the prefill instance alive?")
@@ -639,7 +702,9 @@ class PDTransport:
                 if reg is not None:
                     self._agent.deregister_memory(reg)
             except self._errors as e:
-                raise TransferError(f"NIXL agent {self.name!r}: deregistering the KV cache failed: {e!r}") from e
+                raise TransferError(
+                    f"NIXL agent {self.name!r}: deregistering the KV cache failed: {e!r}"
+                ) from e
             finally:
                 # Handles hold the agent too; with them gone this is the last reference.
                 self._agent = None
@@ -660,7 +725,9 @@ class PDTransport:
         try:
             self._live().send_notif(peer, msg)
         except self._errors as e:
-            raise TransferError(f"notification to {peer!r} failed: {e!r}; is the prefill instance alive?") from e
+            raise TransferError(
+                f"notification to {peer!r} failed: {e!r}; is the prefill instance alive?"
+            ) from e
 
     def _finish_locked(self, handle: ReadHandle) -> None:
         self._drop_locked(handle)

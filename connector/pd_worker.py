@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import os
 import queue
-from collections import OrderedDict
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +43,6 @@ from hybridkv.connector.block_layout import KVLayout, layer_specs, layout_rows
 from hybridkv.connector.log_once import warn_once
 from hybridkv.connector.pd_auth import DeploymentKey
 from hybridkv.connector.pd_handshake import (
-    CLAIM_WAIT_S,
     AgentInfo,
     HandshakeError,
     HandshakeServer,
@@ -55,9 +54,9 @@ from hybridkv.connector.pd_handshake import (
     release_blocks,
 )
 from hybridkv.connector.pd_idle import wake
+from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
 from hybridkv.connector.pd_stats import HybridPDStats
 from hybridkv.connector.pd_stragglers import StragglerDrain
-from hybridkv.connector.pd_metadata import PDConnectorMetadata, PDHandshakeMetadata, ReadJob
 from hybridkv.connector.pd_tp import (
     RankRead,
     StateSplit,
@@ -105,8 +104,13 @@ def _state_splits_or_raise(group) -> tuple[StateSplit, ...]:  # noqa: ANN001 - a
     if not all(isinstance(sp, MambaSpec) for sp in specs) or len(set(specs)) != 1:
         raise ValueError("the group's layers have different Mamba specs")
     spec = specs[0]
-    return spec_state_splits(str(spec.mamba_type), spec.shapes, [get_dtype_size(d) for d in spec.dtypes],
-                             bool(is_conv_state_dim_first()), bool(getattr(spec, "tp_replicated", False)))
+    return spec_state_splits(
+        str(spec.mamba_type),
+        spec.shapes,
+        [get_dtype_size(d) for d in spec.dtypes],
+        bool(is_conv_state_dim_first()),
+        bool(getattr(spec, "tp_replicated", False)),
+    )
 
 
 def group_state_splits(group) -> tuple[StateSplit, ...]:  # noqa: ANN001 - a vllm KVCacheGroupSpec
@@ -181,13 +185,18 @@ class PDWorker:
         self._stats = HybridPDStats()  # this rank's counters (pd_stats), emptied by take_stats
         self._cause = threading.local()  # per read thread: why its current read failed (_failed)
         # Timed-out READs that may still write: one thread for all, their blocks kept meanwhile.
-        self._stragglers = StragglerDrain(self._poll_straggler, self._release_straggler, self._release)
-        self._jobs: queue.Queue[ReadJob | None] = queue.Queue()  # overflow: peers past MAX_PEER_THREADS
+        self._stragglers = StragglerDrain(
+            self._poll_straggler, self._release_straggler, self._release
+        )
+        self._jobs: queue.Queue[ReadJob | None] = (
+            queue.Queue()
+        )  # overflow: peers past MAX_PEER_THREADS
         self._peer_queues: dict[tuple[str, int], queue.Queue[ReadJob | None]] = {}
         self._read_threads: list[threading.Thread] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._run_reads, args=(self._jobs, None), name="hybridkv-pd-read",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_reads, args=(self._jobs, None), name="hybridkv-pd-read", daemon=True
+        )
         self._thread.start()
 
     # ------------------------------------------------------------ registration
@@ -203,17 +212,26 @@ class PDWorker:
         # CUDA caches register as VRAM on their own device, host caches as DRAM
         self._transport = PDTransport(name, layout, memory=allocation_spaces(layout, kv_caches))
         if self._s.kv_identity is None:
-            warn_once(logger, "pd-no-kv-identity",
-                      "P/D worker has no kv_identity: the handshake cannot check model, revision, "
-                      "quantization or --kv-cache-dtype against the peer")
-        kv_heads = [int(getattr(layer_specs(g)[0], "num_kv_heads", 0) or 0)
-                    for g in self._kv_cache_config.kv_cache_groups]
-        self._local = LayoutDescriptor.from_kv(layout, layout_rows(self._kv_cache_config), self._s.tp_size,
-                                               spaces=self._transport.group_spaces,
-                                               kv_identity=self._s.kv_identity, kv_heads=kv_heads,
-                                               total_kv_heads=self._s.total_kv_heads,
-                                               state_splits=[group_state_splits(g)
-                                                             for g in self._kv_cache_config.kv_cache_groups])
+            warn_once(
+                logger,
+                "pd-no-kv-identity",
+                "P/D worker has no kv_identity: the handshake cannot check model, revision, "
+                "quantization or --kv-cache-dtype against the peer",
+            )
+        kv_heads = [
+            int(getattr(layer_specs(g)[0], "num_kv_heads", 0) or 0)
+            for g in self._kv_cache_config.kv_cache_groups
+        ]
+        self._local = LayoutDescriptor.from_kv(
+            layout,
+            layout_rows(self._kv_cache_config),
+            self._s.tp_size,
+            spaces=self._transport.group_spaces,
+            kv_identity=self._s.kv_identity,
+            kv_heads=kv_heads,
+            total_kv_heads=self._s.total_kv_heads,
+            state_splits=[group_state_splits(g) for g in self._kv_cache_config.kv_cache_groups],
+        )
         info = AgentInfo(
             engine_id=self._s.engine_id,
             tp_rank=self._s.tp_rank,
@@ -224,17 +242,31 @@ class PDWorker:
         if not self._s.serve_handshake:
             logger.info("NIXL agent %s (decode only: no handshake service)", name)
             return
-        self._server = HandshakeServer(info, host=self._s.host, port=self._s.port, on_release=self._released_by_decode,
-                                       on_claim=self._claim, key=self._s.key)
+        self._server = HandshakeServer(
+            info,
+            host=self._s.host,
+            port=self._s.port,
+            on_release=self._released_by_decode,
+            on_claim=self._claim,
+            key=self._s.key,
+        )
         port = self._server.start()
-        logger.info("NIXL agent %s, handshake on %s:%d (%s)", name, self._s.host, port,
-                    "authenticated" if self._s.key is not None else "UNAUTHENTICATED")
+        logger.info(
+            "NIXL agent %s, handshake on %s:%d (%s)",
+            name,
+            self._s.host,
+            port,
+            "authenticated" if self._s.key is not None else "UNAUTHENTICATED",
+        )
 
     def handshake_metadata(self) -> PDHandshakeMetadata | None:
         if self._server is None:
             return None
-        return PDHandshakeMetadata(host=self._s.host, port=int(self._server.address.rpartition(":")[2]),
-                                   tp_rank=self._s.tp_rank)
+        return PDHandshakeMetadata(
+            host=self._s.host,
+            port=int(self._server.address.rpartition(":")[2]),
+            tp_rank=self._s.tp_rank,
+        )
 
     # ------------------------------------------------------------------ decode
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
@@ -251,15 +283,22 @@ class PDWorker:
 
     def _route(self, job: ReadJob) -> None:
         """Queue ``job`` on its prefill instance's read thread (started on first use)."""
-        key = (job.remote_host, job.remote_ports[0])  # ReadJob fills remote_ports (at least rank 0's)
+        key = (
+            job.remote_host,
+            job.remote_ports[0],
+        )  # ReadJob fills remote_ports (at least rank 0's)
         with self._lock:  # puts and a thread's idle exit are decided under one lock: no job is lost
             if self._closed:
                 return
             q = self._peer_queues.get(key)
             if q is None and len(self._peer_queues) < MAX_PEER_THREADS and not job.refused:
                 q = self._peer_queues[key] = queue.Queue()
-                t = threading.Thread(target=self._run_reads, args=(q, key), daemon=True,
-                                     name=f"hybridkv-pd-read-{key[1]}")
+                t = threading.Thread(
+                    target=self._run_reads,
+                    args=(q, key),
+                    daemon=True,
+                    name=f"hybridkv-pd-read-{key[1]}",
+                )
                 # Started from the worker's main thread, which vLLM pins to its core: a thread
                 # inherits that affinity and would queue behind the forward pass there (READs,
                 # claims and releases, and the straggler drains it starts). The gRPC, NIXL and
@@ -269,7 +308,9 @@ class PDWorker:
                 self._read_threads = [x for x in self._read_threads if x.is_alive()] + [t]
             (q if q is not None else self._jobs).put(job)
 
-    def _next_job(self, q: "queue.Queue[ReadJob | None]", key: tuple[str, int] | None) -> ReadJob | None:
+    def _next_job(
+        self, q: "queue.Queue[ReadJob | None]", key: tuple[str, int] | None
+    ) -> ReadJob | None:
         if key is None:
             return q.get()
         while True:
@@ -287,15 +328,22 @@ class PDWorker:
                 self._send_release(job)
                 continue
             ok, straggler = False, None
-            self._cause.name = None  # set by _failed on this thread, counted below with failed_reads
+            self._cause.name = (
+                None  # set by _failed on this thread, counted below with failed_reads
+            )
             try:
                 ok, straggler = self._read(job)
             except Exception:  # noqa: BLE001 - reported as a failed load, never a crash
                 logger.exception("read for %s crashed", job.req_id)
                 self._failed("crash")
             if not ok:  # every time (the cause may be a warn_once): provenance checks look for it
-                logger.warning("READ for %s from %s:%d failed or was refused; no KV used, "
-                               "kv_load_failure_policy applies", job.req_id, job.remote_host, job.remote_port)
+                logger.warning(
+                    "READ for %s from %s:%d failed or was refused; no KV used, "
+                    "kv_load_failure_policy applies",
+                    job.req_id,
+                    job.remote_host,
+                    job.remote_port,
+                )
             with self._lock:
                 self._recv_done.add(job.req_id)
                 if not ok:
@@ -309,7 +357,9 @@ class PDWorker:
             if straggler is None:
                 self._release(job.req_id)
             else:
-                self._stragglers.add(job.req_id, straggler, blocks=sum(len(ids) for ids in job.local_block_ids))
+                self._stragglers.add(
+                    job.req_id, straggler, blocks=sum(len(ids) for ids in job.local_block_ids)
+                )
             if not ok and job.remote_host and job.lease_id:
                 # This decode will not read these blocks: the prefill side frees them now instead
                 # of holding them for lease_s (a READ still in flight only reads them, and what
@@ -318,7 +368,9 @@ class PDWorker:
 
     def _plan(self, job: ReadJob) -> list[RankRead]:
         """The prefill ranks (and head ranges) this decode rank reads for ``job``."""
-        return rank_reads(self._s.tp_rank, self._s.tp_size, len(job.remote_ports), self._s.total_kv_heads)
+        return rank_reads(
+            self._s.tp_rank, self._s.tp_size, len(job.remote_ports), self._s.total_kv_heads
+        )
 
     def _address(self, job: ReadJob, prefill_rank: int) -> str:
         return f"{job.remote_host}:{job.remote_ports[prefill_rank]}"
@@ -338,15 +390,27 @@ class PDWorker:
         for part in plan:
             address = self._address(job, part.prefill_rank)
             try:
-                release_blocks(address, [job.remote_req_id], self._s.handshake_timeout_s, self._s.key,
-                               reader=self._s.tp_rank,
-                               readers=readers_of(part.prefill_rank, self._s.tp_size, prefill_tp))
+                release_blocks(
+                    address,
+                    [job.remote_req_id],
+                    self._s.handshake_timeout_s,
+                    self._s.key,
+                    reader=self._s.tp_rank,
+                    readers=readers_of(part.prefill_rank, self._s.tp_size, prefill_tp),
+                )
             except Exception as e:  # noqa: BLE001 - runs on the read thread, which must survive
-                warn_once(logger, f"pd_release:{type(e).__name__}",
-                          "could not release %s on %s (its lease expires instead): %s",
-                          job.remote_req_id, address, e)
+                warn_once(
+                    logger,
+                    f"pd_release:{type(e).__name__}",
+                    "could not release %s on %s (its lease expires instead): %s",
+                    job.remote_req_id,
+                    address,
+                    e,
+                )
 
-    def _released_by_decode(self, request_ids: list[str], reader: int = 0, readers: int = 1) -> None:
+    def _released_by_decode(
+        self, request_ids: list[str], reader: int = 0, readers: int = 1
+    ) -> None:
         """Prefill side, on a gRPC thread: decode rank ``reader`` is done with these requests'
         blocks; they are free once all ``readers`` decode ranks reading this rank said so."""
         with self._lock:
@@ -375,11 +439,15 @@ class PDWorker:
             if lease.lease_id != lease_id:
                 raise LeaseRefused(f"request {req_id}: no such lease (never issued here)")
             if reader in lease.released_by or req_id in self._decode_released:
-                raise LeaseRefused(f"request {req_id}: the decode side released the lease already; a lease is "
-                                   "read once, so this one recomputes")
+                raise LeaseRefused(
+                    f"request {req_id}: the decode side released the lease already; a lease is "
+                    "read once, so this one recomputes"
+                )
             if reader in lease.claimed_by or len(lease.claimed_by) >= readers:
-                raise LeaseRefused(f"request {req_id}: the lease was claimed already; a lease is read once "
-                                   "(n > 1 or a replayed request), so this one recomputes")
+                raise LeaseRefused(
+                    f"request {req_id}: the lease was claimed already; a lease is read once "
+                    "(n > 1 or a replayed request), so this one recomputes"
+                )
             remaining = lease.expires - time.monotonic()
             if remaining <= 0:
                 raise LeaseRefused(f"request {req_id}: the lease on its blocks has expired")
@@ -406,8 +474,16 @@ class PDWorker:
         """Per group: the spans to move from ``part``'s prefill rank (None: whole blocks)."""
         assert self._local is not None and self._transport is not None
         kernel_rows = [() if g is None else g.kernel_rows for g in self._transport.layout.groups]
-        return read_spans(part, self._local.groups, peer_layout.groups, kernel_rows, job.remote_block_ids,
-                          self._s.tp_size, len(job.remote_ports), self._s.tp_rank)
+        return read_spans(
+            part,
+            self._local.groups,
+            peer_layout.groups,
+            kernel_rows,
+            job.remote_block_ids,
+            self._s.tp_size,
+            len(job.remote_ports),
+            self._s.tp_rank,
+        )
 
     def _read(self, job: ReadJob) -> tuple[bool, list[ReadHandle] | None]:
         """(read ok, READs still in flight after a timeout or None).
@@ -416,7 +492,9 @@ class PDWorker:
         all posted before any is waited for, all under one deadline; then the lease of
         every one is claimed: the bytes count only if every claim is granted."""
         if job.refused:
-            warn_once(logger, "pd_refused", "request %s cannot be read: %s", job.req_id, job.refused)
+            warn_once(
+                logger, "pd_refused", "request %s cannot be read: %s", job.req_id, job.refused
+            )
             self._failed("refused")
             return False, None
         assert self._transport is not None and self._local is not None
@@ -429,8 +507,14 @@ class PDWorker:
             for part in plan:
                 failed_address = self._address(job, part.prefill_rank)
                 peer, peer_layout = self._peer(job, part.prefill_rank)
-                handles.append(self._transport.read_blocks(peer, job.remote_block_ids, job.local_block_ids,
-                                                           slices=self._slices(part, peer_layout, job)))
+                handles.append(
+                    self._transport.read_blocks(
+                        peer,
+                        job.remote_block_ids,
+                        job.local_block_ids,
+                        slices=self._slices(part, peer_layout, job),
+                    )
+                )
             deadline = time.monotonic() + self._s.read_timeout_s
             for handle in handles:
                 self._transport.wait(handle, max(0.0, deadline - time.monotonic()))
@@ -439,21 +523,42 @@ class PDWorker:
             # Only now: granted claims prove the leases held the blocks until after the READs.
             for part in plan:
                 failed_address = self._address(job, part.prefill_rank)
-                claim_lease(failed_address, job.remote_req_id, job.lease_id, self._s.handshake_timeout_s,
-                            self._s.key, reader=self._s.tp_rank,
-                            readers=readers_of(part.prefill_rank, self._s.tp_size, prefill_tp))
+                claim_lease(
+                    failed_address,
+                    job.remote_req_id,
+                    job.lease_id,
+                    self._s.handshake_timeout_s,
+                    self._s.key,
+                    reader=self._s.tp_rank,
+                    readers=readers_of(part.prefill_rank, self._s.tp_size, prefill_tp),
+                )
             self._send_release(job, plan)
             # Provenance: the one line that proves this request's KV arrived over NIXL (tests
             # and operators match it; a failed or discarded READ never prints it).
             per_group = [len(ids) for ids in job.remote_block_ids]
             ranks = [part.prefill_rank for part in plan]
-            self._count_read(sum(per_group), sum(h.nbytes for h in handles), time.perf_counter() - t0,
-                             sum(h.num_descs for h in handles), sum(h.num_regions for h in handles))
-            logger.info("read %d blocks (%d bytes) for %s from %s at %s:%d (per group %s) "
-                        "rank %d/%d <- prefill ranks %s/%d",
-                        sum(per_group), sum(h.nbytes for h in handles), job.req_id, job.remote_engine_id,
-                        job.remote_host, job.remote_port, per_group, self._s.tp_rank, self._s.tp_size, ranks,
-                        prefill_tp)
+            self._count_read(
+                sum(per_group),
+                sum(h.nbytes for h in handles),
+                time.perf_counter() - t0,
+                sum(h.num_descs for h in handles),
+                sum(h.num_regions for h in handles),
+            )
+            logger.info(
+                "read %d blocks (%d bytes) for %s from %s at %s:%d (per group %s) "
+                "rank %d/%d <- prefill ranks %s/%d",
+                sum(per_group),
+                sum(h.nbytes for h in handles),
+                job.req_id,
+                job.remote_engine_id,
+                job.remote_host,
+                job.remote_port,
+                per_group,
+                self._s.tp_rank,
+                self._s.tp_size,
+                ranks,
+                prefill_tp,
+            )
             return True, None
         except LeaseRefused as e:
             logger.warning("read of request %s discarded, recomputing: %s", job.req_id, e)
@@ -468,8 +573,14 @@ class PDWorker:
             self._failed("plan")
             return False, self._open_reads(handles)
         except TransferError as e:
-            warn_once(logger, f"pd_read:{type(e).__name__}", "read of %s from %s failed: %s",
-                      job.req_id, failed_address, e)
+            warn_once(
+                logger,
+                f"pd_read:{type(e).__name__}",
+                "read of %s from %s failed: %s",
+                job.req_id,
+                failed_address,
+                e,
+            )
             with self._peers_lock:
                 for port in job.remote_ports:
                     self._peers.pop((job.remote_host, port), None)  # re-handshake next time
@@ -513,14 +624,22 @@ class PDWorker:
             peer = self._peers.get(key)
             if peer is not None:
                 self._peers.move_to_end(key)
-        if peer is None:  # the handshake runs outside the lock: a stalled peer holds up only its own reads
+        if (
+            peer is None
+        ):  # the handshake runs outside the lock: a stalled peer holds up only its own reads
             info = fetch_agent_info(
-                f"{job.remote_host}:{key[1]}", self._local, engine_id=self._s.engine_id,
-                tp_rank=self._s.tp_rank, timeout_s=self._s.handshake_timeout_s,
-                prefill_engine_id=job.remote_engine_id, key=self._s.key, prefill_rank=prefill_rank,
+                f"{job.remote_host}:{key[1]}",
+                self._local,
+                engine_id=self._s.engine_id,
+                tp_rank=self._s.tp_rank,
+                timeout_s=self._s.handshake_timeout_s,
+                prefill_engine_id=job.remote_engine_id,
+                key=self._s.key,
+                prefill_rank=prefill_rank,
             )
-            name = self._transport.add_peer(info.agent_metadata, info.layout.group_layouts(),
-                                            info.layout.memory_spaces())
+            name = self._transport.add_peer(
+                info.agent_metadata, info.layout.group_layouts(), info.layout.memory_spaces()
+            )
             peer = (name, info.layout)
             with self._peers_lock:
                 self._peers[key] = peer
@@ -549,20 +668,28 @@ class PDWorker:
             for req_id, lease in list(self._leases.items()):
                 if req_id in self._decode_released or now >= lease.expires:
                     if req_id not in self._decode_released:
-                        warn_once(logger, "pd_lease_expired", "lease of %s expired before the decode side read it",
-                                  req_id)
+                        warn_once(
+                            logger,
+                            "pd_lease_expired",
+                            "lease of %s expired before the decode side read it",
+                            req_id,
+                        )
                         self._ended[req_id] = "the lease on its blocks has expired"
                         self._stats.add("leases_expired")
                     else:
-                        self._ended[req_id] = ("the lease was released already (a lease is read once: n > 1 or "
-                                               "a replayed request recomputes)")
+                        self._ended[req_id] = (
+                            "the lease was released already (a lease is read once: n > 1 or "
+                            "a replayed request recomputes)"
+                        )
                         self._stats.add("leases_released")
                     while len(self._ended) > ENDED_LEASES_KEPT:
                         self._ended.popitem(last=False)
                     sending.add(req_id)
                     del self._leases[req_id]
                     self._decode_released.pop(req_id, None)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recv, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recv, failed_recving=failed
+        )
 
     def take_stats(self) -> HybridPDStats | None:
         """This rank's counters since the last call (None: nothing counted)."""

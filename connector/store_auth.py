@@ -24,7 +24,11 @@ logger = get_logger(__name__, "store")
 
 
 def secret_configured(cfg: StoreConnectorConfig) -> bool:
-    return bool(cfg.auth_secret_file or os.environ.get(pd_auth.SECRET_FILE_ENV) or os.environ.get(pd_auth.SECRET_ENV))
+    return bool(
+        cfg.auth_secret_file
+        or os.environ.get(pd_auth.SECRET_FILE_ENV)
+        or os.environ.get(pd_auth.SECRET_ENV)
+    )
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,8 @@ class StoreSecret:
                 "no deployment secret (auth_secret_file / $%s / $%s): stored objects carry "
                 "XXH3 only, so anyone who can reach the master can plant objects that load into requests' KV; "
                 "set auth_secret_file unless every process reaching the master is trusted",
-                pd_auth.SECRET_FILE_ENV, pd_auth.SECRET_ENV,
+                pd_auth.SECRET_FILE_ENV,
+                pd_auth.SECRET_ENV,
             )
             return cls(None)
         key = pd_auth.load_key(cfg.auth_secret_file or None, allow_unauthenticated=False)
@@ -67,10 +72,11 @@ class StoreSecret:
         """
         if self.key is None:
             return ""
-        return hmac.new(self.key.secret, b"hybridkv store key tenant v1", hashlib.sha256).hexdigest()[:16]
+        return hmac.new(
+            self.key.secret, b"hybridkv store key tenant v1", hashlib.sha256
+        ).hexdigest()[:16]
 
     def object_mac(self) -> ObjectMac | None:
         """The MAC every object this worker writes carries and every object it loads must
         carry, or None (XXH3 trailers only) without a secret."""
         return None if self.key is None else ObjectMac(self.key.secret)
-

@@ -23,13 +23,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hybridkv.connector.block_copies import block_copy_views, redo_block_copies
 from hybridkv.connector.block_layout import layer_specs
 from hybridkv.connector.cpu_amx import allow_amx
+from hybridkv.connector.store_auth import StoreSecret
 from hybridkv.connector.store_config import (
     ConfigError,
     StoreConnectorConfig,
     load_failure_policy_warning,
     refuse_non_tensor_parallelism,
 )
-from hybridkv.connector.store_auth import StoreSecret
 from hybridkv.connector.store_keys import store_key_schema
 from hybridkv.connector.store_metadata import StoreConnectorMetadata
 from hybridkv.connector.store_scheduler import StoreScheduler
@@ -38,7 +38,12 @@ from hybridkv.connector.store_worker import StoreWorker
 from hybridkv.connector.vllm_hooks import StoreConnectorHooks
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.logs import get_logger
-from hybridkv.store.session import ClientSettings, embedded_master_address, release_all, shared_client
+from hybridkv.store.session import (
+    ClientSettings,
+    embedded_master_address,
+    release_all,
+    shared_client,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -76,7 +81,11 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
                     "%s; vLLM 0.32 aligns prefill chunks to --block-size, so states at %d-token "
                     "boundaries are often never written and neither the local prefix cache nor the "
                     "store can hit them. Start vLLM with --block-size %d.",
-                    gid, s.block_size, vllm_config.cache_config.block_size, s.block_size, s.block_size,
+                    gid,
+                    s.block_size,
+                    vllm_config.cache_config.block_size,
+                    s.block_size,
+                    s.block_size,
                 )
 
 
@@ -96,11 +105,15 @@ class HybridStoreConnector(StoreConnectorHooks, KVConnectorBase_V1, SupportsHMA)
         self._saves_enabled = ktc.kv_role in ("kv_both", "kv_producer")
         address = self._cfg.master_address
         if address is None:
-            address, _ = embedded_master_address(str(ktc.engine_id), self._cfg.embedded_lease_ttl_ms)
+            address, _ = embedded_master_address(
+                str(ktc.engine_id), self._cfg.embedded_lease_ttl_ms
+            )
         self._master_address = address
         settings = ClientSettings(
             local_hostname=self._cfg.local_hostname,
-            global_segment_size=self._cfg.global_segment_size if role == KVConnectorRole.WORKER else 0,
+            global_segment_size=self._cfg.global_segment_size
+            if role == KVConnectorRole.WORKER
+            else 0,
             local_buffer_size=self._cfg.local_buffer_size,
             protocol=self._cfg.protocol,
             rdma_devices=self._cfg.rdma_devices,
@@ -137,7 +150,9 @@ class HybridStoreConnector(StoreConnectorHooks, KVConnectorBase_V1, SupportsHMA)
                 tenant=tenant,
             )
             with unpinned():  # its job threads must not share the engine's pinned core
-                self._worker = StoreWorker(self._cfg, kv_cache_config, schema, client, secret=secret)
+                self._worker = StoreWorker(
+                    self._cfg, kv_cache_config, schema, client, secret=secret
+                )
         logger.info("HybridStoreConnector (%s) on master %s", role.name, address)
 
     # ----------------------------------------------------------------- scheduler
@@ -161,7 +176,9 @@ class HybridStoreConnector(StoreConnectorHooks, KVConnectorBase_V1, SupportsHMA)
         if self._scheduler is not None:
             self._scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if not self._loads_enabled:
             return 0, False
         assert self._scheduler is not None
@@ -187,7 +204,9 @@ class HybridStoreConnector(StoreConnectorHooks, KVConnectorBase_V1, SupportsHMA)
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
@@ -229,7 +248,9 @@ class HybridStoreConnector(StoreConnectorHooks, KVConnectorBase_V1, SupportsHMA)
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None  # saves move whole blocks of all layers after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:

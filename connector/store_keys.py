@@ -50,7 +50,6 @@ def store_key_schema(
     )
 
 
-
 def rank_schemas(schema: KeySchema) -> tuple[KeySchema, ...]:
     """The schema as every tensor-parallel rank names its objects (rank 0 first).
 
@@ -89,7 +88,11 @@ class AllRankKeys:
             if len(schemas) == 1:
                 out += schemas[0].names(gid, hashes)
             else:
-                out += [n for per_block in zip(*(s.names(gid, hashes) for s in schemas)) for n in per_block]
+                out += [
+                    n
+                    for per_block in zip(*(s.names(gid, hashes) for s in schemas))
+                    for n in per_block
+                ]
         return out
 
     def all_present(self, found: Sequence[bool]) -> list[bool]:

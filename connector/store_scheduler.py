@@ -38,7 +38,14 @@ from hybridkv.store import vllm_compat
 from hybridkv.store.geometry import GroupGeometry
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.logs import get_logger
-from hybridkv.store.mirror import BlockKey, GroupedKeys, KeyAnswers, ProbedHit, StoreHit, StoreMirror
+from hybridkv.store.mirror import (
+    BlockKey,
+    GroupedKeys,
+    KeyAnswers,
+    ProbedHit,
+    StoreHit,
+    StoreMirror,
+)
 from hybridkv.store.mooncake_backend import MooncakeBackend, StoreError, code_name
 
 if TYPE_CHECKING:
@@ -79,7 +86,9 @@ class _LoadPlan:
 
     hit: StoreHit
     local_tokens: int
-    answers: dict[BlockKey, bool]  # every key the lookup asked: a smaller grant re-decides over them
+    answers: dict[
+        BlockKey, bool
+    ]  # every key the lookup asked: a smaller grant re-decides over them
     num_tokens: int
     at: float
 
@@ -109,7 +118,9 @@ class StoreScheduler:
         self._requests: dict[str, Request] = {}
         self._plans: dict[str, _LoadPlan] = {}
         self._loads: list[LoadJob] = []
-        self._saved_upto: dict[str, list[int]] = {}  # req -> per group: blocks considered for saving
+        self._saved_upto: dict[
+            str, list[int]
+        ] = {}  # req -> per group: blocks considered for saving
         self._tails_done: set[str] = set()
         # Requests whose async load failed: they recompute (never offered a hit again) and
         # skip their next admission once (get_num_new_matched_tokens).
@@ -122,7 +133,9 @@ class StoreScheduler:
         # The keys of _save_keys with their job counts (_save_started/_save_ended keep both):
         # _forget_missing asks it per lost key instead of rebuilding it from every job.
         self._in_flight: Counter[BlockKey] = Counter()
-        self._load_keys: dict[str, list[BlockKey]] = {}  # request -> its load's keys, until reported
+        self._load_keys: dict[
+            str, list[BlockKey]
+        ] = {}  # request -> its load's keys, until reported
         # Requests with a load job of this connector (blocks or refused), until reported: a
         # failed one owes its deferral whether or not it had blocks.
         self._loading: set[str] = set()
@@ -160,7 +173,9 @@ class StoreScheduler:
         again from the convergent hit (a second lookup, counted in the lookup metrics)."""
         return self._matched_tokens(request, num_computed_tokens)[0] > 0
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """External tokens beyond the block-aligned local hit; side-effect free on the store.
 
         ``None`` (vLLM: "not known yet", the request is skipped this step) exactly once
@@ -184,7 +199,10 @@ class StoreScheduler:
         cached = self._recent_lookups.get(request.request_id)
         if cached is not None:
             key, at, answer, plan = cached
-            if key == (request.num_tokens, num_computed_tokens) and time.monotonic() - at < self._cfg.lookup_cache_s:
+            if (
+                key == (request.num_tokens, num_computed_tokens)
+                and time.monotonic() - at < self._cfg.lookup_cache_s
+            ):
                 # The scheduler re-asks for a request it could not admit yet: same answer,
                 # no round trip (a stale "present" only costs a failed load and a recompute).
                 if plan is not None:
@@ -192,7 +210,9 @@ class StoreScheduler:
                 return answer
         answer = self._lookup(request, num_computed_tokens)
         self._recent_lookups[request.request_id] = (
-            (request.num_tokens, num_computed_tokens), time.monotonic(), answer,
+            (request.num_tokens, num_computed_tokens),
+            time.monotonic(),
+            answer,
             self._plans.get(request.request_id),
         )
         return answer
@@ -207,7 +227,9 @@ class StoreScheduler:
             return 0, False
         t0 = time.perf_counter()
         try:
-            probed = mirror.lookup(request.block_hashes, max_tokens, self._exists, num_computed_tokens)
+            probed = mirror.lookup(
+                request.block_hashes, max_tokens, self._exists, num_computed_tokens
+            )
         except StoreError as e:
             self._stats.add("lookup_errors")
             self._stats.add(f"fail.lookup_{code_name(e.code).lower()}")
@@ -235,9 +257,13 @@ class StoreScheduler:
         parts = min(_LOOKUP_MAX_PARTS, len(keys) * self._rank_keys.num_ranks // _LOOKUP_PART_KEYS)
         if parts > 1 and isinstance(keys, GroupedKeys):
             # Concurrent parts, each named while the ones before it are in flight.
-            found = self._client.exists_parts(map(names, keys.split(parts)), timeout_s=self._cfg.lookup_timeout_s)
+            found = self._client.exists_parts(
+                map(names, keys.split(parts)), timeout_s=self._cfg.lookup_timeout_s
+            )
         else:
-            found = self._client.exists(names(keys), timeout_s=self._cfg.lookup_timeout_s, shards=max(parts, 1))
+            found = self._client.exists(
+                names(keys), timeout_s=self._cfg.lookup_timeout_s, shards=max(parts, 1)
+            )
         return self._rank_keys.all_present(found)
 
     def _forget_missing(self, request: "Request", answers: KeyAnswers) -> None:
@@ -288,8 +314,12 @@ class StoreScheduler:
             return
         first = _first_lost_unit(request.block_hashes, lost)
         hashes = [bytes(h) for h in request.block_hashes[first:]]
-        self._forget(k for gid in range(len(self._mirror.geometry.groups)) for k in zip(itertools.repeat(gid), hashes)
-                     if k not in in_flight)
+        self._forget(
+            k
+            for gid in range(len(self._mirror.geometry.groups))
+            for k in zip(itertools.repeat(gid), hashes)
+            if k not in in_flight
+        )
 
     def _count_probes(self, probed: ProbedHit) -> None:
         self._stats.add("lookup_round_trips", probed.round_trips)
@@ -305,24 +335,34 @@ class StoreScheduler:
         self._saved_upto.pop(req_id, None)  # (re)admitted: saving restarts from its new hit
         self._tails_done.discard(req_id)
         plan = self._plans.pop(req_id, None)
-        self._recent_lookups.pop(req_id, None)  # admitted: the next lookup (after preemption) is fresh
+        self._recent_lookups.pop(
+            req_id, None
+        )  # admitted: the next lookup (after preemption) is fresh
         if num_external_tokens == 0 or plan is None:
             self._ledger.admitted(req_id, 0)
             return
         assert self._mirror is not None
         hit = plan.hit
         target = plan.local_tokens + num_external_tokens
-        job = LoadJob(req_id, BlockBatch(generation=self._schema.generation), load_id=next(self._job_ids))
+        job = LoadJob(
+            req_id, BlockBatch(generation=self._schema.generation), load_id=next(self._job_ids)
+        )
         if target != hit.tokens:
             # Granted fewer tokens than offered: the sparse state must sit at the
             # granted boundary. Re-decide there over the answers had, asking the
             # store only for the sparse keys around the new boundary.
             try:
                 probed = self._mirror.lookup(
-                    request.block_hashes, target, self._exists, plan.local_tokens, known=plan.answers
+                    request.block_hashes,
+                    target,
+                    self._exists,
+                    plan.local_tokens,
+                    known=plan.answers,
                 )
             except StoreError as e:
-                job.refused = f"granted {num_external_tokens} tokens; store lookup at {target} failed: {e}"
+                job.refused = (
+                    f"granted {num_external_tokens} tokens; store lookup at {target} failed: {e}"
+                )
                 self._ledger.admitted(req_id, num_external_tokens, refused=True)
                 self._post_load(job)
                 return
@@ -330,7 +370,9 @@ class StoreScheduler:
             self._forget_missing(request, probed.answers)
             hit = probed.hit
         if hit.tokens != target:
-            job.refused = f"granted {num_external_tokens} tokens but the store has no state at {target}"
+            job.refused = (
+                f"granted {num_external_tokens} tokens but the store has no state at {target}"
+            )
             self._ledger.admitted(req_id, num_external_tokens, refused=True)
             self._post_load(job)
             return
@@ -361,9 +403,12 @@ class StoreScheduler:
             while len(self._load_keys) > _MAX_PENDING_LOADS:  # bound: reports that never came
                 self._load_keys.pop(next(iter(self._load_keys)))
         groups = [(g.block_size, g.is_mamba) for g in self._mirror.geometry.groups]
-        self._ledger.admitted(req_id, num_external_tokens, covered_tokens(groups, job.blocks.group_ids,
-                                                                          num_external_tokens),
-                              refused=job.refused is not None)
+        self._ledger.admitted(
+            req_id,
+            num_external_tokens,
+            covered_tokens(groups, job.blocks.group_ids, num_external_tokens),
+            refused=job.refused is not None,
+        )
         self._post_load(job)
 
     def _post_load(self, job: LoadJob) -> None:
@@ -373,7 +418,9 @@ class StoreScheduler:
 
     # -------------------------------------------------------------------- saves
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StoreConnectorMetadata:
-        meta = StoreConnectorMetadata(loads=self._loads, block_copies=step_block_copies(scheduler_output))
+        meta = StoreConnectorMetadata(
+            loads=self._loads, block_copies=step_block_copies(scheduler_output)
+        )
         self._loads = []
         state = scheduler_output.kv_connector_block_state
         if self._mirror is None or self._client is None or state is None or not self._saves:
@@ -401,7 +448,11 @@ class StoreScheduler:
             request = self._requests.get(req_id)
             if request is not None:
                 self._plan_offered_state_saves(request, offers, states)
-        for blocks, sync, snapshot in ((batch, False, False), (states, True, False), (tails, False, True)):
+        for blocks, sync, snapshot in (
+            (batch, False, False),
+            (states, True, False),
+            (tails, False, True),
+        ):
             if blocks and self._within_pin_budget(blocks):
                 meta.saves.append(self._pinned_job(blocks, sync, snapshot))
         return meta
@@ -420,7 +471,9 @@ class StoreScheduler:
         budget = int(self._cfg.max_pinned_save_fraction * self._manager.block_pool.num_gpu_blocks)
         if pinned == 0 or pinned + len(blocks) <= budget:
             return True
-        self._forget(zip(blocks.group_ids, blocks.hashes))  # not saved: the next request computing it offers it again
+        self._forget(
+            zip(blocks.group_ids, blocks.hashes)
+        )  # not saved: the next request computing it offers it again
         self._stats.add("skipped_saves", len(blocks))
         self._stats.add("pin_budget_skipped_jobs")
         return False
@@ -481,7 +534,11 @@ class StoreScheduler:
             table = block_ids[g.group_id]
             for i, keep in zip(range(start, stop), mask):
                 if keep and i < len(table) and table[i]:
-                    self._offer(batch, mirror.block_key(g.group_id, request.block_hashes, (i + 1) * g.block_size), table[i])
+                    self._offer(
+                        batch,
+                        mirror.block_key(g.group_id, request.block_hashes, (i + 1) * g.block_size),
+                        table[i],
+                    )
             upto[g.group_id] = stop
 
     def _plan_state_saves(self, request: "Request", batch: BlockBatch) -> None:
@@ -496,14 +553,18 @@ class StoreScheduler:
         for g in self._mirror.geometry.groups:
             if not (g.is_mamba and g.prefix_cacheable):
                 continue
-            table = coordinator.single_type_managers[g.group_id].req_to_blocks.get(request.request_id, ())
+            table = coordinator.single_type_managers[g.group_id].req_to_blocks.get(
+                request.request_id, ()
+            )
             for block in table:
                 if block.is_null or block.block_hash is None:
                     continue
                 tokens = block.block_hash_num_tokens
                 if tokens is None or tokens > request.num_prompt_tokens:
                     continue
-                self._offer(batch, (g.group_id, bytes(get_block_hash(block.block_hash))), block.block_id)
+                self._offer(
+                    batch, (g.group_id, bytes(get_block_hash(block.block_hash))), block.block_id
+                )
 
     def _plan_partial_tail_saves(self, request: "Request", batch: BlockBatch) -> None:
         """Fine-grained hits: attention blocks vLLM keyed at a sub-block prompt checkpoint.
@@ -520,13 +581,22 @@ class StoreScheduler:
         for g in self._mirror.geometry.groups:
             if g.is_mamba or not g.prefix_cacheable:
                 continue
-            table = coordinator.single_type_managers[g.group_id].req_to_blocks.get(request.request_id, ())
+            table = coordinator.single_type_managers[g.group_id].req_to_blocks.get(
+                request.request_id, ()
+            )
             last = (request.num_prompt_tokens - 1) // g.block_size
             for block in table[max(0, last - 1) : last + 1]:
                 tokens = block.block_hash_num_tokens
-                if block.is_null or block.block_hash is None or tokens is None or tokens % g.block_size == 0:
+                if (
+                    block.is_null
+                    or block.block_hash is None
+                    or tokens is None
+                    or tokens % g.block_size == 0
+                ):
                     continue
-                self._offer(batch, (g.group_id, bytes(get_block_hash(block.block_hash))), block.block_id)
+                self._offer(
+                    batch, (g.group_id, bytes(get_block_hash(block.block_hash))), block.block_id
+                )
 
     def _plan_offered_state_saves(
         self, request: "Request", offers: list[tuple[int, int, int]], batch: BlockBatch
@@ -536,7 +606,11 @@ class StoreScheduler:
         unit = mirror.geometry.hash_block_size
         hashed_tokens = len(request.block_hashes) * unit
         for gid, block_id, tokens in offers:
-            if tokens % unit or tokens > min(hashed_tokens, request.num_prompt_tokens) or not block_id:
+            if (
+                tokens % unit
+                or tokens > min(hashed_tokens, request.num_prompt_tokens)
+                or not block_id
+            ):
                 continue
             self._offer(batch, mirror.block_key(gid, request.block_hashes, tokens), block_id)
 
@@ -557,8 +631,11 @@ class StoreScheduler:
         # copy either: vLLM would reserve the request's prompt twice and can stop admitting
         # anything (connector/failed_loads.py). Requests not finished yet only; marked before
         # the loop below pops _load_keys.
-        self._failed_loads.mark(failed, lambda r: r in self._loading and r in self._requests,
-                                self._requests.__contains__)
+        self._failed_loads.mark(
+            failed,
+            lambda r: r in self._loading and r in self._requests,
+            self._requests.__contains__,
+        )
         for r in output.finished_recving or ():
             self._loading.discard(r)
             self._ledger.load_done(r, r not in failed)  # a set over workers: once per request
@@ -599,7 +676,9 @@ class StoreScheduler:
         if forgotten:
             self._stats.add("recent_saves_forgotten", forgotten)
 
-    def _release(self, reported: Counter, acks: Counter, pins: dict[int, list[Any]]) -> list[tuple[int, int]]:
+    def _release(
+        self, reported: Counter, acks: Counter, pins: dict[int, list[Any]]
+    ) -> list[tuple[int, int]]:
         """Unpin the blocks of every job all workers have reported done; returns those
         jobs with how many blocks each unpinned."""
         done = []

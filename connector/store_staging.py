@@ -61,12 +61,20 @@ def build_stager_pools(
         layers = group_tensors(g, kv_caches)
         slots = max(1, min(max_batch_blocks, buffer_bytes // g.object_bytes))
 
-        def make(layers: list[torch.Tensor] = layers, slots: int = slots, g: GroupLayout = g) -> BlockStager:
-            stager = BlockStager(layers, slots, num_blocks=g.num_blocks,
-                                 device_staging_bytes=min(_MAX_DEVICE_STAGING, 2 * slots * g.object_bytes))
+        def make(
+            layers: list[torch.Tensor] = layers, slots: int = slots, g: GroupLayout = g
+        ) -> BlockStager:
+            stager = BlockStager(
+                layers,
+                slots,
+                num_blocks=g.num_blocks,
+                device_staging_bytes=min(_MAX_DEVICE_STAGING, 2 * slots * g.object_bytes),
+            )
             if stager.slot_bytes != g.object_bytes:
-                raise RuntimeError(f"group {g.group_id}: staging slot of {stager.slot_bytes} B but objects of "
-                                   f"{g.object_bytes} B; the layer views disagree with the KV layout")
+                raise RuntimeError(
+                    f"group {g.group_id}: staging slot of {stager.slot_bytes} B but objects of "
+                    f"{g.object_bytes} B; the layer views disagree with the KV layout"
+                )
             register(stager.buffer_ptr, stager.buffer_nbytes)
             return stager
 

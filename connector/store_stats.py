@@ -36,27 +36,27 @@ COUNTERS: dict[str, str] = {
     "saved_blocks": "Blocks written to the store",
     "saved_bytes": "Bytes written to the store",
     "save_parts": "Parts of the objects written to the store, trailer excluded (regions back to back in a "
-                  "block are one part)",
+    "block are one part)",
     "save_seconds": "Seconds spent in store writes",
     "loaded_blocks": "Blocks read from the store",
     "loaded_bytes": "Bytes read from the store",
     "load_parts": "Parts of the objects read from the store, trailer excluded (regions back to back in a "
-                  "block are one part)",
+    "block are one part)",
     "load_seconds": "Seconds spent in store reads",
     "failed_loads": "Request loads that failed or were refused (once per request; it recomputes)",
     "rank_failed_loads": "Worker-side loads that failed (once per TP rank of a failed request load)",
     "failed_saves": "Blocks whose write failed",
     "skipped_saves": "Blocks not written: save queue full, the step's synchronous save budget spent, "
-                     "or the blocks pinned by saves in flight at max_pinned_save_fraction of the KV cache",
+    "or the blocks pinned by saves in flight at max_pinned_save_fraction of the KV cache",
     "pin_budget_skipped_jobs": "Save jobs skipped because saves in flight already pinned max_pinned_save_fraction "
-                               "of the KV cache (a slow or unreachable store)",
+    "of the KV cache (a slow or unreachable store)",
     "snapshot_blocks": "Blocks copied before their checksum and write (partial tails still being written)",
     "removed_objects": "Stored objects this instance removed because they failed verification (corrupt, forged)",
     "recent_saves_dropped": "Times the 'saved recently' set was emptied because the master lost its objects",
     "recent_saves_forgotten": "Keys offered for saving again: their save was skipped or failed, their load failed, "
-                              "or a lookup found them missing (lost by the store: evicted, or a segment dropped)",
+    "or a lookup found them missing (lost by the store: evicted, or a segment dropped)",
     "failed_load_deferrals": "Admissions skipped once after a failed load, so vLLM frees other failed loads' "
-                             "blocks first (else a stall when several loads fail in one step)",
+    "blocks first (else a stall when several loads fail in one step)",
 }
 
 # Latencies (seconds) kept per call, exported as histograms: a sum hides the slow calls.
@@ -65,7 +65,23 @@ LATENCIES: dict[str, str] = {
     "load": "One batched store read (up to max_batch_blocks objects)",
     "save": "One batched store write (up to max_batch_blocks objects)",
 }
-LATENCY_BUCKETS = [1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+LATENCY_BUCKETS = [
+    1e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+]
 
 
 @dataclass
@@ -92,11 +108,22 @@ class HybridStorePromMetrics(CounterPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:  # noqa: ANN001
         super().__init__(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues, prefix="vllm:hybridkv_store_",
-            counters=COUNTERS, failures_help="Store failures by cause (each falls back to recompute)",
-            latencies=LATENCIES, buckets=LATENCY_BUCKETS,
-            labeled={"hit_tokens.g": ("group_hit_tokens", "Tokens served from the store, per KV cache group",
-                                      "group")},
+            vllm_config,
+            metric_types,
+            labelnames,
+            per_engine_labelvalues,
+            prefix="vllm:hybridkv_store_",
+            counters=COUNTERS,
+            failures_help="Store failures by cause (each falls back to recompute)",
+            latencies=LATENCIES,
+            buckets=LATENCY_BUCKETS,
+            labeled={
+                "hit_tokens.g": (
+                    "group_hit_tokens",
+                    "Tokens served from the store, per KV cache group",
+                    "group",
+                )
+            },
         )
 
 
@@ -138,7 +165,9 @@ class RequestLedger:
     def __init__(self, stats: Callable[[], HybridStoreStats], max_requests: int = 1 << 16) -> None:
         self._stats = stats  # a getter: the owner swaps its stats object every interval
         self.max_requests = max_requests
-        self._offers: OrderedDict[str, tuple[int, int]] = OrderedDict()  # req -> (query tokens, offered)
+        self._offers: OrderedDict[str, tuple[int, int]] = (
+            OrderedDict()
+        )  # req -> (query tokens, offered)
         self._granted: OrderedDict[str, _Granted] = OrderedDict()
 
     def offered(self, req_id: str, query_tokens: int, ext_tokens: int) -> None:
@@ -147,8 +176,13 @@ class RequestLedger:
         self._offers.move_to_end(req_id)
         self._trim(self._offers)
 
-    def admitted(self, req_id: str, granted_tokens: int, per_group: dict[int, int] | None = None,
-                 refused: bool = False) -> None:
+    def admitted(
+        self,
+        req_id: str,
+        granted_tokens: int,
+        per_group: dict[int, int] | None = None,
+        refused: bool = False,
+    ) -> None:
         """The admission: counts the lookup; a grant waits for its load's outcome.
 
         ``refused``: the scheduler gave up on the grant before any I/O (counted as a failed load now).

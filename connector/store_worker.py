@@ -46,11 +46,25 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from hybridkv.connector.block_layout import KVLayout
 from hybridkv.connector.log_once import warn_once
+from hybridkv.connector.store_auth import StoreSecret
 from hybridkv.connector.store_config import StoreConnectorConfig
-from hybridkv.connector.store_metadata import BlockBatch, LoadJob, SaveJob, StoreConnectorMetadata, StoreWorkerMetadata
-from hybridkv.connector.store_staging import StagerPool, build_stager_pools, device_fence, needs_staging
+from hybridkv.connector.store_metadata import (
+    BlockBatch,
+    LoadJob,
+    SaveJob,
+    StoreConnectorMetadata,
+    StoreWorkerMetadata,
+)
+from hybridkv.connector.store_staging import (
+    StagerPool,
+    build_stager_pools,
+    device_fence,
+    needs_staging,
+)
 from hybridkv.connector.store_stats import HybridStoreStats
 from hybridkv.store import malloc_trim
+from hybridkv.store.call_pool import CallPool
+from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.logs import get_logger
 from hybridkv.store.mooncake_backend import (
@@ -61,9 +75,6 @@ from hybridkv.store.mooncake_backend import (
     StoreError,
     code_name,
 )
-from hybridkv.store.call_pool import CallPool
-from hybridkv.store.cpu_affinity import unpinned
-from hybridkv.connector.store_auth import StoreSecret
 from hybridkv.store.object_trailer import (
     TRAILER_BYTES,
     TrailerArena,
@@ -84,7 +95,11 @@ _UNCHECKED = "unchecked"  # a load's object whose trailer has not been checked (
 
 
 def plan_spans(
-    object_bytes: list[int], max_objects: int, first_bytes: int, max_bytes: int, ramp_down: bool = False
+    object_bytes: list[int],
+    max_objects: int,
+    first_bytes: int,
+    max_bytes: int,
+    ramp_down: bool = False,
 ) -> list[tuple[int, int]]:
     """Consecutive [lo, hi) sub-batches of a job's objects, one store call each.
 
@@ -100,8 +115,11 @@ def plan_spans(
     lo, target = 0, first_bytes
     while lo < n:
         hi, acc = lo, 0
-        while hi < n and hi - lo < max_objects and (
-                first_bytes <= 0 or hi == lo or acc + sizes[hi] <= target):
+        while (
+            hi < n
+            and hi - lo < max_objects
+            and (first_bytes <= 0 or hi == lo or acc + sizes[hi] <= target)
+        ):
             acc += sizes[hi]
             hi += 1
         spans.append((lo, hi))
@@ -114,13 +132,29 @@ def plan_spans(
 class _SpanRun:
     """One job's objects, its sub-batches and what each has become (one job thread owns it)."""
 
-    def __init__(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], expect: list[int],
-                 spans: list[tuple[int, int]]) -> None:
-        self.keys, self.addrs, self.sizes, self.expect, self.spans = keys, addrs, sizes, expect, spans
-        self.arenas: dict[int, tuple[TrailerArena, "Future[Any] | None"]] = {}  # span -> (arena, call still running)
+    def __init__(
+        self,
+        keys: list[str],
+        addrs: list[list[int]],
+        sizes: list[list[int]],
+        expect: list[int],
+        spans: list[tuple[int, int]],
+    ) -> None:
+        self.keys, self.addrs, self.sizes, self.expect, self.spans = (
+            keys,
+            addrs,
+            sizes,
+            expect,
+            spans,
+        )
+        self.arenas: dict[
+            int, tuple[TrailerArena, "Future[Any] | None"]
+        ] = {}  # span -> (arena, call still running)
         self.codes: list[int] = [0] * len(keys)
         self.verdicts: list[str | None] = [_UNCHECKED] * len(keys)
-        self.pending: "Future[Any] | None" = None  # an abandoned call (its span's buffers are not free)
+        self.pending: "Future[Any] | None" = (
+            None  # an abandoned call (its span's buffers are not free)
+        )
         self._span_index = [i for i, (lo, hi) in enumerate(spans) for _ in range(lo, hi)]
 
     def arena(self, i: int, pool: CallPool[TrailerArena]) -> TrailerArena:
@@ -158,9 +192,14 @@ class WorkerLimits:
 
     @classmethod
     def from_config(cls, cfg: StoreConnectorConfig) -> "WorkerLimits":
-        d = {"load_deadline_s": cfg.timeout_s, "step_save_budget_s": cfg.timeout_s,
-             "save_queue_blocks": 4 * cfg.max_batch_blocks}
-        return cls(**{f: getattr(cfg, f, d.get(f, getattr(cls, f))) for f in cls.__dataclass_fields__})
+        d = {
+            "load_deadline_s": cfg.timeout_s,
+            "step_save_budget_s": cfg.timeout_s,
+            "save_queue_blocks": 4 * cfg.max_batch_blocks,
+        }
+        return cls(
+            **{f: getattr(cfg, f, d.get(f, getattr(cls, f))) for f in cls.__dataclass_fields__}
+        )
 
 
 class _JobThread:
@@ -172,8 +211,10 @@ class _JobThread:
         self._idle.set()
         self._pending = 0
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
-                         for i in range(max(1, threads))]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
         for t in self._threads:
             t.start()
 
@@ -206,7 +247,9 @@ class _JobThread:
 def layout_format_code(layout: KVLayout | None) -> int:
     """The trailer's ``block_format_code`` of a worker's KV cache: every group's block byte order."""
     groups = layout.groups if layout is not None else ()
-    return block_format_code([f"{g.group_id}:{','.join(g.block_formats)}" for g in groups if g is not None])
+    return block_format_code(
+        [f"{g.group_id}:{','.join(g.block_formats)}" for g in groups if g is not None]
+    )
 
 
 class StoreWorker:
@@ -238,9 +281,14 @@ class StoreWorker:
         self._failed_saves: Counter[int] = Counter()  # done, but not every object written
         self._released_loads: Counter[int] = Counter()
         self._stats = HybridStoreStats()
-        self._mac = (secret or StoreSecret.load(cfg)).object_mac()  # None: XXH3 trailers (no secret, logged)
+        self._mac = (
+            secret or StoreSecret.load(cfg)
+        ).object_mac()  # None: XXH3 trailers (no secret, logged)
         self._arenas: CallPool[TrailerArena] = CallPool(
-            lambda: TrailerArena(cfg.max_batch_blocks, client.register, tag_kind(self._mac), self.format_code))
+            lambda: TrailerArena(
+                cfg.max_batch_blocks, client.register, tag_kind(self._mac), self.format_code
+            )
+        )
         self._staging: dict[int, dict[str, StagerPool]] | None = None
         self._snapshots: dict[int, dict[str, StagerPool]] | None = None  # built on first use
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -257,8 +305,13 @@ class StoreWorker:
         self._kv_caches = dict(kv_caches)
         self._on_cuda = any(t.device.type == "cuda" for t in kv_caches.values())
         if needs_staging(kv_caches, self._cfg.staging):
-            self._staging = build_stager_pools(self._layout, kv_caches, self._cfg.max_batch_blocks,
-                                               self._cfg.staging_buffer_size, self._client.register)
+            self._staging = build_stager_pools(
+                self._layout,
+                kv_caches,
+                self._cfg.max_batch_blocks,
+                self._cfg.staging_buffer_size,
+                self._client.register,
+            )
         else:
             for base, nbytes in self._layout.allocations:
                 self._client.register(base, nbytes)
@@ -267,7 +320,8 @@ class StoreWorker:
             len(self._layout.groups),
             [g.object_bytes if g else 0 for g in self._layout.groups],
             f"staged through host buffers ({ {g: p['save'].slots for g, p in self._staging.items()} } slots)"
-            if self._staging is not None else f"zero-copy from {len(self._layout.allocations)} registered allocation(s)",
+            if self._staging is not None
+            else f"zero-copy from {len(self._layout.allocations)} registered allocation(s)",
         )
 
     # ------------------------------------------------------------------- loads
@@ -317,7 +371,10 @@ class StoreWorker:
         with self._lock:
             # An empty queue takes any job (a long prompt may exceed the bound alone):
             # queued blocks stay below save_queue_blocks + one job.
-            if self._queued_save_blocks and self._queued_save_blocks + n > self._limits.save_queue_blocks:
+            if (
+                self._queued_save_blocks
+                and self._queued_save_blocks + n > self._limits.save_queue_blocks
+            ):
                 return False
             self._queued_save_blocks += n
             return True
@@ -333,9 +390,15 @@ class StoreWorker:
         """Not written (store too slow for the budget, or queue full): unpin now, count it."""
         self._stat("skipped_saves", len(job.blocks))
         self._stat(f"fail.{cause}", len(job.blocks))
-        warn_once(logger, cause, "skipped saving %d block(s): %s", len(job.blocks),
-                  "this step's synchronous save budget is spent" if cause == "save_step_budget"
-                  else f"the save queue holds {self._limits.save_queue_blocks} blocks already")
+        warn_once(
+            logger,
+            cause,
+            "skipped saving %d block(s): %s",
+            len(job.blocks),
+            "this step's synchronous save budget is spent"
+            if cause == "save_step_budget"
+            else f"the save queue holds {self._limits.save_queue_blocks} blocks already",
+        )
         self._ack_save(job.job_id, ok=False)
 
     def _run_save(
@@ -347,7 +410,9 @@ class StoreWorker:
                 fence.synchronize()  # the forward that wrote these blocks has finished on the device
             if self._layout is not None:
                 snapshot = job.snapshot
-                ok, pending = self._move(job.blocks, load=False, deadline=deadline, snapshot=snapshot)
+                ok, pending = self._move(
+                    job.blocks, load=False, deadline=deadline, snapshot=snapshot
+                )
                 if ok:
                     self._log_keys(job.blocks)
         finally:
@@ -373,8 +438,14 @@ class StoreWorker:
             pending.add_done_callback(lambda _f: fn())
 
     def _bounded_call(
-        self, op: str, fn: Callable[..., list[int]], keys: list[str], addrs: list, sizes: list,
-        deadline: float | None, side: Callable[[Callable[[], bool]], None] | None = None,
+        self,
+        op: str,
+        fn: Callable[..., list[int]],
+        keys: list[str],
+        addrs: list,
+        sizes: list,
+        deadline: float | None,
+        side: Callable[[Callable[[], bool]], None] | None = None,
     ) -> tuple[list[int] | None, StoreError | None, "Future[Any] | None"]:
         """One store call through the backend's bounded call, WITHOUT letting it outlive its buffers.
 
@@ -389,7 +460,11 @@ class StoreWorker:
         if deadline is not None:
             timeout = min(timeout, deadline - time.monotonic())
             if timeout < _MIN_CALL_S:
-                return None, StoreError(op, CALL_TIMEOUT, "the request's deadline passed before the call"), None
+                return (
+                    None,
+                    StoreError(op, CALL_TIMEOUT, "the request's deadline passed before the call"),
+                    None,
+                )
         try:
             return fn(keys, addrs, sizes, timeout_s=timeout, while_waiting=side), None, None
         except StoreError as e:
@@ -433,8 +508,13 @@ class StoreWorker:
             assert self._layout is not None
             largest = max(g.object_bytes for g in self._layout.groups if g is not None)
             with unpinned():
-                self._snapshots = build_stager_pools(self._layout, self._kv_caches, _SNAPSHOT_SLOTS,
-                                                     _SNAPSHOT_SLOTS * largest, self._client.register)
+                self._snapshots = build_stager_pools(
+                    self._layout,
+                    self._kv_caches,
+                    _SNAPSHOT_SLOTS,
+                    _SNAPSHOT_SLOTS * largest,
+                    self._client.register,
+                )
         return self._snapshots
 
     def _move_staged(
@@ -451,7 +531,7 @@ class StoreWorker:
         for gid, idxs in by_group.items():
             pool = pools[gid]["load" if load else "save"]
             for lo in range(0, len(idxs), pool.slots):
-                part = idxs[lo:lo + pool.slots]
+                part = idxs[lo : lo + pool.slots]
                 ids = [blocks.block_ids[i] for i in part]
                 keys = [schema.key(gid, blocks.hashes[i]) for i in part]
                 stager = pool.acquire()
@@ -461,11 +541,17 @@ class StoreWorker:
                         stager.gather(ids)
                     slots = stager.slot_addresses(len(ids))
                     ok, pending = self._move_parts(
-                        keys, [[a] for a, _ in slots], [[n] for _, n in slots], [stager.slot_bytes] * len(ids), load,
+                        keys,
+                        [[a] for a, _ in slots],
+                        [[n] for _, n in slots],
+                        [stager.slot_bytes] * len(ids),
+                        load,
                         deadline,
                     )
                     if load and ok:
-                        stager.scatter(ids)  # verified bytes only: a failed load leaves the cache untouched
+                        stager.scatter(
+                            ids
+                        )  # verified bytes only: a failed load leaves the cache untouched
                 finally:
                     self._after(pending, lambda pool=pool, stager=stager: pool.release(stager))
                 all_ok = all_ok and ok
@@ -493,8 +579,17 @@ class StoreWorker:
         """
         # Loads plan their sub-batches (ramped down: the last one is verified exposed);
         # saves size theirs as they go (``_save_spans``).
-        spans = plan_spans(expect, self._cfg.max_batch_blocks, self._limits.overlap_first_bytes,
-                           self._limits.overlap_max_bytes, ramp_down=True) if load else []
+        spans = (
+            plan_spans(
+                expect,
+                self._cfg.max_batch_blocks,
+                self._limits.overlap_first_bytes,
+                self._limits.overlap_max_bytes,
+                ramp_down=True,
+            )
+            if load
+            else []
+        )
         overlap = self._limits.overlap_first_bytes > 0 and (len(spans) > 1 or not load)
         run = _SpanRun(keys, addrs, sizes, expect, spans)
         try:
@@ -505,7 +600,11 @@ class StoreWorker:
                 self._after(done, lambda arena=arena: self._arenas.release(arena))
 
     def _span_call(
-        self, run: "_SpanRun", i: int, load: bool, deadline: float | None,
+        self,
+        run: "_SpanRun",
+        i: int,
+        load: bool,
+        deadline: float | None,
         side: Callable[[Callable[[], bool]], None] | None,
     ) -> tuple[list[int] | None, StoreError | None]:
         """The store call of sub-batch ``i`` (objects + their trailer slots), ``side`` run meanwhile."""
@@ -516,21 +615,35 @@ class StoreWorker:
         op = "get_into_parts" if load else "put_from_parts"
         fn = self._client.get_into_parts if load else self._client.put_from_parts
         t0 = time.perf_counter()
-        codes, err, done = self._bounded_call(op, fn, run.keys[lo:hi], part_addrs, part_sizes, deadline, side)
+        codes, err, done = self._bounded_call(
+            op, fn, run.keys[lo:hi], part_addrs, part_sizes, deadline, side
+        )
         run.arenas[i] = (arena, done)
         if err is not None:
             run.pending = done
-            self._fail(f"{'load' if load else 'save'}_{code_name(err.code).lower()}", str(err), n=hi - lo, load=load)
+            self._fail(
+                f"{'load' if load else 'save'}_{code_name(err.code).lower()}",
+                str(err),
+                n=hi - lo,
+                load=load,
+            )
             return None, err
         dt = time.perf_counter() - t0
         self._stat("load_seconds" if load else "save_seconds", dt)
-        self._stat("load_parts" if load else "save_parts", sum(len(run.addrs[j]) for j in range(lo, hi)))
+        self._stat(
+            "load_parts" if load else "save_parts", sum(len(run.addrs[j]) for j in range(lo, hi))
+        )
         with self._lock:
             self._stats.add_latency("load" if load else "save", dt)
         return codes, None
 
     def _seal_from(
-        self, run: "_SpanRun", i: int, lo: int, stop: int, budget: int | None,
+        self,
+        run: "_SpanRun",
+        i: int,
+        lo: int,
+        stop: int,
+        budget: int | None,
         call_done: Callable[[], bool] | None = None,
     ) -> int:
         """Write the trailers of objects ``lo, lo+1, ...`` into sub-batch ``i``'s arena (slot
@@ -538,14 +651,21 @@ class StoreWorker:
         the end (exclusive): sub-batch ``i`` is then ``[lo, end)``."""
         arena = run.arena(i, self._arenas)
         j, acc = lo, 0
-        while j < stop and (j == lo or ((budget is None or acc + run.expect[j] <= budget)
-                                        and not (call_done is not None and call_done()))):
+        while j < stop and (
+            j == lo
+            or (
+                (budget is None or acc + run.expect[j] <= budget)
+                and not (call_done is not None and call_done())
+            )
+        ):
             arena.write(j - lo, checksum_parts(run.keys[j], run.addrs[j], run.sizes[j], self._mac))
             acc += run.expect[j]
             j += 1
         return j
 
-    def _save_spans(self, run: "_SpanRun", overlap: bool, deadline: float | None) -> tuple[bool, "Future[Any] | None"]:
+    def _save_spans(
+        self, run: "_SpanRun", overlap: bool, deadline: float | None
+    ) -> tuple[bool, "Future[Any] | None"]:
         """Saves size their sub-batches as they go: while sub-batch i is in the put, the
         objects after it are hashed until the put returns (or a sub-batch's limit), and
         exactly those form sub-batch i+1. The put never waits for a hash it could do
@@ -554,17 +674,29 @@ class StoreWorker:
         n, cap = len(run.keys), self._cfg.max_batch_blocks
         limits = self._limits
         all_ok = True
-        lo, hi = 0, self._seal_from(run, 0, 0, min(n, cap), limits.overlap_first_bytes if overlap else None)
+        lo, hi = (
+            0,
+            self._seal_from(
+                run, 0, 0, min(n, cap), limits.overlap_first_bytes if overlap else None
+            ),
+        )
         while lo < n:
             i = len(run.spans)
             run.spans.append((lo, hi))
             upcoming = [hi]  # where sub-batch i+1 ends, once its objects are sealed
 
             def side(call_done: Callable[[], bool], i: int = i + 1, lo: int = hi) -> None:
-                upcoming[0] = self._seal_from(run, i, lo, min(n, lo + cap), limits.overlap_max_bytes, call_done)
+                upcoming[0] = self._seal_from(
+                    run, i, lo, min(n, lo + cap), limits.overlap_max_bytes, call_done
+                )
+
             if overlap and hi < n:
-                run.arena(i + 1, self._arenas)  # acquired here, not in the side work (it may register)
-            codes, err = self._span_call(run, i, False, deadline, side if overlap and hi < n else None)
+                run.arena(
+                    i + 1, self._arenas
+                )  # acquired here, not in the side work (it may register)
+            codes, err = self._span_call(
+                run, i, False, deadline, side if overlap and hi < n else None
+            )
             if err is not None:  # the store is unwell: stop; unpin when the call returns
                 return False, run.pending
             moved = moved_bytes = 0
@@ -574,18 +706,27 @@ class StoreWorker:
                     moved_bytes += run.expect[j]
                 else:
                     all_ok = False
-                    self._fail(f"save_{code_name(code).lower()}", f"{run.keys[j]}: code {code}, expected 0", load=False)
+                    self._fail(
+                        f"save_{code_name(code).lower()}",
+                        f"{run.keys[j]}: code {code}, expected 0",
+                        load=False,
+                    )
             self._stat("saved_blocks", moved)
             self._stat("saved_bytes", moved_bytes)
             lo = hi
             if lo < n:  # serially: the next plain batch, hashed now
-                hi = upcoming[0] if overlap else self._seal_from(run, i + 1, lo, min(n, lo + cap), None)
+                hi = (
+                    upcoming[0]
+                    if overlap
+                    else self._seal_from(run, i + 1, lo, min(n, lo + cap), None)
+                )
         return all_ok, None
 
     def _verdict(self, run: "_SpanRun", j: int, arena: TrailerArena, lo: int) -> str | None:
         """Check object ``j`` (slot ``j - lo`` of ``arena``) against its trailer; kept in ``run``."""
         bad = run.verdicts[j] = arena.verdict(
-            j - lo, checksum_parts(run.keys[j], run.addrs[j], run.sizes[j], self._mac))
+            j - lo, checksum_parts(run.keys[j], run.addrs[j], run.sizes[j], self._mac)
+        )
         return bad
 
     def _check_span(self, run: "_SpanRun", i: int) -> None:
@@ -598,14 +739,18 @@ class StoreWorker:
             if self._verdict(run, j, arena, lo) is not None:
                 return  # the request recomputes; its other objects need no checking
 
-    def _load_spans(self, run: "_SpanRun", overlap: bool, deadline: float | None) -> tuple[bool, "Future[Any] | None"]:
+    def _load_spans(
+        self, run: "_SpanRun", overlap: bool, deadline: float | None
+    ) -> tuple[bool, "Future[Any] | None"]:
         fetched = 0  # objects whose call answered
         for i, (lo, hi) in enumerate(run.spans):
             run.arena(i, self._arenas).clear(hi - lo)
             side = None
             if overlap and i > 0:
+
                 def side(call_done: Callable[[], bool], i: int = i - 1) -> None:
                     self._check_span(run, i)
+
             codes, err = self._span_call(run, i, True, deadline, side)
             if err is not None:
                 break  # the request fails; what arrived before is still accounted (as one call was)
@@ -615,7 +760,9 @@ class StoreWorker:
                 self._check_span(run, i)
             # Stop at the first refused object: the request recomputes.
             if any(c != run.expect[j] + TRAILER_BYTES for j, c in zip(range(lo, hi), codes)) or any(
-                    v is not None and v != _UNCHECKED for v in run.verdicts[run.spans[max(0, i - 1)][0]:hi]):
+                v is not None and v != _UNCHECKED
+                for v in run.verdicts[run.spans[max(0, i - 1)][0] : hi]
+            ):
                 break
         moved = moved_bytes = 0
         all_ok = True
@@ -634,7 +781,9 @@ class StoreWorker:
                     # unchecked because the load stopped at a refused object after it
                     i = run.span_of(j)
                     bad = self._verdict(run, j, run.arenas[i][0], run.spans[i][0])
-                cause = None if bad is None else f"load_{bad}"  # corrupt, unauthenticated, format_mismatch
+                cause = (
+                    None if bad is None else f"load_{bad}"
+                )  # corrupt, unauthenticated, format_mismatch
                 if must_remove(bad):  # wrong for every reader: not offered again
                     self._remove_refused(run.keys[j])
             if cause is None:
@@ -647,7 +796,6 @@ class StoreWorker:
         self._stat("loaded_blocks", moved)
         self._stat("loaded_bytes", moved_bytes)
         return all_ok and fetched == len(run.keys), run.pending
-
 
     def _remove_refused(self, key: str) -> None:
         """Remove an object that failed verification (force: our own get just renewed its lease)."""
@@ -664,7 +812,9 @@ class StoreWorker:
             for gid, h, b in zip(blocks.group_ids, blocks.hashes, blocks.block_ids):
                 layout = self._layout.groups[gid] if self._layout else None
                 if layout is not None:
-                    f.write(f"{self._schema.at_generation(blocks.generation).key(gid, h)} {gid} {layout.object_bytes}\n")
+                    f.write(
+                        f"{self._schema.at_generation(blocks.generation).key(gid, h)} {gid} {layout.object_bytes}\n"
+                    )
 
     def _fail(self, cause: str, detail: str, n: int = 1, load: bool = True) -> None:
         self._stat(f"fail.{cause}", n)
@@ -706,7 +856,12 @@ class StoreWorker:
         self._saves.stop()
         if self._trimmer is not None:
             t = self._trimmer
-            logger.info("malloc_trim every %.0f s: %d calls, %d released memory, %.1f ms mean, "
-                        "%.1f ms max", t.interval_s, t.calls, t.released, 1e3 * t.total_s / max(1, t.calls),
-                        1e3 * t.max_s)
+            logger.info(
+                "malloc_trim every %.0f s: %d calls, %d released memory, %.1f ms mean, %.1f ms max",
+                t.interval_s,
+                t.calls,
+                t.released,
+                1e3 * t.total_s / max(1, t.calls),
+                1e3 * t.max_s,
+            )
             t.stop()

@@ -43,59 +43,91 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("M1", "mirror: sparse groups also taken as held by the local dense prefix",
-             "store/mirror.py",
-             "if local is not None and gid in self._dense_ids:",
-             "if local is not None:",
-             ("tests/unit/test_mirror_matches_manager.py",)),
-    Mutation("M2", "mirror: probing past the local dense prefix skips one block",
-             "store/mirror.py",
-             "first_end_unit = (local_dense_tokens // unit // step_units + 1) * step_units",
-             "first_end_unit = (local_dense_tokens // unit // step_units + 2) * step_units",
-             ("tests/unit/test_mirror_matches_manager.py",)),
-    Mutation("M3", "save mask: Mamba checkpoint alignment off by one block",
-             "store/mirror.py",
-             "m and ((start_block + i + 1) * group.block_size) % align == 0",
-             "m and ((start_block + i) * group.block_size) % align == 0",
-             ("tests/unit/test_save_mask.py",)),
-    Mutation("M4", "save mask: replay boundaries computed without the EAGLE drop",
-             "store/mirror.py",
-             "use_eagle=bool(vllm_compat.eagle_drop_group_ids(self._coordinator)),",
-             "use_eagle=False,",
-             ("tests/unit/test_save_mask.py",)),
-    Mutation("M5", "dense reference: report the MAX of the dense hits (vLLM's bug) instead of the min",
-             "connector/dense_reference.py",
-             "reported = min(dense_hits)",
-             "reported = max(dense_hits)",
-             ("tests/unit/test_dense_reference.py", "tests/unit/test_truncation_drift.py")),
-    Mutation("M6", "dense reference: eviction guard also fires on a sparse hit EQUAL to the deepest dense",
-             "connector/dense_reference.py",
-             "if any(h > deepest_dense for h in sparse_hits):",
-             "if any(h >= deepest_dense for h in sparse_hits):",
-             ("tests/unit/test_dense_reference.py",)),
-    Mutation("M7", "block layout: manager block b addressed one block further (b + 1)",
-             "connector/block_layout.py",
-             "addrs = self.bases[None, :] + ids[:, None] * self.strides[None, :]",
-             "addrs = self.bases[None, :] + (ids[:, None] + 1) * self.strides[None, :]",
-             ("tests/unit/test_store_connector_parts.py", "tests/unit/test_block_staging.py",
-              "tests/unit/test_pd_transport.py")),
-    Mutation("M8", "P/D plan: the READ takes the peer's blocks shifted by one",
-             "connector/pd_transport.py",
-             "r_addr = rg.region_addrs(r_ids)",
-             "r_addr = rg.region_addrs([i + 1 for i in r_ids])",
-             ("tests/unit/test_pd_transport.py",)),
-    Mutation("M9", "object trailer: checksum not seeded with the key (right payload under another key passes)",
-             "store/object_trailer.py",
-             "return xxhash.xxh3_64_intdigest(payload, seed=key_seed(key))",
-             "return xxhash.xxh3_64_intdigest(payload)",
-             ("tests/unit/test_object_trailer.py",)),
+    Mutation(
+        "M1",
+        "mirror: sparse groups also taken as held by the local dense prefix",
+        "store/mirror.py",
+        "if local is not None and gid in self._dense_ids:",
+        "if local is not None:",
+        ("tests/unit/test_mirror_matches_manager.py",),
+    ),
+    Mutation(
+        "M2",
+        "mirror: probing past the local dense prefix skips one block",
+        "store/mirror.py",
+        "first_end_unit = (local_dense_tokens // unit // step_units + 1) * step_units",
+        "first_end_unit = (local_dense_tokens // unit // step_units + 2) * step_units",
+        ("tests/unit/test_mirror_matches_manager.py",),
+    ),
+    Mutation(
+        "M3",
+        "save mask: Mamba checkpoint alignment off by one block",
+        "store/mirror.py",
+        "m and ((start_block + i + 1) * group.block_size) % align == 0",
+        "m and ((start_block + i) * group.block_size) % align == 0",
+        ("tests/unit/test_save_mask.py",),
+    ),
+    Mutation(
+        "M4",
+        "save mask: replay boundaries computed without the EAGLE drop",
+        "store/mirror.py",
+        "use_eagle=bool(vllm_compat.eagle_drop_group_ids(self._coordinator)),",
+        "use_eagle=False,",
+        ("tests/unit/test_save_mask.py",),
+    ),
+    Mutation(
+        "M5",
+        "dense reference: report the MAX of the dense hits (vLLM's bug) instead of the min",
+        "connector/dense_reference.py",
+        "reported = min(dense_hits)",
+        "reported = max(dense_hits)",
+        ("tests/unit/test_dense_reference.py", "tests/unit/test_truncation_drift.py"),
+    ),
+    Mutation(
+        "M6",
+        "dense reference: eviction guard also fires on a sparse hit EQUAL to the deepest dense",
+        "connector/dense_reference.py",
+        "if any(h > deepest_dense for h in sparse_hits):",
+        "if any(h >= deepest_dense for h in sparse_hits):",
+        ("tests/unit/test_dense_reference.py",),
+    ),
+    Mutation(
+        "M7",
+        "block layout: manager block b addressed one block further (b + 1)",
+        "connector/block_layout.py",
+        "addrs = self.bases[None, :] + ids[:, None] * self.strides[None, :]",
+        "addrs = self.bases[None, :] + (ids[:, None] + 1) * self.strides[None, :]",
+        (
+            "tests/unit/test_store_connector_parts.py",
+            "tests/unit/test_block_staging.py",
+            "tests/unit/test_pd_transport.py",
+        ),
+    ),
+    Mutation(
+        "M8",
+        "P/D plan: the READ takes the peer's blocks shifted by one",
+        "connector/pd_transport.py",
+        "r_addr = rg.region_addrs(r_ids)",
+        "r_addr = rg.region_addrs([i + 1 for i in r_ids])",
+        ("tests/unit/test_pd_transport.py",),
+    ),
+    Mutation(
+        "M9",
+        "object trailer: checksum not seeded with the key (right payload under another key passes)",
+        "store/object_trailer.py",
+        "return xxhash.xxh3_64_intdigest(payload, seed=key_seed(key))",
+        "return xxhash.xxh3_64_intdigest(payload)",
+        ("tests/unit/test_object_trailer.py",),
+    ),
 ]
 
 
 def _snapshot(dest: Path) -> None:
     """The committed tree (HEAD) into ``dest``, plus the shim package."""
     dest.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "HEAD"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     shim = dest / ".mutshim" / "hybridkv"
     shim.mkdir(parents=True)
@@ -105,21 +137,34 @@ def _snapshot(dest: Path) -> None:
 
 
 def _run_tests(copy: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[str, float, str]:
-    env = dict(os.environ, PYTHONPATH=f"{copy / '.mutshim'}{os.pathsep}{copy}",
-               HYPOTHESIS_STORAGE_DIRECTORY=str(copy / ".hypothesis"))
-    check = ("import hybridkv.store.mirror as m, sys; "
-             f"sys.exit(0 if m.__file__.startswith({str(copy)!r}) else 3)")
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{copy / '.mutshim'}{os.pathsep}{copy}",
+        HYPOTHESIS_STORAGE_DIRECTORY=str(copy / ".hypothesis"),
+    )
+    check = (
+        "import hybridkv.store.mirror as m, sys; "
+        f"sys.exit(0 if m.__file__.startswith({str(copy)!r}) else 3)"
+    )
     if subprocess.run([sys.executable, "-c", check], cwd=copy, env=env).returncode != 0:
         raise SystemExit(f"the shim did not take: hybridkv still imports from outside {copy}")
     t0 = time.monotonic()
     try:
-        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                           cwd=copy, env=env, capture_output=True, text=True, timeout=timeout_s)
+        p = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
         return "timeout", time.monotonic() - t0, ""
     failed = [ln for ln in p.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
     last = p.stdout.strip().splitlines()[-1:] or [""]
-    verdict = "green" if p.returncode == 0 else ("red" if p.returncode == 1 else f"rc={p.returncode}")
+    verdict = (
+        "green" if p.returncode == 0 else ("red" if p.returncode == 1 else f"rc={p.returncode}")
+    )
     return verdict, time.monotonic() - t0, (failed or last)[0][:120]
 
 
@@ -140,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             if m.tests not in baselines:
                 verdict, secs, why = _run_tests(base, m.tests, args.timeout_s)
                 baselines[m.tests] = verdict
-                print(f"baseline {' '.join(m.tests)}: {verdict} ({secs:.0f}s) {why if verdict != 'green' else ''}",
-                      flush=True)
+                print(
+                    f"baseline {' '.join(m.tests)}: {verdict} ({secs:.0f}s) {why if verdict != 'green' else ''}",
+                    flush=True,
+                )
         for m in chosen:
             if baselines[m.tests] != "green":
                 rows.append((m, "skipped (baseline not green)", 0.0, ""))
@@ -151,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
             target = copy / m.path
             text = target.read_text()
             if text.count(m.old) != 1:
-                rows.append((m, f"NOT APPLIED ({text.count(m.old)} matches: the code moved, update it)", 0.0, ""))
+                rows.append(
+                    (
+                        m,
+                        f"NOT APPLIED ({text.count(m.old)} matches: the code moved, update it)",
+                        0.0,
+                        "",
+                    )
+                )
                 print(f"{m.name}: {rows[-1][1]}", flush=True)
                 continue
             target.write_text(text.replace(m.old, m.new))
@@ -167,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| mutation | bug | tests | result | time |\n|---|---|---|---|---|")
     for m, result, secs, why in rows:
         tests = ", ".join(Path(t).name for t in m.tests)
-        print(f"| {m.name} | {m.what} | {tests} | {result}{': ' + why if why else ''} | {secs:.0f}s |")
+        print(
+            f"| {m.name} | {m.what} | {tests} | {result}{': ' + why if why else ''} | {secs:.0f}s |"
+        )
     print(f"\n{caught}/{len(chosen)} mutations caught")
     return 0 if caught == len(chosen) else 1
 

@@ -71,10 +71,14 @@ if [ -n "$gpu_pid" ]; then
     export HYBRIDKV_GPU_RESOLUTION="$gpu_dir"  # read_result also refuses a failed or stale one
 fi
 if ! .venv/bin/ruff check --no-cache --quiet .; then
-    echo "ruff check failed (settings: ruff.toml)" >&2
+    echo "ruff check failed (settings: [tool.ruff] in pyproject.toml)" >&2
     exit 1
 fi
-echo "== ruff check: clean"
+if ! .venv/bin/ruff format --check --no-cache --quiet .; then
+    echo "ruff format --check failed: run .venv/bin/ruff format ." >&2
+    exit 1
+fi
+echo "== ruff check and ruff format --check: clean"
 if ! VLLM033="$(bash scripts/vllm033.sh)"; then
     echo "could not prepare vLLM 0.33's Python (scripts/vllm033.sh)" >&2
     exit 1

@@ -24,11 +24,18 @@ class Circuit:
     """``admit()`` before a call, then ``failure(probe)`` (the master was unreachable) or
     ``success()`` (it answered) after it."""
 
-    def __init__(self, base_s: float, max_s: float, probe_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        base_s: float,
+        max_s: float,
+        probe_ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if base_s < 0 or max_s < base_s or probe_ttl_s <= 0:
-            raise ValueError(f"circuit: base_s={base_s}, max_s={max_s}, probe_ttl_s={probe_ttl_s}: "
-                             "expected 0 <= base_s <= max_s and probe_ttl_s > 0")
+            raise ValueError(
+                f"circuit: base_s={base_s}, max_s={max_s}, probe_ttl_s={probe_ttl_s}: "
+                "expected 0 <= base_s <= max_s and probe_ttl_s > 0"
+            )
         self.base_s, self.max_s, self.probe_ttl_s = float(base_s), float(max_s), float(probe_ttl_s)
         self._clock = clock
         self._lock = threading.Lock()

@@ -34,22 +34,28 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.local_ports import free_port, reports_port_in_use
 from hybridkv.store.logs import get_logger
 
-__all__ = ["EmbeddedMaster", "MasterError", "MasterSupervisor", "find_master_binary", "INSTALL_HINT"]
+__all__ = [
+    "EmbeddedMaster",
+    "MasterError",
+    "MasterSupervisor",
+    "find_master_binary",
+    "INSTALL_HINT",
+]
 
 logger = get_logger(__name__)
 
 # Runs as the watchdog: blocks until the owner's end of the pipe closes (stdin EOF), then
 # kills the master if that pid still runs THIS master (its --rpc_port), and removes the dir.
 _WATCHDOG = (
-    'read _ignored; '
+    "read _ignored; "
     'if tr "\\0" " " < /proc/"$1"/cmdline 2>/dev/null | grep -q -- "--rpc_port=$2 "; then kill -KILL "$1"; fi; '
     '[ -n "$3" ] && rm -rf -- "$3"'
 )
@@ -135,7 +141,11 @@ def _listening_inodes(port: int) -> set[str] | None:
                 for line in f:
                     cols = line.split()
                     # local_address is HEXADDR:HEXPORT; state 0A is LISTEN; inode is column 9
-                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    if (
+                        len(cols) > 9
+                        and cols[3] == "0A"
+                        and int(cols[1].rsplit(":", 1)[1], 16) == port
+                    ):
                         found.add(cols[9])
         except OSError:
             continue
@@ -264,9 +274,14 @@ class EmbeddedMaster:
                 except _PortInUse as e:
                     if self._fixed_ports or attempt == PORT_ATTEMPTS:
                         raise MasterError(str(e)) from None
-                    logger.warning("mooncake_master could not bind port %s or %s (taken since it "
-                                   "was chosen); choosing new ports (attempt %d of %d)",
-                                   self.rpc_port, self.metrics_port, attempt + 1, PORT_ATTEMPTS)
+                    logger.warning(
+                        "mooncake_master could not bind port %s or %s (taken since it "
+                        "was chosen); choosing new ports (attempt %d of %d)",
+                        self.rpc_port,
+                        self.metrics_port,
+                        attempt + 1,
+                        PORT_ATTEMPTS,
+                    )
             raise AssertionError("unreachable")
 
     def _start_locked(self) -> "EmbeddedMaster":
@@ -338,8 +353,12 @@ class EmbeddedMaster:
                 foreign = True  # another process holds the port; ours has not bound (yet)
             if time.monotonic() > deadline:
                 tail = self.log_tail()
-                why = (f"another process listens on port {self.rpc_port}, not this master (pid "
-                       f"{self._proc.pid}); choose a free rpc_port" if foreign else "")
+                why = (
+                    f"another process listens on port {self.rpc_port}, not this master (pid "
+                    f"{self._proc.pid}); choose a free rpc_port"
+                    if foreign
+                    else ""
+                )
                 self._kill_locked(timeout_s=2.0)
                 raise MasterError(
                     f"mooncake_master did not listen on {self.address} within {self.start_timeout_s:.1f}s"
@@ -363,9 +382,19 @@ class EmbeddedMaster:
         read_fd, self._watch_fd = os.pipe()  # both non-inheritable: only the watchdog gets read_fd
         try:
             self._watchdog = subprocess.Popen(
-                ["sh", "-c", _WATCHDOG, "hybridkv-master-watchdog", str(self._proc.pid), str(self.rpc_port),
-                 str(self._tmp_dir or "")],
-                stdin=read_fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                [
+                    "sh",
+                    "-c",
+                    _WATCHDOG,
+                    "hybridkv-master-watchdog",
+                    str(self._proc.pid),
+                    str(self.rpc_port),
+                    str(self._tmp_dir or ""),
+                ],
+                stdin=read_fd,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )
         finally:
             os.close(read_fd)
@@ -469,10 +498,14 @@ class MasterSupervisor:
         self.backoff_s = float(backoff_s)
         self.on_restart = on_restart
         self.restarts = 0
-        self.last_restart_s: float | None = None  # seconds from noticing the death to listening again
+        self.last_restart_s: float | None = (
+            None  # seconds from noticing the death to listening again
+        )
         self.gave_up = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hybridkv-master-supervisor", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="hybridkv-master-supervisor", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
@@ -484,13 +517,22 @@ class MasterSupervisor:
                 return
             if self.restarts >= self.max_restarts:
                 self.gave_up = True
-                logger.error("embedded mooncake_master at %s died again after %d restart(s); "
-                             "not restarting (store offload stays off until the engine restarts). Log tail:\n%s",
-                             self.master.address, self.restarts, self.master.log_tail())
+                logger.error(
+                    "embedded mooncake_master at %s died again after %d restart(s); "
+                    "not restarting (store offload stays off until the engine restarts). Log tail:\n%s",
+                    self.master.address,
+                    self.restarts,
+                    self.master.log_tail(),
+                )
                 return
             t0 = time.monotonic()
-            logger.warning("embedded mooncake_master at %s died; restarting it (%d/%d). Log tail:\n%s",
-                           self.master.address, self.restarts + 1, self.max_restarts, self.master.log_tail(10))
+            logger.warning(
+                "embedded mooncake_master at %s died; restarting it (%d/%d). Log tail:\n%s",
+                self.master.address,
+                self.restarts + 1,
+                self.max_restarts,
+                self.master.log_tail(10),
+            )
             try:
                 self.master.restart()
             except MasterError as e:
@@ -502,8 +544,12 @@ class MasterSupervisor:
             failures = 0
             self.restarts += 1
             self.last_restart_s = time.monotonic() - t0
-            logger.warning("mooncake_master restarted at %s in %.2fs (pid %s); it holds no objects",
-                           self.master.address, self.last_restart_s, self.master.pid)
+            logger.warning(
+                "mooncake_master restarted at %s in %.2fs (pid %s); it holds no objects",
+                self.master.address,
+                self.last_restart_s,
+                self.master.pid,
+            )
             if self.on_restart is not None:
                 try:
                     self.on_restart(self.master)

@@ -105,9 +105,7 @@ class CoordinatorParams:
 
     def build_coordinator(self) -> KVCacheCoordinator:
         """A real vLLM coordinator over a tiny block pool, for lookups only."""
-        lookup_config = dataclasses.replace(
-            self.kv_cache_config, num_blocks=_LOOKUP_POOL_BLOCKS
-        )
+        lookup_config = dataclasses.replace(self.kv_cache_config, num_blocks=_LOOKUP_POOL_BLOCKS)
         return get_kv_cache_coordinator(
             kv_cache_config=lookup_config,
             max_model_len=self.max_model_len,
@@ -164,9 +162,7 @@ class GroupGeometry:
     def from_vllm_config(
         cls, vllm_config: "VllmConfig", kv_cache_config: KVCacheConfig
     ) -> "GroupGeometry":
-        return cls.from_params(
-            CoordinatorParams.from_vllm_config(vllm_config, kv_cache_config)
-        )
+        return cls.from_params(CoordinatorParams.from_vllm_config(vllm_config, kv_cache_config))
 
     @classmethod
     def from_kv_cache_manager(cls, manager: "KVCacheManager") -> "GroupGeometry":
@@ -192,10 +188,7 @@ class GroupGeometry:
                     prefix_cacheable=spec.prefix_cacheable,
                     transfer_enabled=group.enable_kv_transfer,
                     is_eagle=bool(manager.use_eagle)
-                    or (
-                        isinstance(manager, MambaManager)
-                        and manager.drop_eagle_checkpoint_block
-                    ),
+                    or (isinstance(manager, MambaManager) and manager.drop_eagle_checkpoint_block),
                     mamba_cache_mode=getattr(spec, "mamba_cache_mode", None),
                     manager_cls=manager_cls,
                     downward_closed=is_downward_closed(manager_cls),
@@ -224,17 +217,13 @@ class GroupGeometry:
     @property
     def dense_group_ids(self) -> tuple[int, ...]:
         """Prefix-cacheable groups whose hits are downward-closed."""
-        return tuple(
-            g.group_id for g in self.groups if g.prefix_cacheable and g.downward_closed
-        )
+        return tuple(g.group_id for g in self.groups if g.prefix_cacheable and g.downward_closed)
 
     @property
     def sparse_group_ids(self) -> tuple[int, ...]:
         """Prefix-cacheable groups whose hits are NOT downward-closed."""
         return tuple(
-            g.group_id
-            for g in self.groups
-            if g.prefix_cacheable and not g.downward_closed
+            g.group_id for g in self.groups if g.prefix_cacheable and not g.downward_closed
         )
 
     def describe(self) -> list[dict[str, Any]]:

@@ -35,7 +35,6 @@ mismatch (recomputed), so the trailer can change without bumping the key scheme.
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -68,7 +67,11 @@ _ROPE_EXTRA = ("max_position_embeddings",)
 def _rope_fields(hf_text_config: Any) -> dict[str, Any]:
     if hf_text_config is None:
         return {}
-    items = hf_text_config.to_dict().items() if hasattr(hf_text_config, "to_dict") else vars(hf_text_config).items()
+    items = (
+        hf_text_config.to_dict().items()
+        if hasattr(hf_text_config, "to_dict")
+        else vars(hf_text_config).items()
+    )
     return {k: v for k, v in items if k in _ROPE_EXTRA or any(m in k for m in _ROPE_MARKERS)}
 
 
@@ -96,7 +99,9 @@ def kv_identity(vllm_config: "VllmConfig") -> dict[str, str]:
         "quantization_config": m.quantization_config,
         # The checkpoint's own (kv_cache_scheme: per-tensor or per-head k/v scales; what
         # --kv-cache-dtype auto resolves to).
-        "checkpoint_quantization_config": getattr(getattr(m, "hf_config", None), "quantization_config", None),
+        "checkpoint_quantization_config": getattr(
+            getattr(m, "hf_config", None), "quantization_config", None
+        ),
         "dtype": m.dtype,
         "hf_overrides": m.hf_overrides,
         "rope": _rope_fields(getattr(m, "hf_text_config", None)),
@@ -139,9 +144,7 @@ class KeySchema:
 
         ``identity`` is :func:`kv_identity` of the engine (left out: name and dtype only,
         for tools and benches that have no VllmConfig)."""
-        layout = ";".join(
-            ",".join(f"{k}={row[k]}" for k in sorted(row)) for row in layout_rows
-        )
+        layout = ";".join(",".join(f"{k}={row[k]}" for k in sorted(row)) for row in layout_rows)
         ident = "" if not identity else "|" + _canonical(dict(identity))
         return cls(
             model_id=_fingerprint(f"{model_name}|{dtype}{ident}"),
@@ -187,4 +190,8 @@ class KeySchema:
 
     def at_generation(self, generation: int) -> "KeySchema":
         """The same schema after ``generation`` connector resets."""
-        return self if generation == self.generation else dataclasses.replace(self, generation=generation)
+        return (
+            self
+            if generation == self.generation
+            else dataclasses.replace(self, generation=generation)
+        )

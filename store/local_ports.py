@@ -35,7 +35,10 @@ def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
 def candidate_ranges(ephemeral: tuple[int, int]) -> list[range]:
     """Port ranges at or above ``LOWEST_PORT`` that lie outside ``ephemeral`` (may be empty)."""
     low, high = ephemeral
-    ranges = [range(LOWEST_PORT, min(low, HIGHEST_PORT + 1)), range(max(high + 1, LOWEST_PORT), HIGHEST_PORT + 1)]
+    ranges = [
+        range(LOWEST_PORT, min(low, HIGHEST_PORT + 1)),
+        range(max(high + 1, LOWEST_PORT), HIGHEST_PORT + 1),
+    ]
     return [r for r in ranges if len(r)]
 
 

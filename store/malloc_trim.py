@@ -39,7 +39,9 @@ class MallocTrimmer:
     ``calls`` / ``total_s`` / ``max_s``: how often it ran and what it cost (the call holds
     each arena's lock while it walks that arena, so allocating threads may wait that long)."""
 
-    def __init__(self, interval_s: float, trim: Callable[[int], int], name: str = "hybridkv-malloc-trim") -> None:
+    def __init__(
+        self, interval_s: float, trim: Callable[[int], int], name: str = "hybridkv-malloc-trim"
+    ) -> None:
         self.interval_s = float(interval_s)
         self._trim = trim
         self._stop = threading.Event()

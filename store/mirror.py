@@ -401,7 +401,10 @@ class StoreMirror:
         if dense:
             coarse_bs = max(g.block_size for g in dense)
             coarse_ids = frozenset(g.group_id for g in dense if g.block_size == coarse_bs)
-            grids = [(gid, self._grid(hashes, local_dense_tokens, limit_tokens, coarse_bs)) for gid in sorted(coarse_ids)]
+            grids = [
+                (gid, self._grid(hashes, local_dense_tokens, limit_tokens, coarse_bs))
+                for gid in sorted(coarse_ids)
+            ]
             ask(grids)
             # Phase 1 of each coarse finder: the leading run of present blocks (local ones count).
             start = local_dense_tokens // coarse_bs * coarse_bs
@@ -456,7 +459,12 @@ class StoreMirror:
         return hashes[first - 1 : last : step]
 
     def _near_parts(
-        self, hashes: list[bytes], cap: int, bound: int, local_dense_tokens: int, asked_grids: frozenset[int]
+        self,
+        hashes: list[bytes],
+        cap: int,
+        bound: int,
+        local_dense_tokens: int,
+        asked_grids: frozenset[int],
     ) -> list[tuple[int, list[bytes]]]:
         """Second round trip: what the coordinator reads once the dense bound is known.
 
@@ -478,7 +486,11 @@ class StoreMirror:
                 continue
             step = self._step_units(g) * unit
             if g.group_id in self._dense_ids:
-                hs = [] if g.group_id in asked_grids else self._grid(hashes, local_dense_tokens, reach, g.block_size)
+                hs = (
+                    []
+                    if g.group_id in asked_grids
+                    else self._grid(hashes, local_dense_tokens, reach, g.block_size)
+                )
                 if step < g.block_size:
                     # Its finder's phase 1 stops at the bound or at cap's last full block.
                     tail = min(bound, cap // g.block_size * g.block_size)
@@ -487,7 +499,9 @@ class StoreMirror:
                 parts.append((g.group_id, hs))
                 continue
             window = getattr(g.spec, "sliding_window", 0) or 0
-            span = -(-max(window - 1, 0) // g.block_size) * g.block_size + (g.block_size if window else 0)
+            span = -(-max(window - 1, 0) // g.block_size) * g.block_size + (
+                g.block_size if window else 0
+            )
             parts.append((g.group_id, self._grid(hashes, bound - span - slack, reach, step)))
         return parts
 
@@ -517,7 +531,9 @@ class StoreMirror:
             views.append(view)
         self._pool.bind(views, record=record)
         try:
-            blocks_by_group, hit_tokens, _ = self._coordinator.find_longest_cache_hit(list(hashes), max_tokens)
+            blocks_by_group, hit_tokens, _ = self._coordinator.find_longest_cache_hit(
+                list(hashes), max_tokens
+            )
             consulted = self._pool.consulted if record else set()
         finally:
             self._pool.bind(None)
@@ -533,7 +549,9 @@ class StoreMirror:
             if all(hit):
                 out.append(HitBlocks(gid, range(len(blocks)), blocks))
             else:
-                out.append(HitBlocks(gid, list(compress(count(), hit)), list(compress(blocks, hit))))
+                out.append(
+                    HitBlocks(gid, list(compress(count(), hit)), list(compress(blocks, hit)))
+                )
         return StoreHit(tokens=hit_tokens, blocks=tuple(out))
 
     def _probe_parts(
@@ -570,7 +588,9 @@ class StoreMirror:
         reaches one block past ``max_tokens`` because EAGLE groups match one
         drop unit beyond the candidate before dropping it.
         """
-        return list(GroupedKeys(self._probe_parts(_hash_list(block_hashes), max_tokens, local_dense_tokens)))
+        return list(
+            GroupedKeys(self._probe_parts(_hash_list(block_hashes), max_tokens, local_dense_tokens))
+        )
 
     def longest_hit(
         self,
@@ -601,7 +621,9 @@ class StoreMirror:
             for gid, h in present:
                 answers[gid][bytes(h)] = True
         # Complete contents: a key not in them is absent (the unknown ones are simply misses).
-        return self._decide(hashes, max_tokens, answers, local_dense_tokens // self.geometry.hash_block_size)[0]
+        return self._decide(
+            hashes, max_tokens, answers, local_dense_tokens // self.geometry.hash_block_size
+        )[0]
 
     # -------------------------------------------------------------------- save
     def save_mask(

@@ -66,8 +66,8 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from types import TracebackType
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -246,12 +246,11 @@ class _DaemonPool:
     keeps it). See ``read_wait_nice`` for why the read calls want it."""
 
     def __init__(self, n: int, name: str, nice: int = 0) -> None:
-        self._q: "queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None]" = (
-            queue.SimpleQueue()
-        )
+        self._q: "queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None]" = queue.SimpleQueue()
         self.nice = int(nice)
         self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(max(1, n))
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(max(1, n))
         ]
         for t in self._threads:
             t.start()
@@ -297,8 +296,12 @@ class _DaemonPool:
 def _parse_address(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise StoreError("setup", INVALID_PARAMS, f"master_address {addr!r} is not HOST:PORT",
-                         fix="pass the master as 'HOST:PORT', e.g. EmbeddedMaster().address")
+        raise StoreError(
+            "setup",
+            INVALID_PARAMS,
+            f"master_address {addr!r} is not HOST:PORT",
+            fix="pass the master as 'HOST:PORT', e.g. EmbeddedMaster().address",
+        )
     return host, int(port)
 
 
@@ -324,8 +327,13 @@ def _parse_address(addr: str) -> tuple[str, int]:
 # Linux/glibc, x86_64 and aarch64 ELF; anything else logs a warning and leaves the listeners as
 # Mooncake opens them.
 
-_BIND_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, use_errno=True)
-_JUMP_RELOCS = {62: (6, 7), 183: (1025, 1026)}  # e_machine -> (GLOB_DAT, JUMP_SLOT): x86_64, aarch64
+_BIND_T = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, use_errno=True
+)
+_JUMP_RELOCS = {
+    62: (6, 7),
+    183: (1025, 1026),
+}  # e_machine -> (GLOB_DAT, JUMP_SLOT): x86_64, aarch64
 _bind_lock = threading.Lock()
 _bind_to: "tuple[bytes, bytes] | None" = None  # (IPv4 4 bytes, IPv6 16 bytes); None: pass through
 _bind_hook: Any = None  # the ctypes callback; must live as long as the process
@@ -338,7 +346,7 @@ def _host_of(local_hostname: str) -> str:
     """``local_hostname`` without Mooncake's optional ``:port`` (``[v6]:port`` too)."""
     h = local_hostname.strip()
     if h.startswith("["):
-        return h[1:h.index("]")] if "]" in h else h[1:]
+        return h[1 : h.index("]")] if "]" in h else h[1:]
     if h.count(":") == 1:
         return h.split(":", 1)[0]
     return h
@@ -354,14 +362,22 @@ def _listen_addresses(host: str) -> tuple[bytes, bytes]:
         try:
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except OSError as e:
-            raise StoreError("setup", INVALID_PARAMS, f"local_hostname {host!r} does not resolve ({e})",
-                             fix="set local_hostname to this host's address as peers reach it") from e
+            raise StoreError(
+                "setup",
+                INVALID_PARAMS,
+                f"local_hostname {host!r} does not resolve ({e})",
+                fix="set local_hostname to this host's address as peers reach it",
+            ) from e
         v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
         ip = ipaddress.ip_address(v4[0] if v4 else infos[0][4][0])
         if ip.is_loopback and host != "localhost":  # e.g. Debian's "127.0.1.1 <hostname>" line
-            logger.warning("local_hostname %r resolves to %s here, so Mooncake's listeners "
-                           "bind loopback and peers on other hosts cannot reach them; set "
-                           "local_hostname to the IP address peers use", host, ip)
+            logger.warning(
+                "local_hostname %r resolves to %s here, so Mooncake's listeners "
+                "bind loopback and peers on other hosts cannot reach them; set "
+                "local_hostname to the IP address peers use",
+                host,
+                ip,
+            )
     if ip.version == 4:
         return ip.packed, ipaddress.IPv6Address(f"::ffff:{ip}").packed
     # An IPv6 host: IPv4 sockets (the handshake unless MC_USE_IPV6) stay on IPv4 loopback.
@@ -374,11 +390,19 @@ def _wildcard_bind(fd: int, addr: int | None, addrlen: int) -> int:
         target = _bind_to
         if target is not None and addr:
             family = ctypes.c_uint16.from_address(addr).value
-            if family == socket.AF_INET and addrlen >= 8 and ctypes.string_at(addr + 4, 4) == bytes(4):
+            if (
+                family == socket.AF_INET
+                and addrlen >= 8
+                and ctypes.string_at(addr + 4, 4) == bytes(4)
+            ):
                 sa = ctypes.create_string_buffer(ctypes.string_at(addr, addrlen), addrlen)
                 ctypes.memmove(ctypes.addressof(sa) + 4, target[0], 4)
                 return int(_real_bind(fd, ctypes.addressof(sa), addrlen))
-            if family == socket.AF_INET6 and addrlen >= 24 and ctypes.string_at(addr + 8, 16) == bytes(16):
+            if (
+                family == socket.AF_INET6
+                and addrlen >= 24
+                and ctypes.string_at(addr + 8, 16) == bytes(16)
+            ):
                 sa = ctypes.create_string_buffer(ctypes.string_at(addr, addrlen), addrlen)
                 ctypes.memmove(ctypes.addressof(sa) + 8, target[1], 16)
                 return int(_real_bind(fd, ctypes.addressof(sa), addrlen))
@@ -400,7 +424,9 @@ def _bind_slots(path: str) -> list[int]:
         raise ValueError(f"ELF machine {machine} not handled")
     shoff = struct.unpack_from("<Q", data, 0x28)[0]
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+    ]
     slots = []
     for _name, kind, _fl, _va, off, size, link, _info, _al, _es in sections:
         if kind != 4:  # SHT_RELA
@@ -412,7 +438,7 @@ def _bind_slots(path: str) -> list[int]:
                 continue
             st_name = struct.unpack_from("<I", data, symtab[4] + (r_info >> 32) * 24)[0]
             start = strtab[4] + st_name
-            if data[start:data.index(b"\0", start)] == b"bind":
+            if data[start : data.index(b"\0", start)] == b"bind":
                 slots.append(r_offset)
     return slots
 
@@ -424,7 +450,10 @@ def _loaded_mooncake_libs() -> dict[str, int]:
     import mooncake
 
     pkg = os.path.realpath(os.path.dirname(mooncake.__file__))
-    roots = (pkg + os.sep, os.path.dirname(pkg) + os.sep + "mooncake_")  # mooncake/, mooncake_*.libs/
+    roots = (
+        pkg + os.sep,
+        os.path.dirname(pkg) + os.sep + "mooncake_",
+    )  # mooncake/, mooncake_*.libs/
 
     class _Info(ctypes.Structure):
         _fields_ = [("addr", ctypes.c_size_t), ("name", ctypes.c_char_p)]
@@ -437,7 +466,9 @@ def _loaded_mooncake_libs() -> dict[str, int]:
             found[os.path.realpath(name)] = int(info.contents.addr)
         return 0
 
-    cb = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Info), ctypes.c_size_t, ctypes.c_void_p)(visit)
+    cb = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Info), ctypes.c_size_t, ctypes.c_void_p)(
+        visit
+    )
     ctypes.CDLL(None).dl_iterate_phdr(cb, None)
     return found
 
@@ -489,8 +520,12 @@ def pin_listeners(local_hostname: str | None) -> list[str]:
                             _patched_libs.add(path)
                         _inspected_libs.add(path)
             except (OSError, ValueError) as e:
-                logger.warning("cannot pin Mooncake's listeners to %s (%s): they listen on ALL "
-                               "interfaces; firewall their ports", local_hostname, e)
+                logger.warning(
+                    "cannot pin Mooncake's listeners to %s (%s): they listen on ALL "
+                    "interfaces; firewall their ports",
+                    local_hostname,
+                    e,
+                )
                 return []
         _bind_to = target
         return sorted(_patched_libs)
@@ -545,7 +580,11 @@ def bound_mooncake_stalls(stall_s: float | None) -> float | None:
     """
     if stall_s is not None and stall_s > 0:
         whole = max(STALL_FLOOR_S, math.ceil(stall_s))
-        for name, value in ((STALL_ENV_S[0], whole), (STALL_ENV_S[1], whole), (STALL_ENV_MS, whole * 1000)):
+        for name, value in (
+            (STALL_ENV_S[0], whole),
+            (STALL_ENV_S[1], whole),
+            (STALL_ENV_MS, whole * 1000),
+        ):
             if name not in _OPERATOR_STALL_ENV:
                 os.environ[name] = str(value)
     try:
@@ -579,7 +618,9 @@ def _rw_anon_ranges() -> list[tuple[int, int]]:
     return out
 
 
-def _new_ranges(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _new_ranges(
+    before: list[tuple[int, int]], after: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
     """The parts of ``after`` that no range of ``before`` covers (merged mappings split back)."""
     res = []
     covered = sorted(before)
@@ -607,16 +648,22 @@ def fault_in_segment(before: list[tuple[int, int]], segment_size: int) -> int:
         if hi - lo < segment_size:
             continue
         if libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
-            logger.warning("cannot populate the store segment (madvise: %s); its pages become "
-                           "resident as objects land in it", os.strerror(ctypes.get_errno()))
+            logger.warning(
+                "cannot populate the store segment (madvise: %s); its pages become "
+                "resident as objects land in it",
+                os.strerror(ctypes.get_errno()),
+            )
             return done
         done += hi - lo
         break  # the segment's one mapping (a range holds it whole, or none does)
     if done < segment_size:
         # Mooncake mapped it otherwise (in pieces, e.g. MC_MAX_MR_SIZE chunks, or as hugepages):
         # nothing was populated, and the RSS grows as objects land, as without the setting.
-        logger.warning("populate_segment: no new mapping of the store segment's %d bytes was found; "
-                       "its pages become resident as objects land in it", segment_size)
+        logger.warning(
+            "populate_segment: no new mapping of the store segment's %d bytes was found; "
+            "its pages become resident as objects land in it",
+            segment_size,
+        )
     return done
 
 
@@ -668,8 +715,14 @@ class MooncakeBackend:
         populate_segment: bool = False,
         read_wait_nice: int = 0,
     ) -> None:
-        if isinstance(read_wait_nice, bool) or not isinstance(read_wait_nice, int) or not 0 <= read_wait_nice <= 19:
-            raise ValueError(f"read_wait_nice={read_wait_nice!r}: expected a nice level 0-19 (0: off)")
+        if (
+            isinstance(read_wait_nice, bool)
+            or not isinstance(read_wait_nice, int)
+            or not 0 <= read_wait_nice <= 19
+        ):
+            raise ValueError(
+                f"read_wait_nice={read_wait_nice!r}: expected a nice level 0-19 (0: off)"
+            )
         self.read_wait_nice = read_wait_nice
         self.master_address = master_address
         self.max_stuck_calls = max(1, int(max_stuck_calls))
@@ -681,8 +734,11 @@ class MooncakeBackend:
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         self.retry_after_s = float(retry_after_s)
         # A probe's call is bounded by timeout_s; its slot is freed after that if no verb reported.
-        self._circuit = Circuit(self.retry_after_s, MAX_RETRY_FACTOR * self.retry_after_s,
-                                probe_ttl_s=(self.timeout_s or PROBE_TTL_UNBOUNDED_S) + self.retry_after_s + 1.0)
+        self._circuit = Circuit(
+            self.retry_after_s,
+            MAX_RETRY_FACTOR * self.retry_after_s,
+            probe_ttl_s=(self.timeout_s or PROBE_TTL_UNBOUNDED_S) + self.retry_after_s + 1.0,
+        )
         self.global_segment_size = int(global_segment_size)
         self.local_buffer_size = int(local_buffer_size)
         self._regions: dict[int, int] = {}
@@ -691,7 +747,9 @@ class MooncakeBackend:
         self._stuck_meta = 0  # of which metadata calls (the master alone answers them)
         self._stuck_op = ""
         self._closed = False
-        self._probe_call = threading.local()  # .probe: this thread's last call went as the circuit's probe
+        self._probe_call = (
+            threading.local()
+        )  # .probe: this thread's last call went as the circuit's probe
         self._pool: _DaemonPool | None = None
         self._read_pool: _DaemonPool | None = None  # the read calls' own threads (read_wait_nice)
 
@@ -708,28 +766,46 @@ class MooncakeBackend:
                 pass
         except OSError as e:
             raise StoreError(
-                "setup", RPC_FAIL, f"master {master_address} is not reachable ({e})",
+                "setup",
+                RPC_FAIL,
+                f"master {master_address} is not reachable ({e})",
                 fix="start mooncake_master (tests: hybridkv.store.embedded_master.EmbeddedMaster) "
                 "or correct master_address",
             ) from e
 
         # Mooncake binds its handshake and data listeners to all interfaces; bind them to the
         # address this client advertises instead (pin_listeners).
-        self.listeners_pinned = bool(pin_listeners(local_hostname if listen_on_host else None)) and listen_on_host
+        self.listeners_pinned = (
+            bool(pin_listeners(local_hostname if listen_on_host else None)) and listen_on_host
+        )
         # Before setup(): an abandoned call must end within this, not Mooncake's 30 s.
-        self.stall_bound_s = bound_mooncake_stalls(self.timeout_s if stall_bound_s is _DEFAULT else stall_bound_s)
+        self.stall_bound_s = bound_mooncake_stalls(
+            self.timeout_s if stall_bound_s is _DEFAULT else stall_bound_s
+        )
         self._store = MooncakeDistributedStore()
         setup_timeout = max(self.timeout_s or 0.0, 30.0) if self.timeout_s else None
-        maps_before = _rw_anon_ranges() if populate_segment and self.global_segment_size > 0 else None
+        maps_before = (
+            _rw_anon_ranges() if populate_segment and self.global_segment_size > 0 else None
+        )
         # The call threads, and the transfer threads Mooncake starts inside setup(), inherit
         # the creating thread's CPU affinity: keep them off the engine's pinned cores.
         with unpinned():
             self._pool = _DaemonPool(workers, name=f"mooncake-{port}")
             if read_wait_nice:
-                self._read_pool = _DaemonPool(workers, name=f"mooncake-read-{port}", nice=read_wait_nice)
+                self._read_pool = _DaemonPool(
+                    workers, name=f"mooncake-read-{port}", nice=read_wait_nice
+                )
             rc = self._bounded(
-                "setup", self._store.setup, local_hostname, metadata_server, self.global_segment_size,
-                self.local_buffer_size, protocol, rdma_devices, master_address, timeout=setup_timeout,
+                "setup",
+                self._store.setup,
+                local_hostname,
+                metadata_server,
+                self.global_segment_size,
+                self.local_buffer_size,
+                protocol,
+                rdma_devices,
+                master_address,
+                timeout=setup_timeout,
             )
         if rc != 0:
             self._pool.shutdown()
@@ -737,14 +813,19 @@ class MooncakeBackend:
                 self._read_pool.shutdown()
             self._closed = True
             raise StoreError(
-                "setup", rc,
+                "setup",
+                rc,
                 f"master={master_address} host={local_hostname} protocol={protocol} "
                 f"segment={self.global_segment_size} local_buffer={self.local_buffer_size}",
                 fix="check that the master is a mooncake_master of the same version, that the "
                 "segment sizes fit in memory, and the client's stderr (glog)",
             )
         # Resident now rather than as objects land in it (see fault_in_segment).
-        self.segment_populated = fault_in_segment(maps_before, self.global_segment_size) if maps_before is not None else 0
+        self.segment_populated = (
+            fault_in_segment(maps_before, self.global_segment_size)
+            if maps_before is not None
+            else 0
+        )
 
     # --- call machinery -----------------------------------------------------------------------
 
@@ -762,16 +843,28 @@ class MooncakeBackend:
         """Raise if the call may not go now; True when it goes as the circuit's probe."""
         if self._closed:
             raise StoreError(op, CLIENT_CLOSED)
-        if self._stuck_meta or (op in _DATA_OPS and self._stuck - self._stuck_meta >= self.max_stuck_calls):
-            raise StoreError(op, CLIENT_STUCK, f"{self._stuck} abandoned call(s), last: {self._stuck_op}")
+        if self._stuck_meta or (
+            op in _DATA_OPS and self._stuck - self._stuck_meta >= self.max_stuck_calls
+        ):
+            raise StoreError(
+                op, CLIENT_STUCK, f"{self._stuck} abandoned call(s), last: {self._stuck_op}"
+            )
         admitted, x = self._circuit.admit()
         if not admitted:
-            raise StoreError(op, MASTER_UNREACHABLE, f"{self.master_address}; "
-                             + (f"next probe in {x:.2f}s" if x > 0 else "a probe call is in flight"))
+            raise StoreError(
+                op,
+                MASTER_UNREACHABLE,
+                f"{self.master_address}; "
+                + (f"next probe in {x:.2f}s" if x > 0 else "a probe call is in flight"),
+            )
         return bool(x)
 
     def _bounded(
-        self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
+        self,
+        op: str,
+        fn: Callable[..., T],
+        *args: Any,
+        timeout: Any = _DEFAULT,
         while_waiting: Callable[[Callable[[], bool]], None] | None = None,
     ) -> T:
         """``fn(*args)`` on a pool thread, waited for at most ``timeout``.
@@ -810,7 +903,9 @@ class MooncakeBackend:
                 self._stuck_meta += meta
                 self._stuck_op = op
             fut.add_done_callback(lambda _f: self._unstuck(meta))
-            err = StoreError(op, CALL_TIMEOUT, f"no answer from {self.master_address} within {wait:.2f}s")
+            err = StoreError(
+                op, CALL_TIMEOUT, f"no answer from {self.master_address} within {wait:.2f}s"
+            )
             err.pending = fut
             raise err from side_error
         if side_error is not None:
@@ -823,7 +918,11 @@ class MooncakeBackend:
             self._stuck_meta -= meta
 
     def _call(
-        self, op: str, fn: Callable[..., T], *args: Any, timeout: Any = _DEFAULT,
+        self,
+        op: str,
+        fn: Callable[..., T],
+        *args: Any,
+        timeout: Any = _DEFAULT,
         while_waiting: Callable[[Callable[[], bool]], None] | None = None,
     ) -> T:
         with self._admitted(op):
@@ -842,8 +941,13 @@ class MooncakeBackend:
                 self._circuit.failure(probe=True)
             raise
 
-    def _call_concurrent(self, op: str, fn: Callable[..., T], arg_lists: Iterable[tuple[Any, ...]],
-                         timeout: Any = _DEFAULT) -> tuple[list[tuple[Any, ...]], list[T]]:
+    def _call_concurrent(
+        self,
+        op: str,
+        fn: Callable[..., T],
+        arg_lists: Iterable[tuple[Any, ...]],
+        timeout: Any = _DEFAULT,
+    ) -> tuple[list[tuple[Any, ...]], list[T]]:
         """``fn(*args)`` for every ``args`` of ``arg_lists``, all in flight at once on the pool,
         each submitted as soon as the iterable yields it (the caller may build the next
         arguments while the first calls run: the binding releases the GIL). Returns the
@@ -857,8 +961,9 @@ class MooncakeBackend:
         with self._admitted(op):
             return self._concurrent(fn, arg_lists, op, timeout)
 
-    def _concurrent(self, fn: Callable[..., T], arg_lists: Iterable[tuple[Any, ...]], op: str,
-                    timeout: Any) -> tuple[list[tuple[Any, ...]], list[T]]:
+    def _concurrent(
+        self, fn: Callable[..., T], arg_lists: Iterable[tuple[Any, ...]], op: str, timeout: Any
+    ) -> tuple[list[tuple[Any, ...]], list[T]]:
         wait = self.timeout_s if timeout is _DEFAULT else timeout
         if wait is not None and wait <= 0:
             wait = None
@@ -884,8 +989,12 @@ class MooncakeBackend:
                 self._stuck_op = op
             for fut in running:  # a call that returned meanwhile is released at once
                 fut.add_done_callback(lambda _f: self._unstuck(meta))
-            err = StoreError(op, CALL_TIMEOUT, f"no answer from {self.master_address} within {wait:.2f}s "
-                             f"({len(running)} of {len(futs)} concurrent calls)")
+            err = StoreError(
+                op,
+                CALL_TIMEOUT,
+                f"no answer from {self.master_address} within {wait:.2f}s "
+                f"({len(running)} of {len(futs)} concurrent calls)",
+            )
             err.pending = _all_of(futs)
             raise err from side_error
         if side_error is not None:
@@ -953,7 +1062,9 @@ class MooncakeBackend:
         n = max(1, min(int(shards), len(keys)))
         if n > 1:
             bounds = [len(keys) * i // n for i in range(n + 1)]
-            return self.exists_parts((keys[lo:hi] for lo, hi in zip(bounds, bounds[1:])), timeout_s=timeout_s)
+            return self.exists_parts(
+                (keys[lo:hi] for lo, hi in zip(bounds, bounds[1:])), timeout_s=timeout_s
+            )
         codes = self._call("exists", self._store.batch_is_exist, keys, timeout=timeout_s)
         return self._exists_answers(codes, len(keys))
 
@@ -972,14 +1083,23 @@ class MooncakeBackend:
         number of codes than it has keys is an INTERNAL_ERROR, never a shifted answer.
         """
         sent, answers = self._call_concurrent(
-            "exists", self._store.batch_is_exist, ((list(p),) for p in parts if len(p)), timeout=timeout_s
+            "exists",
+            self._store.batch_is_exist,
+            ((list(p),) for p in parts if len(p)),
+            timeout=timeout_s,
         )
         if len(answers) != len(sent):
-            raise StoreError("exists", INTERNAL_ERROR, f"{len(sent)} parts sent, {len(answers)} answered")
+            raise StoreError(
+                "exists", INTERNAL_ERROR, f"{len(sent)} parts sent, {len(answers)} answered"
+            )
         codes: list[int] = []
         for (part,), got in zip(sent, answers):
             if len(got) != len(part):
-                raise StoreError("exists", INTERNAL_ERROR, f"a part of {len(part)} keys answered {len(got)} codes")
+                raise StoreError(
+                    "exists",
+                    INTERNAL_ERROR,
+                    f"a part of {len(part)} keys answered {len(got)} codes",
+                )
             codes += got
         return self._exists_answers(codes, len(codes))
 
@@ -1011,7 +1131,9 @@ class MooncakeBackend:
             rc = self._store.register_buffer(int(addr), int(size))
             if rc != 0:
                 raise StoreError(
-                    "register", rc, f"addr=0x{addr:x} size={size} overlaps or was registered elsewhere",
+                    "register",
+                    rc,
+                    f"addr=0x{addr:x} size={size} overlaps or was registered elsewhere",
                     fix="register whole allocations once; unregister before re-registering a changed region",
                 )
             self._regions[int(addr)] = int(size)
@@ -1027,24 +1149,41 @@ class MooncakeBackend:
             raise StoreError("unregister", rc, f"addr=0x{addr:x}")
 
     def put_from(
-        self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], timeout_s: Any = _DEFAULT
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        timeout_s: Any = _DEFAULT,
     ) -> list[int]:
         """Per key 0 or a negative Mooncake code; an existing key keeps its old value."""
         return self._batch("put_from", "batch_put_from", keys, addrs, sizes, timeout_s)
 
     def get_into(
-        self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], timeout_s: Any = _DEFAULT
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        timeout_s: Any = _DEFAULT,
     ) -> list[int]:
         """Per key bytes read (the object size, may be < the buffer) or a negative code."""
         return self._batch("get_into", "batch_get_into", keys, addrs, sizes, timeout_s)
 
-    def _batch(self, verb: str, binding: str, keys: Sequence[str], addrs: Sequence[Any], sizes: Sequence[Any],
-               timeout_s: Any) -> list[int]:
+    def _batch(
+        self,
+        verb: str,
+        binding: str,
+        keys: Sequence[str],
+        addrs: Sequence[Any],
+        sizes: Sequence[Any],
+        timeout_s: Any,
+    ) -> list[int]:
         """One checked, bounded batch call of the binding's method ``binding``; per key its code."""
         keys, addrs, sizes = self._check_batch(verb, keys, addrs, sizes)
         if not keys:
             return []
-        codes = self._call(verb, getattr(self._store, binding), keys, addrs, sizes, timeout=timeout_s)
+        codes = self._call(
+            verb, getattr(self._store, binding), keys, addrs, sizes, timeout=timeout_s
+        )
         self._note_codes(codes)
         return list(codes)
 
@@ -1066,7 +1205,12 @@ class MooncakeBackend:
         if not keys:
             return []
         codes = self._call(
-            "put_from_parts", self._store.batch_put_from_multi_buffers, keys, addrs, sizes, timeout=timeout_s,
+            "put_from_parts",
+            self._store.batch_put_from_multi_buffers,
+            keys,
+            addrs,
+            sizes,
+            timeout=timeout_s,
             while_waiting=while_waiting,
         )
         self._note_codes(codes)
@@ -1086,7 +1230,12 @@ class MooncakeBackend:
         if not keys:
             return []
         codes = self._call(
-            "get_into_parts", self._store.batch_get_into_multi_buffers, keys, addrs, sizes, timeout=timeout_s,
+            "get_into_parts",
+            self._store.batch_get_into_multi_buffers,
+            keys,
+            addrs,
+            sizes,
+            timeout=timeout_s,
             while_waiting=while_waiting,
         )
         self._note_codes(codes)
@@ -1110,7 +1259,9 @@ class MooncakeBackend:
         ``get`` answers b"" both for a missing key and a dead master; empty objects cannot be
         stored (-600), so an empty answer is classified with one ``get_size`` round trip.
         """
-        data, size = self._call("get_bytes", self._get_or_size, key)  # one admission: a probe's verdict is one
+        data, size = self._call(
+            "get_bytes", self._get_or_size, key
+        )  # one admission: a probe's verdict is one
         if data:
             self._note_codes([0])
             return bytes(data)
@@ -1145,8 +1296,11 @@ class MooncakeBackend:
         if not all([p.shutdown(wait_s=max(0.0, deadline - time.monotonic())) for p in pools]):
             # A call is still inside Mooncake: closing under it would abort the
             # process. Leave the client to the process's exit instead.
-            logger.warning("store client %s closed with a call still in flight; "
-                           "not closing the Mooncake client under it", self.master_address)
+            logger.warning(
+                "store client %s closed with a call still in flight; "
+                "not closing the Mooncake client under it",
+                self.master_address,
+            )
             return
         store = getattr(self, "_store", None)
         if store is not None:
@@ -1160,8 +1314,12 @@ class MooncakeBackend:
     ) -> tuple[list[str], list[int], list[int]]:
         k, a, s = list(keys), [int(x) for x in addrs], [int(x) for x in sizes]
         if not (len(k) == len(a) == len(s)):
-            raise StoreError(op, INVALID_PARAMS, f"{len(k)} keys, {len(a)} addrs, {len(s)} sizes",
-                             fix="pass one address and one size per key")
+            raise StoreError(
+                op,
+                INVALID_PARAMS,
+                f"{len(k)} keys, {len(a)} addrs, {len(s)} sizes",
+                fix="pass one address and one size per key",
+            )
         return k, a, s
 
     @staticmethod
@@ -1172,8 +1330,12 @@ class MooncakeBackend:
         a = [[int(x) for x in row] for row in addrs]
         s = [[int(x) for x in row] for row in sizes]
         if not (len(k) == len(a) == len(s)) or any(len(x) != len(y) for x, y in zip(a, s)):
-            raise StoreError(op, INVALID_PARAMS, f"{len(k)} keys, {len(a)} address rows, {len(s)} size rows",
-                             fix="pass one row of region addresses and one of sizes per key")
+            raise StoreError(
+                op,
+                INVALID_PARAMS,
+                f"{len(k)} keys, {len(a)} address rows, {len(s)} size rows",
+                fix="pass one row of region addresses and one of sizes per key",
+            )
         return k, a, s
 
     def __enter__(self) -> "MooncakeBackend":
@@ -1189,4 +1351,6 @@ class MooncakeBackend:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("stuck" if self._stuck else "open")
-        return f"MooncakeBackend({self.master_address}, {state}, segment={self.global_segment_size})"
+        return (
+            f"MooncakeBackend({self.master_address}, {state}, segment={self.global_segment_size})"
+        )

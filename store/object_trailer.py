@@ -89,7 +89,9 @@ MAC_CONTEXT = "hybridkv 2026 store object trailer MAC v1"
 LEGACY_TRAILER_BYTES = 8  # format 2: u32 b"HVK2" + u32 CRC-32 (read back as a format mismatch)
 
 # One trailer as numpy sees it (little-endian, packed).
-_DTYPE = np.dtype([("magic", "<u4"), ("version", "u1"), ("kind", "u1"), ("format", "<u2"), ("check", "<u8")])
+_DTYPE = np.dtype(
+    [("magic", "<u4"), ("version", "u1"), ("kind", "u1"), ("format", "<u2"), ("check", "<u8")]
+)
 assert _DTYPE.itemsize == TRAILER_BYTES
 
 # What a load's trailer says, beyond "fine".
@@ -122,7 +124,9 @@ class ObjectMac:
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < 16:
-            raise ValueError(f"store MAC secret has {len(secret)} bytes; use at least 16 random bytes")
+            raise ValueError(
+                f"store MAC secret has {len(secret)} bytes; use at least 16 random bytes"
+            )
         self._key = blake3.blake3(secret, derive_key_context=MAC_CONTEXT).digest()
 
     def __repr__(self) -> str:
@@ -146,7 +150,9 @@ class ObjectMac:
         return int.from_bytes(h.digest(8), "little")
 
 
-def checksum_parts(key: str, addrs: Sequence[int], sizes: Sequence[int], mac: ObjectMac | None = None) -> int:
+def checksum_parts(
+    key: str, addrs: Sequence[int], sizes: Sequence[int], mac: ObjectMac | None = None
+) -> int:
     """The check of the regions of one object, in order: XXH3-64 seeded with its key, or ``mac``'s tag."""
     if mac is not None:
         return mac.parts(key, addrs, sizes)
@@ -174,7 +180,9 @@ def trailer_bytes(check: int, kind: int = TAG_XXH3_64, format_code: int = 0) -> 
 
 def format_code_of(obj: bytes) -> int:
     """The block format code in a stored object's trailer (to re-seal a payload for its readers)."""
-    return int.from_bytes(obj[len(obj) - TRAILER_BYTES + 6 : len(obj) - TRAILER_BYTES + 8], "little")
+    return int.from_bytes(
+        obj[len(obj) - TRAILER_BYTES + 6 : len(obj) - TRAILER_BYTES + 8], "little"
+    )
 
 
 def seal(key: str, payload: bytes, mac: ObjectMac | None = None, format_code: int = 0) -> bytes:
@@ -203,8 +211,13 @@ def size_verdict(code: int, payload_bytes: int) -> str | None:
 class TrailerArena:
     """Registered room for the trailers of one batch call (``slots`` objects)."""
 
-    def __init__(self, slots: int, register: Callable[[int, int], None], kind: int = TAG_XXH3_64,
-                 format_code: int = 0) -> None:
+    def __init__(
+        self,
+        slots: int,
+        register: Callable[[int, int], None],
+        kind: int = TAG_XXH3_64,
+        format_code: int = 0,
+    ) -> None:
         self.kind = kind  # the tag kind this reader/writer uses (and requires on load)
         self.format_code = format_code  # its block byte order (written, and required on load)
         self.rows = np.zeros(slots, dtype=_DTYPE)
@@ -228,7 +241,11 @@ class TrailerArena:
         if int(row["format"]) != self.format_code:
             return FORMAT_MISMATCH  # another block byte order: right for its writer, not for us
         if (kind := int(row["kind"])) != self.kind:
-            return UNAUTHENTICATED if self.kind == TAG_BLAKE3_KEYED_64 and kind == TAG_XXH3_64 else FORMAT_MISMATCH
+            return (
+                UNAUTHENTICATED
+                if self.kind == TAG_BLAKE3_KEYED_64 and kind == TAG_XXH3_64
+                else FORMAT_MISMATCH
+            )
         return None if int(row["check"]) == check else CORRUPT
 
     def holds(self, slot: int, check: int) -> bool:

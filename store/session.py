@@ -171,7 +171,9 @@ def embedded_master_address(engine_id: str, lease_ttl_ms: int) -> tuple[str, boo
             with _LOCK:
                 _OWNED_MASTERS[master.address] = master
                 _SUPERVISORS[master.address] = MasterSupervisor(master, on_restart=republish)
-            logger.info("started embedded mooncake_master at %s (log %s)", master.address, master.log_path)
+            logger.info(
+                "started embedded mooncake_master at %s (log %s)", master.address, master.log_path
+            )
             return master.address, True
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
@@ -237,8 +239,11 @@ def _start_epoch_monitor(client: MooncakeBackend) -> threading.Event:
             except StoreError:
                 continue  # the master is down or slow: checked again once it answers
             if epoch != seen:
-                logger.warning("the store master at %s lost its objects (restarted?): epoch %d",
-                               client.master_address, epoch)
+                logger.warning(
+                    "the store master at %s lost its objects (restarted?): epoch %d",
+                    client.master_address,
+                    epoch,
+                )
                 seen = epoch
 
     thread = threading.Thread(target=run, name="hybridkv-store-epoch", daemon=True)

@@ -57,4 +57,3 @@ def trim_to_hit(
     for blocks, block_size, closed in zip(blocks_by_group, block_sizes, downward_closed):
         if closed:
             del blocks[cdiv(hit_tokens, block_size) :]
-

@@ -123,9 +123,8 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
-    from vllm.v1.kv_cache_interface import KVCacheSpec
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
     from vllm.v1.request import Request
 
 # 0.33: True (the scheduler passes a hit bound to both lookups); 0.32: False.
@@ -211,7 +210,9 @@ def get_kv_cache_config_from_groups(
 
 
 def get_kv_cache_configs(
-    vllm_config: "VllmConfig", kv_cache_specs: list[dict[str, "KVCacheSpec"]], available_memory: list[int]
+    vllm_config: "VllmConfig",
+    kv_cache_specs: list[dict[str, "KVCacheSpec"]],
+    available_memory: list[int],
 ) -> list["KVCacheConfig"]:
     """One KVCacheConfig per worker, grouped exactly as ``EngineCore`` groups them.
 
@@ -316,6 +317,8 @@ def kv_head_major_problem(kv_cache_config: "KVCacheConfig") -> str | None:
         specs = getattr(spec, "kv_cache_specs", None)
         for s in specs.values() if isinstance(specs, dict) else (spec,):
             if kv_head_major_slots(s):
-                return (f"KV cache group {gid} packs KV heads head-major (kv_head_major_slots), which "
-                        "hybridkv's head slicing cannot cut")
+                return (
+                    f"KV cache group {gid} packs KV heads head-major (kv_head_major_slots), which "
+                    "hybridkv's head slicing cannot cut"
+                )
     return None

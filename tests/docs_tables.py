@@ -81,33 +81,45 @@ def marked_tables(doc: Path, lines: list[str]) -> list[MarkedTable]:
         while j + len(rows) < len(lines) and lines[j + len(rows)].lstrip().startswith("|"):
             rows.append(_cells(lines[j + len(rows)]))
         if len(rows) != len(row_ids):
-            raise ValueError(f"{doc.name}: table {m['table']!r} has {len(rows)} rows but its marker names "
-                             f"{len(row_ids)} ({', '.join(row_ids)}): name every row, in order")
+            raise ValueError(
+                f"{doc.name}: table {m['table']!r} has {len(rows)} rows but its marker names "
+                f"{len(row_ids)} ({', '.join(row_ids)}): name every row, in order"
+            )
         found.append(MarkedTable(doc, m["table"], row_ids, header, j, rows))
     return found
 
 
-def mismatches(tables: list[MarkedTable], observed: dict[tuple[str, str], dict[str, str]]) -> list[str]:
+def mismatches(
+    tables: list[MarkedTable], observed: dict[tuple[str, str], dict[str, str]]
+) -> list[str]:
     """What differs between the docs and the records, one line each (empty: they agree)."""
     problems = []
     for t in tables:
         for row_id, row in zip(t.row_ids, t.rows):
             cells = observed.get((t.table, row_id))
             if cells is None:
-                problems.append(f"{t.doc.name} {t.table}/{row_id}: no test recorded this row (run the e2e "
-                                f"tests; a row no test backs must go)")
+                problems.append(
+                    f"{t.doc.name} {t.table}/{row_id}: no test recorded this row (run the e2e "
+                    f"tests; a row no test backs must go)"
+                )
                 continue
             for column, value in cells.items():
                 if column not in t.header:
-                    problems.append(f"{t.doc.name} {t.table}: the test records column {column!r}, the table "
-                                    f"has {t.header}")
+                    problems.append(
+                        f"{t.doc.name} {t.table}: the test records column {column!r}, the table "
+                        f"has {t.header}"
+                    )
                 elif row[t.header.index(column)] != value:
-                    problems.append(f"{t.doc.name} {t.table}/{row_id} [{column}]: docs say "
-                                    f"{row[t.header.index(column)]!r}, the test asserted {value!r}")
+                    problems.append(
+                        f"{t.doc.name} {t.table}/{row_id} [{column}]: docs say "
+                        f"{row[t.header.index(column)]!r}, the test asserted {value!r}"
+                    )
     return problems
 
 
-def rewrite(lines: list[str], tables: list[MarkedTable], observed: dict[tuple[str, str], dict[str, str]]) -> list[str]:
+def rewrite(
+    lines: list[str], tables: list[MarkedTable], observed: dict[tuple[str, str], dict[str, str]]
+) -> list[str]:
     """The document's lines with every recorded cell written from the records."""
     out = list(lines)
     for t in tables:
@@ -125,8 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--observed", type=Path, default=OBSERVED)
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--check", action="store_true", help="fail on any cell that differs from the records")
-    mode.add_argument("--write", action="store_true", help="rewrite the recorded cells from the records")
+    mode.add_argument(
+        "--check", action="store_true", help="fail on any cell that differs from the records"
+    )
+    mode.add_argument(
+        "--write", action="store_true", help="rewrite the recorded cells from the records"
+    )
     args = p.parse_args(argv)
     observed = load_observed(args.observed)
     problems, checked = [], 0
@@ -141,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         problems += mismatches(tables, observed)
     for line in problems:
         print("docs table:", line, file=sys.stderr)
-    print(f"docs tables: {checked} rows checked against {args.observed}, {len(problems)} problem(s)")
+    print(
+        f"docs tables: {checked} rows checked against {args.observed}, {len(problems)} problem(s)"
+    )
     return 1 if problems else 0
 
 

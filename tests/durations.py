@@ -27,7 +27,10 @@ def report(per_file: Counter[str], top: int = 12) -> str:
     per_dir: Counter[str] = Counter()
     for path, s in per_file.items():
         per_dir[path.rsplit("/", 1)[0]] += s
-    lines = ["== time per directory: " + ", ".join(f"{d} {s / 60:.1f} min" for d, s in per_dir.most_common())]
+    lines = [
+        "== time per directory: "
+        + ", ".join(f"{d} {s / 60:.1f} min" for d, s in per_dir.most_common())
+    ]
     lines += [f"   {s:7.0f} s  {path}" for path, s in per_file.most_common(top)]
     return "\n".join(lines)
 

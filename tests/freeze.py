@@ -58,7 +58,9 @@ def wait_stopped(pids: Iterable[int], timeout_s: float = 10.0) -> None:
             pending.pop()
             continue
         if time.monotonic() >= deadline:
-            raise AssertionError(f"pid {pid} not stopped {timeout_s:g} s after SIGSTOP: thread states {dict(Counter(states))}")
+            raise AssertionError(
+                f"pid {pid} not stopped {timeout_s:g} s after SIGSTOP: thread states {dict(Counter(states))}"
+            )
         # Not faster: each round reads every thread's stat (~100 for a vLLM process) on 2 cores,
         # CPU that the threads still to stop need.
         time.sleep(0.005)

@@ -87,33 +87,64 @@ def _pip_common() -> list[str]:
 def fetch_pip(dest: Path) -> Path:
     """pip PIP_VERSION's wheel, to run pip from (python pip.whl/pip): the resolver is pinned."""
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", *_pip_common(), "--no-deps", "--only-binary=:all:",
-         "-d", str(dest), f"pip=={PIP_VERSION}"],
-        env=clean_pip_env(), capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            *_pip_common(),
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(dest),
+            f"pip=={PIP_VERSION}",
+        ],
+        env=clean_pip_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, f"could not fetch pip {PIP_VERSION}:\n{done.stdout}{done.stderr}"
     (wheel,) = dest.glob(f"pip-{PIP_VERSION}-*.whl")
     return wheel
 
 
-def start_resolution(pip_wheel: Path, requirements: list[str], arch: str,
-                     python: tuple[int, int], work: Path) -> subprocess.Popen[str]:
+def start_resolution(
+    pip_wheel: Path, requirements: list[str], arch: str, python: tuple[int, int], work: Path
+) -> subprocess.Popen[str]:
     """pip's dry-run resolution of `requirements` for manylinux `arch`; writes work/report.json."""
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(pip_wheel / "pip"), "install", *_pip_common(),
-           "--dry-run", "--ignore-installed", "--only-binary=:all:", "--no-cache-dir",
-           "--use-feature=fast-deps", "--implementation", "cp",
-           "--python-version", f"{python[0]}.{python[1]}",
-           *[a for p in manylinux_platforms(arch) for a in ("--platform", p)],
-           # --target: with --platform pip refuses to install into this venv; --dry-run
-           # installs nothing anyway.
-           "--target", str(work / "target"), "--report", str(work / "report.json"),
-           *requirements]
-    return subprocess.Popen(cmd, env=clean_pip_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    cmd = [
+        sys.executable,
+        str(pip_wheel / "pip"),
+        "install",
+        *_pip_common(),
+        "--dry-run",
+        "--ignore-installed",
+        "--only-binary=:all:",
+        "--no-cache-dir",
+        "--use-feature=fast-deps",
+        "--implementation",
+        "cp",
+        "--python-version",
+        f"{python[0]}.{python[1]}",
+        *[a for p in manylinux_platforms(arch) for a in ("--platform", p)],
+        # --target: with --platform pip refuses to install into this venv; --dry-run
+        # installs nothing anyway.
+        "--target",
+        str(work / "target"),
+        "--report",
+        str(work / "report.json"),
+        *requirements,
+    ]
+    return subprocess.Popen(
+        cmd, env=clean_pip_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
 
 
-def resolve_all(requirements: list[str], python: tuple[int, int], work: Path) -> dict[str, dict[str, Any]]:
+def resolve_all(
+    requirements: list[str], python: tuple[int, int], work: Path
+) -> dict[str, dict[str, Any]]:
     """Resolve for every arch at once (the time is network round trips, not CPU)."""
     pip_wheel = fetch_pip(work / "pip")
     procs = {a: start_resolution(pip_wheel, requirements, a, python, work / a) for a in ARCHES}
@@ -125,8 +156,11 @@ def resolve_all(requirements: list[str], python: tuple[int, int], work: Path) ->
             proc.kill()
             log, _ = proc.communicate()
         report = work / arch / "report.json"
-        out[arch] = {"rc": proc.returncode, "log": log,
-                     "report": json.loads(report.read_text()) if report.exists() else None}
+        out[arch] = {
+            "rc": proc.returncode,
+            "log": log,
+            "report": json.loads(report.read_text()) if report.exists() else None,
+        }
     return out
 
 
@@ -135,8 +169,13 @@ RESULT_FILE = "result.json"
 
 def _inputs() -> dict[str, Any]:
     """What a resolution depends on here: a result made from other inputs is not reused."""
-    return {"requirements": read_requirements("gpu"), "pip": PIP_VERSION, "python": list(GPU_PYTHON),
-            "arches": list(ARCHES), "glibc_minor": GLIBC_MINOR}
+    return {
+        "requirements": read_requirements("gpu"),
+        "pip": PIP_VERSION,
+        "python": list(GPU_PYTHON),
+        "arches": list(ARCHES),
+        "glibc_minor": GLIBC_MINOR,
+    }
 
 
 def write_result(work: Path) -> Path:
@@ -165,7 +204,10 @@ def read_result(work: Path) -> dict[str, dict[str, Any]] | None:
     arches = doc.get("arches")
     if not isinstance(arches, dict) or set(arches) != set(ARCHES):
         return None
-    if any(not isinstance(r, dict) or r.get("rc") != 0 or r.get("report") is None for r in arches.values()):
+    if any(
+        not isinstance(r, dict) or r.get("rc") != 0 or r.get("report") is None
+        for r in arches.values()
+    ):
         return None
     return arches
 

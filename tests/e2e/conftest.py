@@ -49,14 +49,22 @@ LOG_TAIL_BYTES = 256 << 10  # read from each log's end only: an engine's log can
 # Lines of a server's own shutdown (the plain tail of a server stopped after a failed test is
 # mostly these) and the harness's /metrics polls: the lines before them say what the server
 # was doing when the test failed (a soak's stalled decode: its requests waiting, deferred).
-_SHUTDOWN_MARKS = ("[shutdown]", "Shutting down", "shutdown triggered", "Waiting for application shutdown",
-                   "Application shutdown complete", "Finished server process")
+_SHUTDOWN_MARKS = (
+    "[shutdown]",
+    "Shutting down",
+    "shutdown triggered",
+    "Waiting for application shutdown",
+    "Application shutdown complete",
+    "Finished server process",
+)
 _POLL_MARKS = ('"GET /metrics', '"GET /health')
 
 
 def _before_shutdown(lines: list[str]) -> list[str]:
     """The last lines before the server's shutdown began, without /metrics and /health polls."""
-    first = next((i for i, line in enumerate(lines) if any(m in line for m in _SHUTDOWN_MARKS)), len(lines))
+    first = next(
+        (i for i, line in enumerate(lines) if any(m in line for m in _SHUTDOWN_MARKS)), len(lines)
+    )
     kept = [line for line in lines[:first] if not any(m in line for m in _POLL_MARKS)]
     return kept[-LOG_TAIL_LINES:]
 
@@ -69,12 +77,16 @@ def _log_tails(root) -> str:  # noqa: ANN001
     for path in logs[-LOG_TAIL_FILES:]:
         all_lines = log_tail(path, 1 << 30, LOG_TAIL_BYTES).splitlines()
         lines = all_lines[-LOG_TAIL_LINES:]
-        parts.append(f"--- {path.relative_to(root)} (last {len(lines)} lines) ---\n"
-                     + "\n".join(line[:LOG_LINE_CHARS] for line in lines))
+        parts.append(
+            f"--- {path.relative_to(root)} (last {len(lines)} lines) ---\n"
+            + "\n".join(line[:LOG_LINE_CHARS] for line in lines)
+        )
         before = _before_shutdown(all_lines)
         if before and before != lines:
-            parts.append(f"--- {path.relative_to(root)} (last {len(before)} lines before its shutdown, "
-                         "polls left out) ---\n" + "\n".join(line[:LOG_LINE_CHARS] for line in before))
+            parts.append(
+                f"--- {path.relative_to(root)} (last {len(before)} lines before its shutdown, "
+                "polls left out) ---\n" + "\n".join(line[:LOG_LINE_CHARS] for line in before)
+            )
     return "\n".join(parts)
 
 

@@ -25,7 +25,9 @@ from typing import Any
 from hybridkv.cli import agentic_demo
 from hybridkv.cli.tiny_models import pinned_engine_args, write_tiny_model
 
-MODEL_CACHE = Path(os.environ.get("HYBRIDKV_MODEL_CACHE", Path.home() / ".cache" / "hybridkv" / "models"))
+MODEL_CACHE = Path(
+    os.environ.get("HYBRIDKV_MODEL_CACHE", Path.home() / ".cache" / "hybridkv" / "models")
+)
 VOCAB = 2048
 # bf16 CPU kernels differ slightly between chunkings; with every top-k entry compared the
 # demo's measured bound applies (p99.9 0.047, max 0.092 between a hit and its recompute).
@@ -37,8 +39,9 @@ def tiny_model(kind: str, seed: int = 0) -> str:
     return str(write_tiny_model(kind, MODEL_CACHE / f"{kind}-s{seed}", seed=seed))
 
 
-def store_transfer_config(extra: dict[str, Any] | None = None, module_path: bool = True,
-                          policy: str = "recompute") -> dict[str, Any]:
+def store_transfer_config(
+    extra: dict[str, Any] | None = None, module_path: bool = True, policy: str = "recompute"
+) -> dict[str, Any]:
     """The user's --kv-transfer-config for HybridStoreConnector."""
     cfg: dict[str, Any] = {
         "kv_connector": "HybridStoreConnector",
@@ -51,8 +54,13 @@ def store_transfer_config(extra: dict[str, Any] | None = None, module_path: bool
     return cfg
 
 
-def make_llm(model_dir: str, kv_transfer_config: dict[str, Any] | None, prefix_match_unit: int | None = None,
-             max_model_len: int = 4096, **kw: Any):
+def make_llm(
+    model_dir: str,
+    kv_transfer_config: dict[str, Any] | None,
+    prefix_match_unit: int | None = None,
+    max_model_len: int = 4096,
+    **kw: Any,
+):
     from vllm import LLM
 
     args: dict[str, Any] = dict(
@@ -129,18 +137,27 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # the chosen tokens'
     num_cached_tokens: int
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per position, top-k + chosen
+    top_logprobs: list[dict[int, float]] = field(
+        default_factory=list
+    )  # per position, top-k + chosen
 
 
 def greedy_params(max_tokens: int = 8):  # noqa: ANN201 - vllm SamplingParams
     """Greedy sampling with the top-k logprobs :func:`matches` needs."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP_LOGPROBS,
-                          detokenize=False, ignore_eos=True)
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        logprobs=TOP_LOGPROBS,
+        detokenize=False,
+        ignore_eos=True,
+    )
 
 
-def generate(llm, prompt_ids: list[int], max_tokens: int = 8, cache_salt: str | None = None) -> Completion:
+def generate(
+    llm, prompt_ids: list[int], max_tokens: int = 8, cache_salt: str | None = None
+) -> Completion:
     from vllm.inputs import TokensPrompt
 
     prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
@@ -167,7 +184,9 @@ def reset_local_cache(llm, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not llm.reset_prefix_cache():
         if time.monotonic() > deadline:
-            raise TimeoutError("reset_prefix_cache kept failing: blocks still in use (stuck saves?)")
+            raise TimeoutError(
+                "reset_prefix_cache kept failing: blocks still in use (stuck saves?)"
+            )
         time.sleep(0.05)
 
 
@@ -203,8 +222,9 @@ def matches(a: Completion, b: Completion, tol: float = LOGPROB_TOL) -> bool:
 
 def _as_demo(c: Completion) -> "agentic_demo.Completion":
     tops = c.top_logprobs or [{t: lp} for t, lp in zip(c.token_ids, c.logprobs)]
-    return agentic_demo.Completion(token_ids=list(c.token_ids), token_logprobs=list(c.logprobs),
-                                   top_logprobs=tops)
+    return agentic_demo.Completion(
+        token_ids=list(c.token_ids), token_logprobs=list(c.logprobs), top_logprobs=tops
+    )
 
 
 @dataclass
@@ -240,9 +260,17 @@ class Session:
         self.prompt = self.prompt + answer + self._chunk(self.growth_tokens)
 
 
-def run_turns(llm, turns: int, expected_fn, reset: bool = True, max_tokens: int = 8, seed: int = 0,
-              first_tokens: int = 1000, growth_tokens: int = 500,
-              between_turns=None) -> tuple[list[TurnRow], Session]:
+def run_turns(
+    llm,
+    turns: int,
+    expected_fn,
+    reset: bool = True,
+    max_tokens: int = 8,
+    seed: int = 0,
+    first_tokens: int = 1000,
+    growth_tokens: int = 500,
+    between_turns=None,
+) -> tuple[list[TurnRow], Session]:
     """Run the session; ``expected_fn(prev_prompt_len, prompt_len)`` gives the minimum hit.
 
     Returns the rows and the session, whose ``prompt`` is the next turn's prompt.
@@ -257,9 +285,16 @@ def run_turns(llm, turns: int, expected_fn, reset: bool = True, max_tokens: int 
             between_turns(turn)
         got = generate(llm, session.prompt, max_tokens)
         ref = generate(llm, session.prompt, max_tokens, cache_salt=f"recompute-{uuid.uuid4()}")
-        rows.append(TurnRow(turn, len(session.prompt), got.num_cached_tokens,
-                            expected_fn(prev_len, len(session.prompt)) if prev_len else 0,
-                            matches(got, ref), ref.num_cached_tokens))
+        rows.append(
+            TurnRow(
+                turn,
+                len(session.prompt),
+                got.num_cached_tokens,
+                expected_fn(prev_len, len(session.prompt)) if prev_len else 0,
+                matches(got, ref),
+                ref.num_cached_tokens,
+            )
+        )
         prev_len = len(session.prompt)
         session.extend(got.token_ids)
     return rows, session
@@ -268,7 +303,9 @@ def run_turns(llm, turns: int, expected_fn, reset: bool = True, max_tokens: int 
 def format_table(title: str, rows: list[TurnRow]) -> str:
     lines = [title, "  turn  prompt  cached  expected  matches_recompute"]
     for r in rows:
-        lines.append(f"  {r.turn:<5} {r.prompt:<7} {r.cached:<7} {r.expected:<9} {r.matches_recompute}")
+        lines.append(
+            f"  {r.turn:<5} {r.prompt:<7} {r.cached:<7} {r.expected:<9} {r.matches_recompute}"
+        )
     return "\n".join(lines)
 
 
@@ -323,8 +360,10 @@ class FaultRun:
     tails: int = 1  # tails served: more than 1 after verdicts that compared nothing (TIE_REDRAWS)
 
     def line(self) -> str:
-        return (f"  {self.name:<58} cached {self.cached:<6} failed_loads +{self.failed_loads:g} "
-                f"matches {self.comparison.matches} ({self.comparison.why or 'equal'}; tails {self.tails})")
+        return (
+            f"  {self.name:<58} cached {self.cached:<6} failed_loads +{self.failed_loads:g} "
+            f"matches {self.comparison.matches} ({self.comparison.why or 'equal'}; tails {self.tails})"
+        )
 
 
 # A planted fault whose comparison excused a near-tie at output position 0 is served again
@@ -337,8 +376,18 @@ class FaultRun:
 TIE_REDRAWS = 4
 
 
-def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int, block_size: int, position: int,
-                         first_prompt: list[int], prefix: list[int], seed: int = 0) -> list[FaultRun]:
+def plausible_fault_runs(
+    llm,
+    master_address: str,
+    key_log: Path,
+    *,
+    group: int,
+    block_size: int,
+    position: int,
+    first_prompt: list[int],
+    prefix: list[int],
+    seed: int = 0,
+) -> list[FaultRun]:
     """Plant each plausible fault in turn under ONE victim and serve a prompt that loads it.
 
     The victim is ``first_prompt``'s (the session's first request's) block ``position`` of
@@ -354,7 +403,9 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
     from hybridkv.store.mooncake_backend import MooncakeBackend
     from hybridkv.store.object_trailer import TRAILER_BYTES, format_code_of, seal
 
-    rng = random.Random(f"plausible-faults-{seed}")  # not Session's stream: its prompts would repeat
+    rng = random.Random(
+        f"plausible-faults-{seed}"
+    )  # not Session's stream: its prompts would repeat
     first_keys = logged_keys(key_log, group)
     victim = first_keys[position]
 
@@ -364,14 +415,16 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
         reset_local_cache(llm)  # its saves acknowledged, its key log lines written
         keys = logged_keys(key_log, group, since)
         lines = key_log.read_text().splitlines()[since:]
-        assert len(keys) > position, (f"group {group}: {len(keys)} keys saved, {len(lines)} lines: "
-                                      f"{sorted({ln.split()[1] for ln in lines})}")
+        assert len(keys) > position, (
+            f"group {group}: {len(keys)} keys saved, {len(lines)} lines: "
+            f"{sorted({ln.split()[1] for ln in lines})}"
+        )
         return keys[position]
 
     other_prompt = [rng.randrange(3, VOCAB) for _ in range(len(first_prompt))]
     start = position * block_size
     stale_prompt = list(first_prompt)
-    stale_prompt[start - 32:start] = [rng.randrange(3, VOCAB) for _ in range(32)]
+    stale_prompt[start - 32 : start] = [rng.randrange(3, VOCAB) for _ in range(32)]
     sources = {
         FAULT_OTHER_PROMPT: saved_by(other_prompt),
         FAULT_STALE: saved_by(stale_prompt),
@@ -387,16 +440,27 @@ def plausible_fault_runs(llm, master_address: str, key_log: Path, *, group: int,
                 assert len(payload) == len(original) - TRAILER_BYTES, name
                 if payload == original[:-TRAILER_BYTES]:
                     import hashlib
+
                     import numpy as np
 
                     def desc(b: bytes) -> str:
                         a = np.frombuffer(b, dtype=np.uint16)
                         return f"sha {hashlib.sha256(b).hexdigest()[:12]} nonzero {np.count_nonzero(a)}/{a.size}"
-                    others = {n: desc(client.get_bytes(k)[:-TRAILER_BYTES]) for n, k in sources.items()}
-                    raise AssertionError(f"{name}: byte for byte the victim's own KV ({victim} vs {source}); "
-                                         f"victim {desc(original[:-TRAILER_BYTES])}, sources {others}, "
-                                         f"first keys {first_keys[:4]}")
-                assert client.replace_bytes(victim, seal(victim, payload, format_code=format_code_of(original))) == 0
+
+                    others = {
+                        n: desc(client.get_bytes(k)[:-TRAILER_BYTES]) for n, k in sources.items()
+                    }
+                    raise AssertionError(
+                        f"{name}: byte for byte the victim's own KV ({victim} vs {source}); "
+                        f"victim {desc(original[:-TRAILER_BYTES])}, sources {others}, "
+                        f"first keys {first_keys[:4]}"
+                    )
+                assert (
+                    client.replace_bytes(
+                        victim, seal(victim, payload, format_code=format_code_of(original))
+                    )
+                    == 0
+                )
             for tails in range(1, (TIE_REDRAWS if source is not None else 1) + 1):
                 reset_local_cache(llm)
                 prompt = list(prefix) + [rng.randrange(3, VOCAB) for _ in range(96)]
@@ -425,15 +489,17 @@ def kv_cache_layout(worker) -> dict:  # noqa: ANN001 - a vLLM worker; runs insid
     groups = []
     for gid, g in enumerate(kv_cache_config.kv_cache_groups):
         s = g.kv_cache_spec
-        groups.append({
-            "group": gid,
-            "spec": type(s).__name__,
-            "block_size": s.block_size,
-            "head_size": getattr(s, "head_size", None),
-            "sliding_window": getattr(s, "sliding_window", None),
-            "layers": list(g.layer_names),
-            "is_eagle_group": bool(g.is_eagle_group),
-        })
+        groups.append(
+            {
+                "group": gid,
+                "spec": type(s).__name__,
+                "block_size": s.block_size,
+                "head_size": getattr(s, "head_size", None),
+                "sliding_window": getattr(s, "sliding_window", None),
+                "layers": list(g.layer_names),
+                "is_eagle_group": bool(g.is_eagle_group),
+            }
+        )
     spec_cfg = vllm_config.speculative_config
     return {
         "groups": groups,
@@ -478,7 +544,9 @@ def listeners(pids: set[int]) -> list[tuple[int, str, str, int]]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         for c in conns:
-            if c.laddr and (c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)):
+            if c.laddr and (
+                c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)
+            ):
                 out.append((pid, name, c.laddr.ip, c.laddr.port))
     return out
 

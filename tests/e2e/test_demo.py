@@ -21,7 +21,12 @@ def vllms_own_spawn(monkeypatch):  # noqa: ANN001, ANN201
 
 def test_demo_serves_store_hits_that_match_recompute(tmp_path, capsys):
     out = tmp_path / "demo.json"
-    assert main(["demo", "--turns", "3", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out)]) == 0
+    assert (
+        main(
+            ["demo", "--turns", "3", "--cache-dir", str(tmp_path / "cache"), "--json-out", str(out)]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     turns = doc["turns"]
     assert all(t["matches_recompute"] for t in turns)
@@ -50,23 +55,49 @@ def test_demo_pd_through_the_proxy_matches_recompute(tmp_path):
     then recomputed; with a short lease that failure hid behind matching output.
     """
     out = tmp_path / "demo-pd.json"
-    rc = main(["demo", "--pd", "--pd-lease-s", "60", "--turns", "3", "--cache-dir", str(tmp_path / "cache"),
-               "--json-out", str(out)])
+    rc = main(
+        [
+            "demo",
+            "--pd",
+            "--pd-lease-s",
+            "60",
+            "--turns",
+            "3",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--json-out",
+            str(out),
+        ]
+    )
     doc = json.loads(out.read_text())
     turns = doc["turns"]
-    print("\n" + "\n".join(f"turn {t['turn']}: prompt {t['prompt_tokens']} cached {t['cached_tokens']} "
-                           f"pulled {t['store_hit_tokens']} source {t['hit_source']} ttft {t['ttft_ms']:.0f} ms "
-                           f"(recompute {t['recompute_ttft_ms']:.0f}) matches {t['matches_recompute']}"
-                           for t in turns))
+    print(
+        "\n"
+        + "\n".join(
+            f"turn {t['turn']}: prompt {t['prompt_tokens']} cached {t['cached_tokens']} "
+            f"pulled {t['store_hit_tokens']} source {t['hit_source']} ttft {t['ttft_ms']:.0f} ms "
+            f"(recompute {t['recompute_ttft_ms']:.0f}) matches {t['matches_recompute']}"
+            for t in turns
+        )
+    )
     assert rc == 0 and len(turns) == 3
     assert all(t["matches_recompute"] for t in turns)
     for t in turns:
         # The hand-over: every full 128-token block before the last prompt token.
-        assert t["hit_source"] == "prefill" and t["store_hit_tokens"] == (t["prompt_tokens"] - 1) // 128 * 128, t
+        assert (
+            t["hit_source"] == "prefill"
+            and t["store_hit_tokens"] == (t["prompt_tokens"] - 1) // 128 * 128
+        ), t
     logs = list((tmp_path / "cache" / "logs").glob("pd-*/*.log"))
     assert {p.name for p in logs} >= {"prefill.log", "decode.log"}
     for log in logs:
         text = log.read_text(errors="replace")
-        for sign in ("pd_lease_expired", "pd_read_outlived_lease", "[pd_read:", "[pd_refused]", "[pd_release:",
-                     "P/D handshake with"):
+        for sign in (
+            "pd_lease_expired",
+            "pd_read_outlived_lease",
+            "[pd_read:",
+            "[pd_refused]",
+            "[pd_release:",
+            "P/D handshake with",
+        ):
             assert sign not in text, f"{log.name}: {sign}"

@@ -81,17 +81,28 @@ def _drafter(kind: str) -> dict:
 
 def _row(turn: int, prompt: list[int], expected: int, delta: dict, got, ref) -> dict:
     verdict = compare(got, ref)
-    return dict(turn=turn, prompt=len(prompt), cached=int(delta["host"] + delta["p2p"] + delta["device"]),
-                expected=expected, source=_source(delta), store=int(delta["host"]), peer=int(delta["p2p"]),
-                matches_recompute=verdict.matches, why=verdict.why, ref_cached=ref.num_cached_tokens,
-                answer=got.token_ids)
+    return dict(
+        turn=turn,
+        prompt=len(prompt),
+        cached=int(delta["host"] + delta["p2p"] + delta["device"]),
+        expected=expected,
+        source=_source(delta),
+        store=int(delta["host"]),
+        peer=int(delta["p2p"]),
+        matches_recompute=verdict.matches,
+        why=verdict.why,
+        ref_cached=ref.num_cached_tokens,
+        answer=got.token_ids,
+    )
 
 
 def _print(title: str, rows: list[dict]) -> None:
     print(f"\n{title}\n  turn  prompt  cached  expected  source  store  peer  matches_recompute")
     for r in rows:
-        print(f"  {r['turn']:<5} {r['prompt']:<7} {r['cached']:<7} {r['expected']:<9} {r['source']:<7} "
-              f"{r['store']:<6} {r['peer']:<5} {r['matches_recompute']}")
+        print(
+            f"  {r['turn']:<5} {r['prompt']:<7} {r['cached']:<7} {r['expected']:<9} {r['source']:<7} "
+            f"{r['store']:<6} {r['peer']:<5} {r['matches_recompute']}"
+        )
 
 
 def _store_session(decode, align: int) -> list[dict]:
@@ -111,8 +122,9 @@ def _store_session(decode, align: int) -> list[dict]:
     return rows
 
 
-def _pd_session(prefill, decode, key_log: Path, master_address: str, store_serves: bool, seed: int,
-                align: int) -> list[dict]:
+def _pd_session(
+    prefill, decode, key_log: Path, master_address: str, store_serves: bool, seed: int, align: int
+) -> list[dict]:
     """P/D (the prefill's objects of each prompt removed before the decode leg) or
     P/D + store (its saves landed first): the decode engine's cache reset every turn."""
     session, rows = Session(seed=seed, first_tokens=FIRST, growth_tokens=GROWTH), []
@@ -153,40 +165,61 @@ def test_gemma4_with_drafter_in_every_deployment(monkeypatch, tmp_path):
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
         key_log = Path(tempfile.mkdtemp(prefix="hkv-matrix-keys-")) / "prefill_keys.log"
         with engine_output_to(tmp_path / "engines.log"):
-            prefill = make_llm(model, prefill_config(master.address, str(key_log)), speculative_config=spec)
-            decode = make_llm(model, decode_config(master.address), speculative_config=spec,
-                              disable_log_stats=False)
+            prefill = make_llm(
+                model, prefill_config(master.address, str(key_log)), speculative_config=spec
+            )
+            decode = make_llm(
+                model,
+                decode_config(master.address),
+                speculative_config=spec,
+                disable_log_stats=False,
+            )
         booted = time.monotonic() - t0
         try:
             layout = decode.collective_rpc(kv_cache_layout)[0]
             groups = layout["groups"]
-            print(f"\ngroups: {[(g['spec'], g['block_size'], g['head_size']) for g in groups]}, "
-                  f"scheduler block {layout['scheduler_block_size']}")
+            print(
+                f"\ngroups: {[(g['spec'], g['block_size'], g['head_size']) for g in groups]}, "
+                f"scheduler block {layout['scheduler_block_size']}"
+            )
             # Sliding + two target full-attention block sizes + the drafter's own group.
             assert [g["spec"] for g in groups].count("FullAttentionSpec") == 3, groups
-            assert len({g["block_size"] for g in groups if g["spec"] == "FullAttentionSpec"}) == 3, groups
+            assert (
+                len({g["block_size"] for g in groups if g["spec"] == "FullAttentionSpec"}) == 3
+            ), groups
             assert layout["eagle_block_drop"]
             align = layout["scheduler_block_size"]
             assert align == math.lcm(*(g["block_size"] for g in groups))
             results = {
                 "store": _store_session(decode, align),
-                "pd+store": _pd_session(prefill, decode, key_log, master.address, True, seed=41, align=align),
-                "pd": _pd_session(prefill, decode, key_log, master.address, False, seed=42, align=align),
+                "pd+store": _pd_session(
+                    prefill, decode, key_log, master.address, True, seed=41, align=align
+                ),
+                "pd": _pd_session(
+                    prefill, decode, key_log, master.address, False, seed=42, align=align
+                ),
             }
         finally:
             _shutdown(prefill, decode)
             del prefill, decode
     elapsed = time.monotonic() - t0
-    RELEASES.update({d: [r.get("release_s") for r in rows] for d, rows in results.items() if d != "store"})
+    RELEASES.update(
+        {d: [r.get("release_s") for r in rows] for d, rows in results.items() if d != "store"}
+    )
     for deployment, rows in results.items():
-        _print(f"gemma4 + EAGLE drafter, {deployment}, block + drafter (boot {booted:.0f} s, "
-               f"module {elapsed:.0f} s; prefill blocks free after {RELEASES.get(deployment)} s)", rows)
+        _print(
+            f"gemma4 + EAGLE drafter, {deployment}, block + drafter (boot {booted:.0f} s, "
+            f"module {elapsed:.0f} s; prefill blocks free after {RELEASES.get(deployment)} s)",
+            rows,
+        )
     for deployment, rows in results.items():
         for r in rows:
             assert r["matches_recompute"], (deployment, r["turn"], r["why"])
             assert r["ref_cached"] == 0, "the recompute under a fresh cache_salt must not hit"
             if deployment == "store":
-                assert r["cached"] == r["expected"] and r["source"] == ("store" if r["turn"] > 1 else "none"), r
+                assert r["cached"] == r["expected"] and r["source"] == (
+                    "store" if r["turn"] > 1 else "none"
+                ), r
             elif deployment == "pd":
                 assert (r["cached"], r["source"]) == (r["expected"], "peer"), r
             else:
@@ -194,21 +227,34 @@ def test_gemma4_with_drafter_in_every_deployment(monkeypatch, tmp_path):
                 # the drafter its hit is the EAGLE checkpoint, one scheduler block below the
                 # hand-over (the peer holds the whole hand-over); when that is 0 the peer serves.
                 store_hit = r["expected"] - align
-                assert (r["cached"], r["source"]) == ((store_hit, "store") if store_hit else (r["expected"], "peer")), r
+                assert (r["cached"], r["source"]) == (
+                    (store_hit, "store") if store_hit else (r["expected"], "peer")
+                ), r
         assert rows[1]["cached"] > 0 and rows[2]["cached"] > rows[1]["cached"], rows
-        observe(TABLE, f"gemma4-{deployment}-block-drafter",
-                {"turns": ", ".join(f"{r['cached']}/{r['prompt']} ({r['source']})" for r in rows),
-                 "result": "pass"})
+        observe(
+            TABLE,
+            f"gemma4-{deployment}-block-drafter",
+            {
+                "turns": ", ".join(f"{r['cached']}/{r['prompt']} ({r['source']})" for r in rows),
+                "result": "pass",
+            },
+        )
 
 
-RELEASES: dict[str, list] = {}  # deployment -> seconds until the prefill's blocks were all free, per turn
+RELEASES: dict[
+    str, list
+] = {}  # deployment -> seconds until the prefill's blocks were all free, per turn
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "with an EAGLE drafter on both instances of the P/D + store MultiConnector pair, the prefill's "
-    "blocks stay held after decode's NIXL READ of the hand-over (reset_prefix_cache refused for 75 s "
-    "in one run, past the 60 s lease; 15 s here): without a drafter the same pair frees them within seconds "
-    "(test_pd_store_multiconnector); cause not found"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "with an EAGLE drafter on both instances of the P/D + store MultiConnector pair, the prefill's "
+        "blocks stay held after decode's NIXL READ of the hand-over (reset_prefix_cache refused for 75 s "
+        "in one run, past the 60 s lease; 15 s here): without a drafter the same pair frees them within seconds "
+        "(test_pd_store_multiconnector); cause not found"
+    ),
+)
 def test_gemma4_with_drafter_prefill_frees_its_blocks_after_the_read():
     """Reads the release times test_gemma4_with_drafter_in_every_deployment recorded."""
     assert RELEASES, "the deployment test did not run"
@@ -220,25 +266,37 @@ class TritonOnlyPrecopy(RuntimeError):
     """vLLM's Mamba align-mode pre-copy with speculative decoding is a Triton kernel."""
 
 
-@pytest.mark.xfail(strict=True, raises=TritonOnlyPrecopy, reason=(
-    "vLLM 0.32's CPU engine cannot run a drafter on a Mamba hybrid with prefix caching: the "
-    "align-mode pre-copy before each step (mamba_utils.run_fused_precopy) is a Triton kernel "
-    "(TypeError: 'function' object is not subscriptable without Triton); covered by "
-    "tests/unit/test_matrix_scheduler.py with vLLM's real scheduler"))
+@pytest.mark.xfail(
+    strict=True,
+    raises=TritonOnlyPrecopy,
+    reason=(
+        "vLLM 0.32's CPU engine cannot run a drafter on a Mamba hybrid with prefix caching: the "
+        "align-mode pre-copy before each step (mamba_utils.run_fused_precopy) is a Triton kernel "
+        "(TypeError: 'function' object is not subscriptable without Triton); covered by "
+        "tests/unit/test_matrix_scheduler.py with vLLM's real scheduler"
+    ),
+)
 def test_qwen3next_with_drafter_runs_on_the_cpu_engine(tmp_path):
     model = tiny_model("qwen3next")
     log = tmp_path / "engine.log"
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
         with engine_output_to(log):
-            llm = make_llm(model, store_transfer_config({"master_address": master.address,
-                                                         "namespace": "matrix-qwen3next-eagle"}),
-                           block_size=256, speculative_config=_drafter("eagle-qwen3next"))
+            llm = make_llm(
+                model,
+                store_transfer_config(
+                    {"master_address": master.address, "namespace": "matrix-qwen3next-eagle"}
+                ),
+                block_size=256,
+                speculative_config=_drafter("eagle-qwen3next"),
+            )
         try:
             generate(llm, Session(seed=44).prompt, max_tokens=4)
         except Exception as e:  # noqa: BLE001 - the cause is read from the worker's log
             text = log.read_text(errors="replace")
             if "'function' object is not subscriptable" in text and "precopy" in text:
-                raise TritonOnlyPrecopy(f"{type(e).__name__}: the worker's Triton-only pre-copy") from e
+                raise TritonOnlyPrecopy(
+                    f"{type(e).__name__}: the worker's Triton-only pre-copy"
+                ) from e
             raise
         finally:
             _shutdown(llm)

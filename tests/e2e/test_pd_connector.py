@@ -21,12 +21,11 @@ import pytest
 
 from hybridkv.connector.pd_auth import write_secret_file
 from tests.docs_tables import observe
-from tests.freeze import freeze
 from tests.e2e.engine_harness import (
     TOP_LOGPROBS,
     Completion,
-    Session,
     LogTail,
+    Session,
     completion_from,
     engine_output_to,
     generate,
@@ -36,6 +35,7 @@ from tests.e2e.engine_harness import (
     shutdown,
     tiny_model,
 )
+from tests.freeze import freeze
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes CPU hosts at exit
@@ -48,8 +48,11 @@ os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes 
 CASES = {
     "gemma3": ("gemma3", {}, {}),
     "qwen3next": ("qwen3next", {"block_size": 256}, {"block_size": 256}),
-    "qwen3next-partial": ("qwen3next", {"block_size": 256, "prefix_match_unit": 64},
-                          {"block_size": 256, "prefix_match_unit": 64}),
+    "qwen3next-partial": (
+        "qwen3next",
+        {"block_size": 256, "prefix_match_unit": 64},
+        {"block_size": 256, "prefix_match_unit": 64},
+    ),
 }
 
 
@@ -58,7 +61,11 @@ SECRET_FILE = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-e2e-"))
 
 
 def pd_config(role: str, module_path: bool = True, **extra) -> dict:
-    cfg = {"kv_connector": "HybridPDConnector", "kv_role": role, "kv_load_failure_policy": "recompute"}
+    cfg = {
+        "kv_connector": "HybridPDConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+    }
     if module_path:
         cfg["kv_connector_module_path"] = "hybridkv.connector"
     cfg["kv_connector_extra_config"] = {"auth_secret_file": SECRET_FILE, **extra}
@@ -69,9 +76,15 @@ def _prefill(llm, prompt: list[int]) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
-                        extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-    return llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0].kv_transfer_params
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        detokenize=False,
+        extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+    )
+    return llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[
+        0
+    ].kv_transfer_params
 
 
 def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8) -> Completion:
@@ -80,18 +93,30 @@ def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8) -> Comple
 
     # Top-k logprobs as every compared completion has (engine_harness.matches): with the
     # chosen token's logprob alone a wrong hand-over that keeps the argmax could pass.
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP_LOGPROBS, detokenize=False,
-                        ignore_eos=True, extra_args={"kv_transfer_params": params})
-    return completion_from(llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0])
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        logprobs=TOP_LOGPROBS,
+        detokenize=False,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": params},
+    )
+    return completion_from(
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+    )
 
 
 def _external_hits(llm) -> float:
     return metric(llm, "vllm:external_prefix_cache_hits")
 
 
-_READ_LINE = re.compile(r"hybridkv P/D: read (\d+) blocks \((\d+) bytes\) for (\S+) from (\S+) at (\S+) "
-                        r"\(per group \[([\d, ]*)\]\)")
-_FAILED_LINE = re.compile(r"hybridkv P/D: (READ for \S+ .*failed or was refused|read of \S+ .*(failed|discarded))")
+_READ_LINE = re.compile(
+    r"hybridkv P/D: read (\d+) blocks \((\d+) bytes\) for (\S+) from (\S+) at (\S+) "
+    r"\(per group \[([\d, ]*)\]\)"
+)
+_FAILED_LINE = re.compile(
+    r"hybridkv P/D: (READ for \S+ .*failed or was refused|read of \S+ .*(failed|discarded))"
+)
 
 
 def _assert_provenance(log: str, want_groups: list[int], object_bytes: list[int]) -> str:
@@ -116,13 +141,23 @@ def _geometry(worker) -> list[tuple[int, int, bool]]:  # noqa: ANN001 - runs in 
 
     w = get_kv_transfer_group()._worker
     out = []
-    for group, g in zip(w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True):
+    for group, g in zip(
+        w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True
+    ):
         spec = group.kv_cache_spec
-        out.append((int(spec.block_size), 0 if g is None else g.object_bytes, "Mamba" in type(spec).__name__))
+        out.append(
+            (
+                int(spec.block_size),
+                0 if g is None else g.object_bytes,
+                "Mamba" in type(spec).__name__,
+            )
+        )
     return out
 
 
-def _expected_blocks(geometry, remote_block_ids: list[list[int]], local_hit: int, handover: int) -> list[int]:
+def _expected_blocks(
+    geometry, remote_block_ids: list[list[int]], local_hit: int, handover: int
+) -> list[int]:
     """What decode must read: per attention group the prefill side's non-null blocks of the
     tokens [decode's own hit, hand-over); per Mamba group the one state block at the hand-over."""
     want = []
@@ -130,7 +165,13 @@ def _expected_blocks(geometry, remote_block_ids: list[list[int]], local_hit: int
         if mamba:
             want.append(1 if handover > local_hit else 0)
         else:
-            want.append(sum(1 for i, b in enumerate(remote) if b and i * bs >= local_hit and (i + 1) * bs <= handover))
+            want.append(
+                sum(
+                    1
+                    for i, b in enumerate(remote)
+                    if b and i * bs >= local_hit and (i + 1) * bs <= handover
+                )
+            )
     return want
 
 
@@ -155,23 +196,41 @@ def _three_turns(kind: str, prefill, decode, read_log) -> None:  # noqa: ANN001
         print(log[-3000:] if "hybridkv P/D: read" not in log else "", end="")
         req = _assert_provenance(log, want, [b for _, b, _ in geometry])
         ref = generate(decode, session.prompt, cache_salt=f"pd-recompute-{kind}-{turn}")
-        rows.append((turn, len(session.prompt), handover, local_hit, int(pulled), want, req, matches(got, ref)))
+        rows.append(
+            (
+                turn,
+                len(session.prompt),
+                handover,
+                local_hit,
+                int(pulled),
+                want,
+                req,
+                matches(got, ref),
+            )
+        )
         session.extend(got.token_ids)
-    print(f"\nP/D {kind}: turn, prompt, hand-over, decode's own hit, tokens pulled, blocks read per group, "
-          "request, matches_recompute")
+    print(
+        f"\nP/D {kind}: turn, prompt, hand-over, decode's own hit, tokens pulled, blocks read per group, "
+        "request, matches_recompute"
+    )
     for r in rows:
         print("  ", *r)
     prev = 0
     for turn, prompt, handover, local_hit, pulled, want, _req, ok in rows:
         assert ok, f"turn {turn} differs from recompute"
-        assert pulled == handover - local_hit > 0, f"turn {turn}: pulled {pulled} != hand-over - own hits"
+        assert pulled == handover - local_hit > 0, (
+            f"turn {turn}: pulled {pulled} != hand-over - own hits"
+        )
         assert sum(want) > 0
         if turn == 1:
             assert local_hit == 0, "turn 1: decode holds nothing of this session"
         else:  # the previous prompt's last scheduler-block boundary is decode's own hit at least
             assert local_hit >= (prev - 1) // align * align
         prev = prompt
-    cells = {f"turn {t}": f"{local_hit} + {pulled} of {prompt}" for t, prompt, _, local_hit, pulled, *_ in rows}
+    cells = {
+        f"turn {t}": f"{local_hit} + {pulled} of {prompt}"
+        for t, prompt, _, local_hit, pulled, *_ in rows
+    }
     observe("pd-e2e", kind, {**cells, "matches recompute": "all"})
 
 
@@ -262,7 +321,9 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
 
     worker = threading.Thread(target=run_decode, args=(decode,), daemon=True)
     worker.start()
-    worker.join(4.0)  # the decode READ is posted within a step or two, then waits on the frozen peer
+    worker.join(
+        4.0
+    )  # the decode READ is posted within a step or two, then waits on the frozen peer
     frozen_alive = worker.is_alive()
     t_kill = time.monotonic()
     _signal_all(prefill_pids, _signal.SIGKILL)
@@ -273,12 +334,22 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
     ref = generate(decode, session.prompt, cache_salt="pd-killed-mid-read-recompute")
     out, err = capfd.readouterr()
     log = out + err
-    print(f"\nprefill killed during the READ: decode done {elapsed:.1f}s after the kill; "
-          f"matches recompute: {matches(got, ref)}")
-    assert frozen_alive, "decode finished while the prefill side was frozen: the READ was not in flight"
-    said = [line for line in log.splitlines() if "hybridkv" in line and ("read of" in line or "lease" in line)]
+    print(
+        f"\nprefill killed during the READ: decode done {elapsed:.1f}s after the kill; "
+        f"matches recompute: {matches(got, ref)}"
+    )
+    assert frozen_alive, (
+        "decode finished while the prefill side was frozen: the READ was not in flight"
+    )
+    said = [
+        line
+        for line in log.splitlines()
+        if "hybridkv" in line and ("read of" in line or "lease" in line)
+    ]
     print("\n".join(said))
-    assert any("read of" in line and "failed" in line for line in said), "the failed READ must be reported"
+    assert any("read of" in line and "failed" in line for line in said), (
+        "the failed READ must be reported"
+    )
     assert matches(got, ref), "decode produced output from a READ the prefill side died during"
     assert elapsed < 20, "decode waited past its read timeout"
     del decode
@@ -300,15 +371,26 @@ def test_with_policy_fail_a_failed_read_fails_only_that_request(capfd):
     session = Session(seed=26)
     params = _prefill(prefill, session.prompt)
     _signal_all(prefill_pids, _signal.SIGKILL)
-    sp = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False, ignore_eos=True,
-                        extra_args={"kv_transfer_params": params})
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=8,
+        detokenize=False,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": params},
+    )
     out = decode.generate([TokensPrompt(prompt_token_ids=session.prompt)], sp, use_tqdm=False)[0]
     log = "".join(capfd.readouterr())
-    print(f"\npolicy fail: finish_reason={out.outputs[0].finish_reason!r}, tokens={len(out.outputs[0].token_ids)}")
+    print(
+        f"\npolicy fail: finish_reason={out.outputs[0].finish_reason!r}, tokens={len(out.outputs[0].token_ids)}"
+    )
     assert out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids
     # (killed before any handshake: the handshake is what fails, and says where and why)
-    assert "handshake with 127.0.0.1" in log and "unreachable" in log, "the failed load must be reported"
-    after = generate(decode, session.prompt, cache_salt="pd-fail-policy-next")  # the engine still serves
+    assert "handshake with 127.0.0.1" in log and "unreachable" in log, (
+        "the failed load must be reported"
+    )
+    after = generate(
+        decode, session.prompt, cache_salt="pd-fail-policy-next"
+    )  # the engine still serves
     assert len(after.token_ids) == 8
     del decode
 
@@ -330,7 +412,9 @@ class TestGemma3Pair:
             with engine_output_to(log):
                 prefill = make_llm(model, pd_config("kv_producer"))
                 # The decode side resolves the connector by the name hybridkv registers (no module path).
-                decode = make_llm(model, pd_config("kv_consumer", module_path=False), disable_log_stats=False)
+                decode = make_llm(
+                    model, pd_config("kv_consumer", module_path=False), disable_log_stats=False
+                )
             yield model, prefill, decode, LogTail(log)
             shutdown(prefill, decode)
 
@@ -364,24 +448,32 @@ class TestGemma3Pair:
         got = _decode(decode, session.prompt, params)
         pulled = _external_hits(decode) - before
         ref = generate(decode, session.prompt, cache_salt="pd-planted-recompute")
-        print(f"\nP/D planted fault: {written} bytes of blocks {victim} overwritten, pulled {pulled:.0f}, "
-              f"matches recompute: {matches(got, ref)}")
+        print(
+            f"\nP/D planted fault: {written} bytes of blocks {victim} overwritten, pulled {pulled:.0f}, "
+            f"matches recompute: {matches(got, ref)}"
+        )
         assert pulled > 0, "the corrupted blocks must actually have been read"
-        assert not matches(got, ref), "a corrupted block read over NIXL went unnoticed by the comparison"
+        assert not matches(got, ref), (
+            "a corrupted block read over NIXL went unnoticed by the comparison"
+        )
 
     def test_layout_mismatch_is_refused_and_decode_recomputes(self, pair, capfd):  # noqa: ANN001
         """Prefill at --block-size 128, decode at 256: refused, naming the field; no wrong KV is read.
         (Decode's parameter check sees twice the blocks a 256-token layout can have and refuses
         before any connection; the handshake's own check is unit-tested in test_pd_transport.)"""
         model, prefill, _decode_128, _log = pair
-        decode = make_llm(model, pd_config("kv_consumer"), block_size=256)  # started here: capfd sees it
+        decode = make_llm(
+            model, pd_config("kv_consumer"), block_size=256
+        )  # started here: capfd sees it
         session = Session(seed=22)
         params = _prefill(prefill, session.prompt)
         got = _decode(decode, session.prompt, params)
         ref = generate(decode, session.prompt, cache_salt="pd-mismatch-recompute")
         out, err = capfd.readouterr()
         assert matches(got, ref)
-        assert "block_size=256" in out + err and "--block-size" in out + err, "the refusal must name the field and fix"
+        assert "block_size=256" in out + err and "--block-size" in out + err, (
+            "the refusal must name the field and fix"
+        )
         shutdown(decode)
 
     def test_expired_lease_is_not_read_and_decode_recomputes(self, pair, spare_prefill):  # noqa: ANN001
@@ -394,7 +486,9 @@ class TestGemma3Pair:
         prefill, _pids = spare_prefill  # lease_s=2
         session = Session(seed=27)
         params = _prefill(prefill, session.prompt)
-        assert len(params["remote_lease_id"]) == 32 and "remote_lease_expires_at" not in params  # no wall clock
+        assert (
+            len(params["remote_lease_id"]) == 32 and "remote_lease_expires_at" not in params
+        )  # no wall clock
         time.sleep(2.5)
         log.new(0)
         got = _decode(decode, session.prompt, params)
@@ -403,7 +497,9 @@ class TestGemma3Pair:
         print(f"\nexpired lease: cached {got.num_cached_tokens}")
         # (vLLM counts the offered tokens as external hits at scheduling, read or not: the
         # refusal is visible in the worker's log, and the output must equal a recompute.)
-        assert "lease on its blocks has expired" in said, "blocks were read after the prefill side's lease expired"
+        assert "lease on its blocks has expired" in said, (
+            "blocks were read after the prefill side's lease expired"
+        )
         assert matches(got, ref)
         # Control for the provenance check of the turn test: this READ was refused (the lease
         # ended before decode's claim), so the check must fail here, though the output matches.
@@ -416,7 +512,9 @@ class TestGemma3Pair:
         import time
 
         _model, _prefill_shared, decode, _log = pair
-        prefill, prefill_pids = spare_prefill  # killed here: this test runs after the expired-lease one
+        prefill, prefill_pids = (
+            spare_prefill  # killed here: this test runs after the expired-lease one
+        )
         session = Session(seed=23)
         params = _prefill(prefill, session.prompt)
         _signal_all(prefill_pids, _signal.SIGKILL)
@@ -424,6 +522,8 @@ class TestGemma3Pair:
         got = _decode(decode, session.prompt, params)
         elapsed = time.monotonic() - t0
         ref = generate(decode, session.prompt, cache_salt="pd-killed-recompute")
-        print(f"\nprefill killed: decode finished in {elapsed:.1f}s, cached {got.num_cached_tokens}")
+        print(
+            f"\nprefill killed: decode finished in {elapsed:.1f}s, cached {got.num_cached_tokens}"
+        )
         assert matches(got, ref)
         assert elapsed < 30

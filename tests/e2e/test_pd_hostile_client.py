@@ -11,6 +11,7 @@ point the decode side at a socket this test listens on, which must see no connec
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import socket
@@ -23,9 +24,22 @@ import pytest
 
 from hybridkv.cli.pd_stack import PDStack
 from hybridkv.connector.pd_auth import PURPOSE_PARAMS, DeploymentKey, load_key
-from hybridkv.connector.pd_handshake import AgentInfoRequest, HandshakeError, release_blocks, request_agent_info
+from hybridkv.connector.pd_handshake import (
+    AgentInfoRequest,
+    HandshakeError,
+    release_blocks,
+    request_agent_info,
+)
 from hybridkv.connector.pd_params import RemotePrefill, covered_hashes, issue_remote_prefill
-from tests.e2e.engine_harness import LOOPBACK, TOP_LOGPROBS, Completion, Session, listeners, matches, tiny_model
+from tests.e2e.engine_harness import (
+    LOOPBACK,
+    TOP_LOGPROBS,
+    Completion,
+    Session,
+    listeners,
+    matches,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -49,10 +63,26 @@ def http():
     return requests.Session()
 
 
-def _post(http, url: str, prompt: list[int], params=None, n: int = 1, salt: str | None = None,
-          max_tokens: int = 8, top: int = 1):  # noqa: ANN001, ANN202
-    body = {"model": _MODEL[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "n": n,
-            "logprobs": top, "return_tokens_as_token_ids": True, "ignore_eos": True}
+def _post(
+    http,
+    url: str,
+    prompt: list[int],
+    params=None,
+    n: int = 1,
+    salt: str | None = None,
+    max_tokens: int = 8,
+    top: int = 1,
+):  # noqa: ANN001, ANN202
+    body = {
+        "model": _MODEL[0],
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "n": n,
+        "logprobs": top,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }
     if n > 1:  # vLLM refuses n > 1 with temperature 0; top_k 1 is greedy all the same
         body.update(temperature=1.0, top_k=1)
     if params is not None:
@@ -70,14 +100,25 @@ def _completions(r) -> list[Completion]:  # noqa: ANN001
     out = []
     for c in r.json()["choices"]:
         lp = c["logprobs"]
-        tops = [{int(t.split(":")[1]): v for t, v in (top or {}).items()} for top in lp.get("top_logprobs") or []]
-        out.append(Completion([int(t.split(":")[1]) for t in lp["tokens"]], list(lp["token_logprobs"]), 0,
-                              tops if len(tops) == len(lp["tokens"]) else []))
+        tops = [
+            {int(t.split(":")[1]): v for t, v in (top or {}).items()}
+            for top in lp.get("top_logprobs") or []
+        ]
+        out.append(
+            Completion(
+                [int(t.split(":")[1]) for t in lp["tokens"]],
+                list(lp["token_logprobs"]),
+                0,
+                tops if len(tops) == len(lp["tokens"]) else [],
+            )
+        )
     return out
 
 
 def _recompute(http, stack: PDStack, prompt: list[int], top: int = 1) -> Completion:  # noqa: ANN001
-    return _completions(_post(http, stack.decode.url, prompt, salt=f"recompute-{uuid.uuid4()}", top=top))[0]
+    return _completions(
+        _post(http, stack.decode.url, prompt, salt=f"recompute-{uuid.uuid4()}", top=top)
+    )[0]
 
 
 def _prefill_params(http, stack: PDStack, prompt: list[int]) -> dict:  # noqa: ANN001
@@ -92,14 +133,18 @@ def _release(stack: PDStack, params: dict) -> None:
     """End a lease this test took and will not hand to decode (the prefill frees its blocks now,
     not after lease_s: the hostile-client run below counts every lease)."""
     key = load_key(str(stack.secret_file), False)
-    release_blocks(f"{params['remote_host']}:{params['remote_port']}", [params["remote_request_id"]], 10.0, key)
+    release_blocks(
+        f"{params['remote_host']}:{params['remote_port']}", [params["remote_request_id"]], 10.0, key
+    )
 
 
 def _log(stack: PDStack) -> str:
     return Path(stack.decode.log_path).read_text(errors="replace")
 
 
-def _assert_healthy_and_exact(http, stack: PDStack, prompt: list[int], got: Completion | None = None) -> None:  # noqa: ANN001
+def _assert_healthy_and_exact(
+    http, stack: PDStack, prompt: list[int], got: Completion | None = None
+) -> None:  # noqa: ANN001
     """The decode server still serves, and what it serves equals a recompute."""
     assert http.get(stack.decode.url + "/health", timeout=30).status_code == 200
     ref = _recompute(http, stack, prompt)
@@ -155,18 +200,27 @@ def _block_hashes(prompt: list[int]) -> list[bytes]:
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    req = Request("x", list(prompt), SamplingParams(max_tokens=1), None,
-                  block_hasher=get_request_block_hasher(HASH_BLOCK, sha256))
+    req = Request(
+        "x",
+        list(prompt),
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(HASH_BLOCK, sha256),
+    )
     return list(req.block_hashes)
 
 
 def _resign(params: dict, key: DeploymentKey, for_prompt: list[int], **changes) -> dict:
     """``params`` with ``changes`` applied, signed with ``key`` for ``for_prompt``."""
     p = RemotePrefill(
-        engine_id=params["remote_engine_id"], request_id=params["remote_request_id"],
-        host=changes.get("host", params["remote_host"]), port=changes.get("port", params["remote_port"]),
-        block_ids=tuple(tuple(g) for g in params["remote_block_ids"]), num_tokens=params["remote_num_tokens"],
-        lease_id=params["remote_lease_id"])
+        engine_id=params["remote_engine_id"],
+        request_id=params["remote_request_id"],
+        host=changes.get("host", params["remote_host"]),
+        port=changes.get("port", params["remote_port"]),
+        block_ids=tuple(tuple(g) for g in params["remote_block_ids"]),
+        num_tokens=params["remote_num_tokens"],
+        lease_id=params["remote_lease_id"],
+    )
     return issue_remote_prefill(p, key, _block_hashes(for_prompt), HASH_BLOCK)
 
 
@@ -196,7 +250,13 @@ def test_malformed_params_to_decode_keep_it_healthy_and_exact(stack, http):
         _assert_healthy_and_exact(http, stack, prompt, _completions(r)[0])
     _release(stack, valid)
     log = _log(stack)
-    for field in ("remote_num_tokens", "remote_port", "remote_block_ids", "remote_block_ids[0]", "do_remote_prefill"):
+    for field in (
+        "remote_num_tokens",
+        "remote_port",
+        "remote_block_ids",
+        "remote_block_ids[0]",
+        "do_remote_prefill",
+    ):
         assert f"kv_transfer_params.{field} " in log, f"no log line names {field}"
     assert "EngineDeadError" not in log and "crashed" not in log
 
@@ -207,7 +267,10 @@ def test_do_remote_decode_to_a_decode_only_server_is_refused(stack, http):
     assert r.status_code == 200, r.text
     assert not r.json().get("kv_transfer_params"), "a decode-only instance issued a lease"
     _assert_healthy_and_exact(http, stack, prompt, _completions(r)[0])
-    assert "kv_transfer_params.do_remote_decode is true on an instance that is not a prefill instance" in _log(stack)
+    assert (
+        "kv_transfer_params.do_remote_decode is true on an instance that is not a prefill instance"
+        in _log(stack)
+    )
 
 
 def test_forged_params_make_no_connection(stack, http, listener):
@@ -216,17 +279,30 @@ def test_forged_params_make_no_connection(stack, http, listener):
     real_b = _prefill_params(http, stack, b)
     # my hashes are the servers' (else the controls below would prove nothing)
     hashes = covered_hashes(_block_hashes(b), real_b["remote_num_tokens"], HASH_BLOCK)
-    fields = RemotePrefill(real_b["remote_engine_id"], real_b["remote_request_id"], real_b["remote_host"],
-                           real_b["remote_port"], tuple(tuple(g) for g in real_b["remote_block_ids"]),
-                           real_b["remote_num_tokens"], real_b["remote_lease_id"]).signed_fields(hashes)
+    fields = RemotePrefill(
+        real_b["remote_engine_id"],
+        real_b["remote_request_id"],
+        real_b["remote_host"],
+        real_b["remote_port"],
+        tuple(tuple(g) for g in real_b["remote_block_ids"]),
+        real_b["remote_num_tokens"],
+        real_b["remote_lease_id"],
+    ).signed_fields(hashes)
     assert key.verify(real_b["remote_mac"], PURPOSE_PARAMS, *fields)
     forged = {
         # (rank 0's port in both places, as a forger would: a mismatch alone is refused earlier)
         "address_changed": real_b | {"remote_port": listener.port, "remote_ports": [listener.port]},
-        "other_secret": _resign(real_b, DeploymentKey(b"not-the-secret-0123456789"), b, port=listener.port),
+        "other_secret": _resign(
+            real_b, DeploymentKey(b"not-the-secret-0123456789"), b, port=listener.port
+        ),
         "signed_for_other_prompt": _resign(real_b, key, a, port=listener.port),
-        "no_mac": {k: v for k, v in (real_b | {"remote_port": listener.port, "remote_ports": [listener.port]}).items()
-                   if k != "remote_mac"},
+        "no_mac": {
+            k: v
+            for k, v in (
+                real_b | {"remote_port": listener.port, "remote_ports": [listener.port]}
+            ).items()
+            if k != "remote_mac"
+        },
     }
     for name, params in forged.items():
         r = _post(http, stack.decode.url, b, params=params)
@@ -241,7 +317,9 @@ def test_forged_params_make_no_connection(stack, http, listener):
     deadline = time.monotonic() + 10
     while listener.connections == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert listener.connections > 0, "the listener's count has no power: a signed set was not connected either"
+    assert listener.connections > 0, (
+        "the listener's count has no power: a signed set was not connected either"
+    )
     _assert_healthy_and_exact(http, stack, b, _completions(r)[0])
     _release(stack, real_b)
 
@@ -257,7 +335,7 @@ def test_forged_side_channel_calls_are_refused_and_the_lease_survives(stack, htt
             request_agent_info(address, AgentInfoRequest("attacker", 0, None), 5.0, key)
     before = _log(stack)
     got = _completions(_post(http, stack.decode.url, prompt, params=params))[0]
-    new = _log(stack)[len(before):]
+    new = _log(stack)[len(before) :]
     assert "discarded, recomputing" not in new and "lease on its blocks" not in new, new[-2000:]
     _assert_healthy_and_exact(http, stack, prompt, got)
 
@@ -270,12 +348,16 @@ def test_replayed_params_are_not_read_twice(stack, http):
     params = _prefill_params(http, stack, prompt)
     first = _completions(_post(http, stack.decode.url, prompt, params=params))[0]
     for _ in range(50):
-        if http.post(stack.decode.url + "/reset_prefix_cache", timeout=30).json().get("success", True):
+        if (
+            http.post(stack.decode.url + "/reset_prefix_cache", timeout=30)
+            .json()
+            .get("success", True)
+        ):
             break
         time.sleep(0.1)
     before = _log(stack)
     second = _completions(_post(http, stack.decode.url, prompt, params=params))[0]
-    new = _log(stack)[len(before):]
+    new = _log(stack)[len(before) :]
     assert "discarded, recomputing" in new, new[-2000:]
     ref = _recompute(http, stack, prompt)
     assert matches(first, ref) and matches(second, ref)
@@ -310,7 +392,9 @@ def test_every_socket_the_pd_stack_listens_on_is_loopback(stack, http):
     import psutil
 
     prompt = Session(seed=38).prompt
-    got = _completions(_post(http, stack.url, prompt))[0]  # through the proxy: prefill -> decode READ
+    got = _completions(_post(http, stack.url, prompt))[
+        0
+    ]  # through the proxy: prefill -> decode READ
     _assert_healthy_and_exact(http, stack, prompt, got)
     roots = [stack._proxy.pid, stack.prefill.proc.pid, stack.decode.proc.pid]
     pids = set(roots)
@@ -318,10 +402,14 @@ def test_every_socket_the_pd_stack_listens_on_is_loopback(stack, http):
         pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
     found = listeners(pids)
     print("\nlisteners of the P/D stack:", *found, sep="\n  ")
-    assert len(found) >= 4, f"expected at least proxy + 2 API servers + a handshake listener, got {found}"
+    assert len(found) >= 4, (
+        f"expected at least proxy + 2 API servers + a handshake listener, got {found}"
+    )
     ports = {port for *_, port in found}
     for url in (stack.url, stack.prefill.url, stack.decode.url):
-        assert int(url.rsplit(":", 1)[1]) in ports, f"{url} not among the listed sockets: the listing misses some"
+        assert int(url.rsplit(":", 1)[1]) in ports, (
+            f"{url} not among the listed sockets: the listing misses some"
+        )
     exposed = [x for x in found if x[2] not in LOOPBACK]
     assert not exposed, f"sockets reachable from other hosts: {exposed}"
     # Control: the listing sees an all-interfaces listener (this process's own).
@@ -330,7 +418,11 @@ def test_every_socket_the_pd_stack_listens_on_is_loopback(stack, http):
     with socket.socket() as wide:
         wide.bind(("0.0.0.0", 0))
         wide.listen()
-        assert [x for x in listeners({os.getpid()}) if x[2] == "0.0.0.0" and x[3] == wide.getsockname()[1]]
+        assert [
+            x
+            for x in listeners({os.getpid()})
+            if x[2] == "0.0.0.0" and x[3] == wide.getsockname()[1]
+        ]
 
 
 # --------------------------------------------------------------------------- hostile-client run
@@ -342,16 +434,22 @@ LEASE_S = 60.0  # the P/D connector's default lease_s (the stack sets none)
 
 def _counter_sum(text: str, name: str) -> float:
     """Sum of ``name`` over its label sets in Prometheus text (0 when absent)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 def _pd_counters(http, url: str) -> dict[str, float]:  # noqa: ANN001
     """The P/D counters on ``url``/metrics, after one small request there: the workers' stats
     reach /metrics with an engine step, and an idle engine takes none (a lease that ended in
     its last step would stay uncounted)."""
-    r = http.post(url + "/v1/completions", timeout=120,
-                  json={"model": _MODEL[0], "prompt": [5, 6, 7], "max_tokens": 1})
+    r = http.post(
+        url + "/v1/completions",
+        timeout=120,
+        json={"model": _MODEL[0], "prompt": [5, 6, 7], "max_tokens": 1},
+    )
     assert r.status_code == 200, r.text
     time.sleep(0.5)
     text = http.get(url + "/metrics", timeout=30).text
@@ -394,8 +492,9 @@ def _raw_call(address: str, path: str, body: bytes, metadata: tuple, timeout_s: 
 
     with grpc.insecure_channel(address) as channel:
         try:
-            channel.unary_unary(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)(
-                body, timeout=timeout_s, metadata=metadata)
+            channel.unary_unary(
+                path, request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )(body, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             return e.code().name
     return "OK"
@@ -413,18 +512,31 @@ def _capture(address: str, key: DeploymentKey) -> list[tuple[str, bytes, tuple]]
         except HandshakeError:
             pass  # refused or not: what matters is the call on the wire
         try:
-            hs._call(address, hs.CLAIM_METHOD, {"request_id": "captured-unknown", "lease_id": "x",
-                                                "reader": 0, "readers": 1}, 10.0, key)
+            hs._call(
+                address,
+                hs.CLAIM_METHOD,
+                {"request_id": "captured-unknown", "lease_id": "x", "reader": 0, "readers": 1},
+                10.0,
+                key,
+            )
         except Exception:  # noqa: BLE001 - any answer; the capture is the call
             pass
     finally:
         hs._channels = real
-    assert {p.rsplit("/", 1)[1] for p, _, _ in recorder.sent} == {hs.METHOD, hs.CLAIM_METHOD}, recorder.sent
+    assert {p.rsplit("/", 1)[1] for p, _, _ in recorder.sent} == {hs.METHOD, hs.CLAIM_METHOD}, (
+        recorder.sent
+    )
     return recorder.sent
 
 
-def _attacker(stop: threading.Event, address: str, key: DeploymentKey, captured: list, proxy_url: str,
-              tally: dict[str, list]) -> None:
+def _attacker(
+    stop: threading.Event,
+    address: str,
+    key: DeploymentKey,
+    captured: list,
+    proxy_url: str,
+    tally: dict[str, list],
+) -> None:
     """Until ``stop``: replays the captured side-channel calls, floods claims for unknown ids
     (unsigned, and signed with fresh nonces as a slow peer's would be), and sends the proxy
     batched prompts and 1009-character request ids."""
@@ -443,21 +555,39 @@ def _attacker(stop: threading.Event, address: str, key: DeploymentKey, captured:
         for i in range(8):
             signed = key if i % 2 else None
             try:
-                hs._call(address, hs.CLAIM_METHOD, {"request_id": f"flood-{k}-{i}", "lease_id": "x",
-                                                    "reader": 0, "readers": 1}, 5.0, signed)
+                hs._call(
+                    address,
+                    hs.CLAIM_METHOD,
+                    {"request_id": f"flood-{k}-{i}", "lease_id": "x", "reader": 0, "readers": 1},
+                    5.0,
+                    signed,
+                )
                 tally["flood"].append("OK")
             except Exception as e:  # noqa: BLE001 - the answer's kind is what is tallied
-                tally["flood"].append(type(e).__name__ + ":" + str(getattr(e, "code", lambda: "")()))
+                tally["flood"].append(
+                    type(e).__name__ + ":" + str(getattr(e, "code", lambda: "")())
+                )
         if k % 3 == 1:
             batch = [[rng.randrange(3, 500) for _ in range(300)] for _ in range(3)]
-            r = http.post(proxy_url + "/v1/completions", timeout=300, json={
-                "model": _MODEL[0], "prompt": batch, "max_tokens": 2, "temperature": 0.0})
+            r = http.post(
+                proxy_url + "/v1/completions",
+                timeout=300,
+                json={"model": _MODEL[0], "prompt": batch, "max_tokens": 2, "temperature": 0.0},
+            )
             tally["batch"].append(r.status_code)
         elif k % 3 == 2:
             prompt = [rng.randrange(3, 500) for _ in range(300)]
-            r = http.post(proxy_url + "/v1/completions", timeout=300, json={
-                "model": _MODEL[0], "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
-                "request_id": "r" * 1009})
+            r = http.post(
+                proxy_url + "/v1/completions",
+                timeout=300,
+                json={
+                    "model": _MODEL[0],
+                    "prompt": prompt,
+                    "max_tokens": 2,
+                    "temperature": 0.0,
+                    "request_id": "r" * 1009,
+                },
+            )
             tally["long_id"].append(r.status_code)
 
 
@@ -478,8 +608,13 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
     address = f"{params['remote_host']}:{params['remote_port']}"
     _completions(_post(http, stack.decode.url, warm, params=params))  # read: its lease ends
     captured = _capture(address, key)
-    proxy_before = _counter_sum(http.get(stack.url + "/metrics", timeout=30).text, "hybridkv_proxy_hand_overs_total")
-    decode_before, prefill_before = _pd_counters(http, stack.decode.url), _pd_counters(http, stack.prefill.url)
+    proxy_before = _counter_sum(
+        http.get(stack.url + "/metrics", timeout=30).text, "hybridkv_proxy_hand_overs_total"
+    )
+    decode_before, prefill_before = (
+        _pd_counters(http, stack.decode.url),
+        _pd_counters(http, stack.prefill.url),
+    )
     prefill_log_before = len(Path(stack.prefill.log_path).read_text(errors="replace"))
     decode_log_before = len(_log(stack))
     causes_before = _failure_causes(http, stack.decode.url)
@@ -503,7 +638,9 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
 
     tally: dict[str, list] = {"replay": [], "flood": [], "batch": [], "long_id": []}
     threads = [threading.Thread(target=legit, args=(50 + i,)) for i in range(LEGIT_SESSIONS)]
-    threads.append(threading.Thread(target=_attacker, args=(stop, address, key, captured, stack.url, tally)))
+    threads.append(
+        threading.Thread(target=_attacker, args=(stop, address, key, captured, stack.url, tally))
+    )
     for t in threads:
         t.start()
     time.sleep(HOSTILE_S)
@@ -513,8 +650,10 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
         t.join(300)
     ended = time.monotonic()
     print(f"\nthreads done {ended - stopped:.1f} s after the stop")
-    print(f"hostile run: {len(turns)} legitimate turns, replays {dict(_counts(tally['replay']))}, "
-          f"claims {dict(_counts(tally['flood']))}, batches {tally['batch']}, long ids {tally['long_id']}")
+    print(
+        f"hostile run: {len(turns)} legitimate turns, replays {dict(_counts(tally['replay']))}, "
+        f"claims {dict(_counts(tally['flood']))}, batches {tally['batch']}, long ids {tally['long_id']}"
+    )
     assert not errors, errors
     assert len(turns) >= LEGIT_SESSIONS and tally["batch"] and tally["long_id"]
     assert set(tally["batch"]) == set(tally["long_id"]) == {200}
@@ -528,17 +667,29 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
         if held == 0 or time.monotonic() > ended + LEASE_S + 15:
             break
         time.sleep(1)
-    assert held == 0, f"{held} leases still held {time.monotonic() - ended:.0f} s after the run: {pre}"
+    assert held == 0, (
+        f"{held} leases still held {time.monotonic() - ended:.0f} s after the run: {pre}"
+    )
     expired = pre["leases_expired"] - prefill_before["leases_expired"]
-    assert expired <= _held(prefill_before), \
-        f"{expired:.0f} leases expired, {_held(prefill_before):.0f} were held before the run: some of the run's " \
+    assert expired <= _held(prefill_before), (
+        f"{expired:.0f} leases expired, {_held(prefill_before):.0f} were held before the run: some of the run's "
         "leases were never released (they waited out lease_s)"
-    print(f"leases {pre['leases'] - prefill_before['leases']:.0f}, all released "
-          f"{time.monotonic() - ended:.1f} s after the attack stopped")
-    assert "unread leases hold" not in Path(stack.prefill.log_path).read_text(errors="replace")[prefill_log_before:]
+    )
+    print(
+        f"leases {pre['leases'] - prefill_before['leases']:.0f}, all released "
+        f"{time.monotonic() - ended:.1f} s after the attack stopped"
+    )
+    assert (
+        "unread leases hold"
+        not in Path(stack.prefill.log_path).read_text(errors="replace")[prefill_log_before:]
+    )
 
-    hand_overs = _counter_sum(http.get(stack.url + "/metrics", timeout=30).text,
-                              "hybridkv_proxy_hand_overs_total") - proxy_before
+    hand_overs = (
+        _counter_sum(
+            http.get(stack.url + "/metrics", timeout=30).text, "hybridkv_proxy_hand_overs_total"
+        )
+        - proxy_before
+    )
     deadline = time.monotonic() + 15  # the workers' stats reach /metrics with a later engine step
     while True:
         dec = _pd_counters(http, stack.decode.url)
@@ -546,24 +697,41 @@ def test_a_hostile_client_does_not_turn_pd_off_for_legitimate_sessions(stack, ht
         if reads >= 0.9 * hand_overs or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    print(f"hand-overs {hand_overs:.0f}, READ {reads:.0f}, "
-          f"failed reads {dec['failed_reads'] - decode_before['failed_reads']:.0f}")
-    causes = {c: n - causes_before.get(c, 0) for c, n in _failure_causes(http, stack.decode.url).items()
-              if n != causes_before.get(c, 0)}
+    print(
+        f"hand-overs {hand_overs:.0f}, READ {reads:.0f}, "
+        f"failed reads {dec['failed_reads'] - decode_before['failed_reads']:.0f}"
+    )
+    causes = {
+        c: n - causes_before.get(c, 0)
+        for c, n in _failure_causes(http, stack.decode.url).items()
+        if n != causes_before.get(c, 0)
+    }
     print(f"failed reads by cause: {causes}")
-    warnings = [line for line in _log(stack)[decode_log_before:].splitlines() if "hybridkv" in line and "WARN" in line]
+    warnings = [
+        line
+        for line in _log(stack)[decode_log_before:].splitlines()
+        if "hybridkv" in line and "WARN" in line
+    ]
     print("decode's last warnings:", *warnings[-6:], sep="\n  ")
-    assert reads >= 0.9 * hand_overs, (f"only {reads:.0f} of {hand_overs:.0f} hand-overs were READ; failed by cause "
-                                       f"{causes}; decode's warnings:\n" + "\n".join(warnings[-12:]))
+    assert reads >= 0.9 * hand_overs, (
+        f"only {reads:.0f} of {hand_overs:.0f} hand-overs were READ; failed by cause "
+        f"{causes}; decode's warnings:\n" + "\n".join(warnings[-12:])
+    )
 
     start = time.monotonic()
     for prompt, got in turns:
-        ref = _recompute(http, stack, prompt, top=TOP_LOGPROBS)  # top-k: a greedy near-tie is told apart
+        ref = _recompute(
+            http, stack, prompt, top=TOP_LOGPROBS
+        )  # top-k: a greedy near-tie is told apart
         assert matches(got, ref), f"a legitimate turn differs from a recompute: {got} vs {ref}"
     print(f"{len(turns)} recomputes {time.monotonic() - start:.1f} s")
     for url in (stack.url, stack.prefill.url, stack.decode.url):
         assert http.get(url + "/health", timeout=30).status_code == 200, url
-    assert stack._proxy.poll() is None and stack.prefill.proc.poll() is None and stack.decode.proc.poll() is None
+    assert (
+        stack._proxy.poll() is None
+        and stack.prefill.proc.poll() is None
+        and stack.decode.proc.poll() is None
+    )
     for log in (stack.prefill.log_path, stack.decode.log_path):
         assert "EngineDeadError" not in Path(log).read_text(errors="replace")
 
@@ -582,7 +750,6 @@ def _held(counters: dict[str, float]) -> float:
     return counters["leases"] - counters["leases_released"] - counters["leases_expired"]
 
 
-def _counts(items: list) -> "collections.Counter":
-    import collections
+def _counts(items: list) -> collections.Counter:
 
     return collections.Counter(items)

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-
-import pytest
 import time
 import uuid
 from pathlib import Path
+
+import pytest
 
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.store.embedded_master import EmbeddedMaster
@@ -75,9 +75,20 @@ LEASE_S = 60.0  # prefill's P/D lease; a release must come long before it
 STORE_TIMEOUT_S = 15.0
 SAVES_WAIT_S = 2 * STORE_TIMEOUT_S  # < LEASE_S: the decode leg still finds the lease
 # vLLM's scheduler adds remote_prefill_cached_tokens to any do_remote_prefill answer.
-PD_PARAM_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host",
-                 "remote_port", "remote_block_ids", "remote_num_tokens", "remote_lease_id", "remote_mac",
-                 "remote_prefill_cached_tokens", "remote_ports"}
+PD_PARAM_KEYS = {
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_num_tokens",
+    "remote_lease_id",
+    "remote_mac",
+    "remote_prefill_cached_tokens",
+    "remote_ports",
+}
 # The pair's deployment secret (signs kv_transfer_params and the side channel), fresh per run.
 SECRET_FILE = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-multi-e2e-")) / "secret"))
 
@@ -85,45 +96,78 @@ SECRET_FILE = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-multi-e2e-
 def _store_child(master_address: str, key_log: str = "") -> dict:
     # The policy is repeated on the child: MultiConnector's scheduler uses the parent's, but
     # each child gets its own KVTransferConfig (default "fail") and the store child warns on it.
-    extra = {"master_address": master_address, "namespace": NAMESPACE, "global_segment_size": "256MiB",
-             "timeout_s": STORE_TIMEOUT_S}
+    extra = {
+        "master_address": master_address,
+        "namespace": NAMESPACE,
+        "global_segment_size": "256MiB",
+        "timeout_s": STORE_TIMEOUT_S,
+    }
     if key_log:
         extra["key_log_path"] = key_log  # every object it saved, once the save succeeded
-    return {"kv_connector": "HybridStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "HybridStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def prefill_config(master_address: str, key_log: str = "") -> dict:
     """Prefill instance (children with module paths: both resolution routes get covered)."""
-    pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_producer",
-          "kv_connector_module_path": "hybridkv.connector",
-          "kv_connector_extra_config": {"lease_s": LEASE_S, "auth_secret_file": SECRET_FILE}}
-    store = {**_store_child(master_address, key_log), "kv_connector_module_path": "hybridkv.connector"}
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"connectors": [pd, store]}}
+    pd = {
+        "kv_connector": "HybridPDConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_module_path": "hybridkv.connector",
+        "kv_connector_extra_config": {"lease_s": LEASE_S, "auth_secret_file": SECRET_FILE},
+    }
+    store = {
+        **_store_child(master_address, key_log),
+        "kv_connector_module_path": "hybridkv.connector",
+    }
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [pd, store]},
+    }
 
 
 def decode_config(master_address: str) -> dict:
     """Decode instance: store first (its hit wins), peer second (children by registered name)."""
     # The child's own policy too (its KVTransferConfig defaults to "fail"): a refused set
     # then offers nothing (recompute) instead of an offer that fails as a load.
-    pd = {"kv_connector": "HybridPDConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"auth_secret_file": SECRET_FILE}}
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"connectors": [_store_child(master_address), pd]}}
+    pd = {
+        "kv_connector": "HybridPDConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"auth_secret_file": SECRET_FILE},
+    }
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [_store_child(master_address), pd]},
+    }
 
 
 def _prefill(llm, prompt: list[int]) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
-                        extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-    return llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0].kv_transfer_params
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        detokenize=False,
+        extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+    )
+    return llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[
+        0
+    ].kv_transfer_params
 
 
-def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8,
-            cache_salt: str | None = None) -> tuple[Completion, dict | None]:
+def _decode(
+    llm, prompt: list[int], params: dict, max_tokens: int = 8, cache_salt: str | None = None
+) -> tuple[Completion, dict | None]:
     from vllm.inputs import TokensPrompt
 
     p = TokensPrompt(prompt_token_ids=prompt)
@@ -146,7 +190,9 @@ def _snapshot(llm) -> dict[str, float]:
 
 
 def _source(delta: dict[str, float]) -> str:
-    names = [s for s, k in (("store", "host"), ("peer", "p2p"), ("local", "device")) if delta[k] > 0]
+    names = [
+        s for s, k in (("store", "host"), ("peer", "p2p"), ("local", "device")) if delta[k] > 0
+    ]
     return "+".join(names) or "none"
 
 
@@ -177,7 +223,9 @@ def _release_seconds(prefill) -> float:
     t0 = time.monotonic()
     deadline = t0 + LEASE_S / 2
     while not prefill.reset_prefix_cache():
-        assert time.monotonic() < deadline, "prefill's blocks still held at half the lease: release lost?"
+        assert time.monotonic() < deadline, (
+            "prefill's blocks still held at half the lease: release lost?"
+        )
         generate(prefill, [7, 8, 9], max_tokens=1, cache_salt=f"step-{uuid.uuid4()}")
         time.sleep(0.05)
     return time.monotonic() - t0
@@ -195,12 +243,16 @@ def _drop_saved_objects(master_address: str, key_log: Path, seen: int, expect: i
 
     deadline = time.monotonic() + SAVES_WAIT_S
     while len(_key_lines(key_log)) - seen < expect:
-        assert time.monotonic() < deadline, f"prefill saved {len(_key_lines(key_log)) - seen} of {expect} objects"
+        assert time.monotonic() < deadline, (
+            f"prefill saved {len(_key_lines(key_log)) - seen} of {expect} objects"
+        )
         time.sleep(0.1)
     keys = [line.split()[0] for line in _key_lines(key_log)[seen:]]
     with MooncakeBackend(master_address, global_segment_size=0) as client:
         assert [client.remove(k, force=True) for k in keys] == [0] * len(keys), "remove refused"
-        assert client.exists(keys) == [False] * len(keys), "objects still listed after their removal"
+        assert client.exists(keys) == [False] * len(keys), (
+            "objects still listed after their removal"
+        )
     return len(keys)
 
 
@@ -217,14 +269,17 @@ def _wait_saves_settled(key_log: Path, seen: int, quiet_s: float = 1.0) -> int:
     return n
 
 
-def _turn(prefill, decode, label, prompt: list[int], expected: int, key_log: Path,
-          before_decode=None) -> dict:  # noqa: ANN001
+def _turn(
+    prefill, decode, label, prompt: list[int], expected: int, key_log: Path, before_decode=None
+) -> dict:  # noqa: ANN001
     seen = len(_key_lines(key_log))
     params = _prefill(prefill, prompt)
     # The children's kv_transfer_params merged without a clash (MultiConnector raises on one):
     # the store child adds nothing, the P/D child its hand-over.
     assert params and set(params) == PD_PARAM_KEYS, params
-    assert len(params["remote_block_ids"]) == 2, "two KV cache groups (SW + FA): the hybrid allocator is on"
+    assert len(params["remote_block_ids"]) == 2, (
+        "two KV cache groups (SW + FA): the hybrid allocator is on"
+    )
     if before_decode is not None:
         dropped, logged_at_decode = before_decode(seen), None
     else:
@@ -235,16 +290,30 @@ def _turn(prefill, decode, label, prompt: list[int], expected: int, key_log: Pat
     delta = {k: v - before[k] for k, v in _snapshot(decode).items()}
     ref = generate(decode, prompt, cache_salt=f"multi-recompute-{uuid.uuid4()}")
     verdict = compare(got, ref)
-    return dict(turn=label, prompt=len(prompt), expected=expected, answer=got.token_ids,
-                handover=int(params["remote_num_tokens"]),
-                # The decode engine's own hit, by tier. (RequestOutput.num_cached_tokens on a
-                # decode request is the PREFILL side's hit: vLLM copies remote_prefill_cached_tokens.)
-                cached=int(delta["host"] + delta["p2p"] + delta["device"]), source=_source(delta),
-                store_tokens=int(delta["host"]), peer_tokens=int(delta["p2p"]), store_bytes=int(delta["store_bytes"]),
-                store_lookups=int(delta["store_lookups"]), prefill_cached=got.num_cached_tokens,
-                matches=verdict.matches, why=verdict.why, ref_cached=ref.num_cached_tokens, out_params=out_params, dropped=dropped,
-                release_s=_release_seconds(prefill), logged_at_decode=logged_at_decode,
-                logged_at_release=len(_key_lines(key_log)))
+    return dict(
+        turn=label,
+        prompt=len(prompt),
+        expected=expected,
+        answer=got.token_ids,
+        handover=int(params["remote_num_tokens"]),
+        # The decode engine's own hit, by tier. (RequestOutput.num_cached_tokens on a
+        # decode request is the PREFILL side's hit: vLLM copies remote_prefill_cached_tokens.)
+        cached=int(delta["host"] + delta["p2p"] + delta["device"]),
+        source=_source(delta),
+        store_tokens=int(delta["host"]),
+        peer_tokens=int(delta["p2p"]),
+        store_bytes=int(delta["store_bytes"]),
+        store_lookups=int(delta["store_lookups"]),
+        prefill_cached=got.num_cached_tokens,
+        matches=verdict.matches,
+        why=verdict.why,
+        ref_cached=ref.num_cached_tokens,
+        out_params=out_params,
+        dropped=dropped,
+        release_s=_release_seconds(prefill),
+        logged_at_decode=logged_at_decode,
+        logged_at_release=len(_key_lines(key_log)),
+    )
 
 
 def _engine(model: str, cfg: dict, tp: int, **kw):  # noqa: ANN202
@@ -275,11 +344,16 @@ def test_pd_and_store_in_one_multiconnector_three_turns(tp):
         prefill = _engine(model, prefill_config(master.address, str(key_log)), tp)
         decode = _engine(model, decode_config(master.address), tp, disable_log_stats=False)
         try:
-            booted = time.monotonic() - t_start  # engine boots dominate the runtime (20-70 s each here)
+            booted = (
+                time.monotonic() - t_start
+            )  # engine boots dominate the runtime (20-70 s each here)
             # The hybrid allocator stays on: MultiConnector keeps it on only if every child
             # subclasses SupportsHMA, and both hybridkv connectors do.
             for llm in (prefill, decode):
-                assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+                assert (
+                    llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+                    is False
+                )
 
             session = Session(seed=31)
             rows = []
@@ -295,35 +369,57 @@ def test_pd_and_store_in_one_multiconnector_three_turns(tp):
             # turn 1 saved), its objects removed from the master before the decode leg.
             miss = Session(seed=32).prompt
             assert len(miss) == rows[0]["prompt"] and turn1_objects > 0, (len(miss), turn1_objects)
-            rows.append(_turn(prefill, decode, "miss", miss, (len(miss) - 1) // ALIGN * ALIGN, key_log,
-                              before_decode=lambda seen: _drop_saved_objects(master.address, key_log, seen,
-                                                                              turn1_objects)))
+            rows.append(
+                _turn(
+                    prefill,
+                    decode,
+                    "miss",
+                    miss,
+                    (len(miss) - 1) // ALIGN * ALIGN,
+                    key_log,
+                    before_decode=lambda seen: _drop_saved_objects(
+                        master.address, key_log, seen, turn1_objects
+                    ),
+                )
+            )
         finally:
             _shutdown(prefill, decode)
             del prefill, decode
     elapsed = time.monotonic() - t_start
 
-    print(f"\nP/D + store in one MultiConnector (gemma3, TP{tp} -> TP{tp}; decode cache reset before each turn; "
-          f"boot {booted:.0f}s, total {elapsed:.0f}s)")
-    print("  turn  prompt  decode_cached  expected  source  store_tok  peer_tok  store_bytes  prefill_cached  "
-          "matches  prefill_free_s")
+    print(
+        f"\nP/D + store in one MultiConnector (gemma3, TP{tp} -> TP{tp}; decode cache reset before each turn; "
+        f"boot {booted:.0f}s, total {elapsed:.0f}s)"
+    )
+    print(
+        "  turn  prompt  decode_cached  expected  source  store_tok  peer_tok  store_bytes  prefill_cached  "
+        "matches  prefill_free_s"
+    )
     for r in rows:
-        print(f"  {r['turn']!s:<5} {r['prompt']:<7} {r['cached']:<14} {r['expected']:<9} {r['source']:<7} "
-              f"{r['store_tokens']:<10} {r['peer_tokens']:<9} {r['store_bytes']:<12} {r['prefill_cached']:<15} "
-              f"{r['matches']!s:<8} {r['release_s']:.2f}")
+        print(
+            f"  {r['turn']!s:<5} {r['prompt']:<7} {r['cached']:<14} {r['expected']:<9} {r['source']:<7} "
+            f"{r['store_tokens']:<10} {r['peer_tokens']:<9} {r['store_bytes']:<12} {r['prefill_cached']:<15} "
+            f"{r['matches']!s:<8} {r['release_s']:.2f}"
+        )
 
     for r in rows:
         # The row itself in the message: CI prints only the tail of a failure.
-        assert r["matches"], (f"turn {r['turn']} differs from recompute ({r['why']}); source {r['source']}, "
-                              f"store/peer tokens {r['store_tokens']}/{r['peer_tokens']} of {r['expected']}")
+        assert r["matches"], (
+            f"turn {r['turn']} differs from recompute ({r['why']}); source {r['source']}, "
+            f"store/peer tokens {r['store_tokens']}/{r['peer_tokens']} of {r['expected']}"
+        )
         assert r["ref_cached"] == 0, "the recompute under a fresh cache_salt must not hit"
         assert r["out_params"] is None, "a decode request hands nothing on"
         assert 0 < r["cached"] <= r["prompt"] - 1
-        assert r["source"] in ("store", "peer"), r  # exactly one child loaded; nothing local (reset)
+        assert r["source"] in ("store", "peer"), (
+            r
+        )  # exactly one child loaded; nothing local (reset)
         assert r["store_lookups"] >= 1, "the store child is always queried"
         # Prefill's blocks freed by the P/D child's read notification or, when the store was
         # chosen, its release notification: never by lease expiry.
-        assert r["release_s"] < LEASE_S / 4, f"turn {r['turn']}: prefill held its blocks {r['release_s']:.1f}s"
+        assert r["release_s"] < LEASE_S / 4, (
+            f"turn {r['turn']}: prefill held its blocks {r['release_s']:.1f}s"
+        )
         assert r["handover"] == r["expected"], r
     for r in rows[0:3]:
         # Exactly the hand-over, from one child.
@@ -334,7 +430,9 @@ def test_pd_and_store_in_one_multiconnector_three_turns(tp):
             # shared cores and land after the 1 s quiet window -- 31 of 36 objects logged at the
             # decode leg, once -- and which child serves is not asserted there.)
             assert r["logged_at_decode"] == r["logged_at_release"], r
-            assert r["source"] == "store", f"turn {r['turn']}: the store holds the whole hand-over, it must win"
+            assert r["source"] == "store", (
+                f"turn {r['turn']}: the store holds the whole hand-over, it must win"
+            )
             assert (r["store_tokens"], r["peer_tokens"]) == (r["expected"], 0), r
             assert r["store_bytes"] > 0
     # (At TP2 on a 2-core runner -- 4 workers, 2 engine cores, NIXL + Mooncake threads -- the

@@ -35,7 +35,15 @@ import pytest
 from hybridkv.cli.agentic_demo import common_prefix
 from hybridkv.store.cpu_affinity import usable_cpus
 from tests.docs_tables import observe
-from tests.e2e.engine_harness import Session, compare, generate, make_llm, metric, shutdown, tiny_model
+from tests.e2e.engine_harness import (
+    Session,
+    compare,
+    generate,
+    make_llm,
+    metric,
+    shutdown,
+    tiny_model,
+)
 from tests.e2e.test_pd_connector import _decode, _expected_blocks, _prefill, pd_config
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -56,7 +64,9 @@ _TP_LINE = re.compile(
     r"hybridkv P/D: read (\d+) blocks \((\d+) bytes\) for (\S+) from \S+ at \S+ \(per group \[([\d, ]*)\]\) "
     r"rank (\d+)/(\d+) <- prefill ranks \[([\d, ]*)\]/(\d+)"
 )
-_FAILED = re.compile(r"hybridkv P/D: (READ for \S+ .*failed or was refused|read of \S+ .*(failed|discarded|refused))")
+_FAILED = re.compile(
+    r"hybridkv P/D: (READ for \S+ .*failed or was refused|read of \S+ .*(failed|discarded|refused))"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,8 +83,14 @@ def start(kind: str, role: str, tp: int, **extra):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", BIND[tp])
     try:
-        return make_llm(tiny_model(kind), pd_config(role, **extra), tensor_parallel_size=tp, max_model_len=2048,
-                        disable_log_stats=False, **MODELS[kind])
+        return make_llm(
+            tiny_model(kind),
+            pd_config(role, **extra),
+            tensor_parallel_size=tp,
+            max_model_len=2048,
+            disable_log_stats=False,
+            **MODELS[kind],
+        )
     finally:
         mp.undo()  # the engine's processes have their environment already
 
@@ -83,8 +99,16 @@ def _geometry(worker):  # noqa: ANN001, ANN202 - runs in each decode worker
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     w = get_kv_transfer_group()._worker
-    return [(int(g.kv_cache_spec.block_size), 0 if lg is None else lg.object_bytes, "Mamba" in type(g.kv_cache_spec).__name__)
-            for g, lg in zip(w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True)]
+    return [
+        (
+            int(g.kv_cache_spec.block_size),
+            0 if lg is None else lg.object_bytes,
+            "Mamba" in type(g.kv_cache_spec).__name__,
+        )
+        for g, lg in zip(
+            w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True
+        )
+    ]
 
 
 def provenance(log: str, decode_tp: int, prefill_tp: int, want: list[int], geometries) -> None:
@@ -93,11 +117,18 @@ def provenance(log: str, decode_tp: int, prefill_tp: int, want: list[int], geome
     failed = [line for line in log.splitlines() if _FAILED.search(line)]
     # The cause is logged on its own line before the summary (a side-channel HandshakeError,
     # a refused job, a crash's traceback): shown with it, so a failure in CI names its cause.
-    causes = [line for line in log.splitlines()
-              if ("WARNING" in line or "ERROR" in line or "Traceback" in line) and "hybridkv" in line]
-    assert not failed, f"a READ failed or was refused: {failed}; hybridkv warnings and errors: {causes}"
+    causes = [
+        line
+        for line in log.splitlines()
+        if ("WARNING" in line or "ERROR" in line or "Traceback" in line) and "hybridkv" in line
+    ]
+    assert not failed, (
+        f"a READ failed or was refused: {failed}; hybridkv warnings and errors: {causes}"
+    )
     lines = _TP_LINE.findall(log)
-    assert sorted(int(x[4]) for x in lines) == list(range(decode_tp)), f"one read line per decode rank: {lines}"
+    assert sorted(int(x[4]) for x in lines) == list(range(decode_tp)), (
+        f"one read line per decode rank: {lines}"
+    )
     for blocks, nbytes, _req, groups, rank, dtp, pranks, ptp in lines:
         rank = int(rank)
         assert (int(dtp), int(ptp)) == (decode_tp, prefill_tp)
@@ -110,17 +141,28 @@ def provenance(log: str, decode_tp: int, prefill_tp: int, want: list[int], geome
             ranks = list(range(rank * k, rank * k + k))
         else:
             ranks = [rank * prefill_tp // decode_tp]
-        assert [int(x) for x in pranks.split(",")] == ranks, f"rank {rank} read prefill ranks {pranks}"
+        assert [int(x) for x in pranks.split(",")] == ranks, (
+            f"rank {rank} read prefill ranks {pranks}"
+        )
         sizes = [b for _, b, _ in geometries[rank]]
-        assert int(nbytes) == sum(n * b for n, b in zip(want, sizes, strict=True)), f"rank {rank}: {nbytes} bytes"
+        assert int(nbytes) == sum(n * b for n, b in zip(want, sizes, strict=True)), (
+            f"rank {rank}: {nbytes} bytes"
+        )
 
 
 def observe_pd_tp(label: str, blocks: list[list[int]]) -> None:
     """docs/results.md's P/D-across-TP table: the blocks per group each decode rank read per
     turn (asserted by ``provenance``) and that every turn equalled its recompute."""
-    observe("pd-tp", label, {"blocks per group, turns 1-3 (SW, FA / Mamba, FA)":
-                             " ".join("[" + ",".join(map(str, w)) + "]" for w in blocks),
-                             "= recompute": f"{len(blocks)}/{len(blocks)}"})
+    observe(
+        "pd-tp",
+        label,
+        {
+            "blocks per group, turns 1-3 (SW, FA / Mamba, FA)": " ".join(
+                "[" + ",".join(map(str, w)) + "]" for w in blocks
+            ),
+            "= recompute": f"{len(blocks)}/{len(blocks)}",
+        },
+    )
 
 
 def _block_bytes(worker, rank: int, group: int, block: int) -> list[bytes] | None:  # noqa: ANN001
@@ -130,7 +172,9 @@ def _block_bytes(worker, rank: int, group: int, block: int) -> list[bytes] | Non
 
     if get_tensor_model_parallel_rank() != rank:
         return None
-    (addrs,), sizes = get_kv_transfer_group()._worker._transport.layout.groups[group].regions([block])
+    (addrs,), sizes = (
+        get_kv_transfer_group()._worker._transport.layout.groups[group].regions([block])
+    )
     return [ctypes.string_at(a, n) for a, n in zip(addrs, sizes[0], strict=True)]
 
 
@@ -166,12 +210,22 @@ def gdn_state_check(prefill2, local1, seed: int) -> list[tuple]:
     b1 = [b for b in p1["remote_block_ids"][0] if b][-1]
     rank_bytes = [prefill2.collective_rpc(_block_bytes, args=(r, 0, b2[r]))[r] for r in (0, 1)]
     want = local1.collective_rpc(_block_bytes, args=(0, 0, b1))[0]
-    local = tuple(StateSplit.from_wire(t) for t in local1.collective_rpc(_state_splits, args=(0,))[0])
-    remote = [tuple(StateSplit.from_wire(t) for t in sp) for sp in prefill2.collective_rpc(_state_splits, args=(0,))]
+    local = tuple(
+        StateSplit.from_wire(t) for t in local1.collective_rpc(_state_splits, args=(0,))[0]
+    )
+    remote = [
+        tuple(StateSplit.from_wire(t) for t in sp)
+        for sp in prefill2.collective_rpc(_state_splits, args=(0,))
+    ]
     assert remote[0] == remote[1] and len(local) == 2, (local, remote)
     conv, ssm = local
-    conv_dt, ssm_dt = torch.bfloat16, torch.float32  # CPU: bf16 conv, SSM reset to fp32 (platforms/cpu.py)
-    assert ssm.unit == 64 * 64 * 4 and conv.unit == 2, local  # SD conv layout: unit = one bf16 channel
+    conv_dt, ssm_dt = (
+        torch.bfloat16,
+        torch.float32,
+    )  # CPU: bf16 conv, SSM reset to fp32 (platforms/cpu.py)
+    assert ssm.unit == 64 * 64 * 4 and conv.unit == 2, (
+        local
+    )  # SD conv layout: unit = one bf16 channel
 
     def assemble(layer: int, order, qk: bool = False) -> bytes:
         out = bytearray(len(want[layer]))
@@ -182,7 +236,7 @@ def gdn_state_check(prefill2, local1, seed: int) -> list[tuple]:
                     q, k = spans[3 * i], spans[3 * i + 1]
                     spans[3 * i], spans[3 * i + 1] = (q[0], k[1], q[2]), (k[0], q[1], k[2])
             for lo, ro, n in spans:
-                out[lo:lo + n] = src[layer][ro:ro + n]
+                out[lo : lo + n] = src[layer][ro : ro + n]
         return bytes(out)
 
     rows = []
@@ -192,10 +246,18 @@ def gdn_state_check(prefill2, local1, seed: int) -> list[tuple]:
         got = assemble(layer, rank_bytes)
         swapped = assemble(layer, rank_bytes[::-1])
         qk = assemble(layer, rank_bytes, qk=True)
-        rows.append((layer, got[c0:c1] == w[c0:c1], got[s0:s1] == w[s0:s1],
-                     round(_rel(got[c0:c1], w[c0:c1], conv_dt), 4), round(_rel(got[s0:s1], w[s0:s1], ssm_dt), 4),
-                     round(_rel(swapped[c0:c1], w[c0:c1], conv_dt), 4), round(_rel(swapped[s0:s1], w[s0:s1], ssm_dt), 4),
-                     round(_rel(qk[c0:c1], w[c0:c1], conv_dt), 4)))
+        rows.append(
+            (
+                layer,
+                got[c0:c1] == w[c0:c1],
+                got[s0:s1] == w[s0:s1],
+                round(_rel(got[c0:c1], w[c0:c1], conv_dt), 4),
+                round(_rel(got[s0:s1], w[s0:s1], ssm_dt), 4),
+                round(_rel(swapped[c0:c1], w[c0:c1], conv_dt), 4),
+                round(_rel(swapped[s0:s1], w[s0:s1], ssm_dt), 4),
+                round(_rel(qk[c0:c1], w[c0:c1], conv_dt), 4),
+            )
+        )
     return rows
 
 
@@ -227,10 +289,17 @@ def _probe(worker, plant: str | None) -> int:  # noqa: ANN001
                 blocks = []
                 for b in ids:
                     (addrs,), sizes = groups[g].regions([b])
-                    blocks.append([ctypes.string_at(a, n) for a, n in zip(addrs, sizes[0], strict=True)])
+                    blocks.append(
+                        [ctypes.string_at(a, n) for a, n in zip(addrs, sizes[0], strict=True)]
+                    )
                 snap.append(blocks)
-            w._probe_snaps.append(([list(x) for x in job.remote_block_ids], [list(x) for x in job.local_block_ids],
-                                   snap))
+            w._probe_snaps.append(
+                (
+                    [list(x) for x in job.remote_block_ids],
+                    [list(x) for x in job.local_block_ids],
+                    snap,
+                )
+            )
         return ok, straggler
 
     def planted_slices(part, peer_layout, job):  # noqa: ANN001, ANN202
@@ -242,8 +311,16 @@ def _probe(worker, plant: str | None) -> int:  # noqa: ANN001
             o = (w._s.tp_rank + 1) % w._s.tp_size
             opart = rank_reads(o, w._s.tp_size, len(job.remote_ports), w._s.total_kv_heads)[0]
             kernel_rows = [() if g is None else g.kernel_rows for g in w._transport.layout.groups]
-            return read_spans(opart, w._local.groups, peer_layout.groups, kernel_rows, job.remote_block_ids,
-                              w._s.tp_size, len(job.remote_ports), o)
+            return read_spans(
+                opart,
+                w._local.groups,
+                peer_layout.groups,
+                kernel_rows,
+                job.remote_block_ids,
+                w._s.tp_size,
+                len(job.remote_ports),
+                o,
+            )
         out = slices(part, peer_layout, job)
         if plant == "ssm_shift" and out is not None:
             # one v head off, inside both sides' SSM state (a span the transport would refuse is
@@ -294,8 +371,13 @@ def _facts(worker) -> list[tuple]:  # noqa: ANN001
         if lg is None or desc is None:
             out.append((False, [], []))
             continue
-        out.append(("Mamba" in desc.spec, region_rows(desc.block_bytes, lg.kernel_rows),
-                    [list(t) for t in desc.state_splits]))
+        out.append(
+            (
+                "Mamba" in desc.spec,
+                region_rows(desc.block_bytes, lg.kernel_rows),
+                [list(t) for t in desc.state_splits],
+            )
+        )
     return out
 
 
@@ -322,7 +404,9 @@ def _diff(a: bytes, b: bytes) -> int:
     return int((np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8)).sum())
 
 
-def expected_read(snap, prefill_blocks, dfacts, pfacts, rank: int, decode_tp: int, prefill_tp: int) -> list[list]:
+def expected_read(
+    snap, prefill_blocks, dfacts, pfacts, rank: int, decode_tp: int, prefill_tp: int
+) -> list[list]:
     """Per group [blocks, bytes compared, bytes differing]: the blocks decode rank ``rank``'s READ
     wrote against the prefill ranks' blocks assembled for its heads. Attention: each kernel row of
     the model's (all ranks') block is the prefill ranks' rows side by side (heads outermost), this
@@ -331,8 +415,11 @@ def expected_read(snap, prefill_blocks, dfacts, pfacts, rank: int, decode_tp: in
     from hybridkv.connector.pd_tp import StateSplit, mamba_slices
 
     remote_ids, local_ids, blocks = snap
-    readers = (range(rank * prefill_tp // decode_tp, rank * prefill_tp // decode_tp + 1) if decode_tp > prefill_tp
-               else range(rank * (prefill_tp // decode_tp), (rank + 1) * (prefill_tp // decode_tp)))
+    readers = (
+        range(rank * prefill_tp // decode_tp, rank * prefill_tp // decode_tp + 1)
+        if decode_tp > prefill_tp
+        else range(rank * (prefill_tp // decode_tp), (rank + 1) * (prefill_tp // decode_tp))
+    )
     out = []
     for g, (rids, lids, got_blocks) in enumerate(zip(remote_ids, local_ids, blocks, strict=True)):
         mamba, rows, splits = dfacts[g]
@@ -346,8 +433,10 @@ def expected_read(snap, prefill_blocks, dfacts, pfacts, rank: int, decode_tp: in
                     covered = 0
                     for p in readers:
                         remote = tuple(StateSplit.from_wire(t) for t in pfacts[p][g][2])
-                        for lo, ro, n in mamba_slices(local, remote, decode_tp, prefill_tp, rank, p):
-                            want[lo:lo + n] = prefill_blocks[p][g][rb][i][ro:ro + n]
+                        for lo, ro, n in mamba_slices(
+                            local, remote, decode_tp, prefill_tp, rank, p
+                        ):
+                            want[lo : lo + n] = prefill_blocks[p][g][rb][i][ro : ro + n]
                             covered += n
                     assert covered == sum(s.nbytes for s in local), (covered, local)
                     compared += covered
@@ -357,17 +446,28 @@ def expected_read(snap, prefill_blocks, dfacts, pfacts, rank: int, decode_tp: in
                     prow = len(prefill_blocks[0][g][rb][i]) // k
                     drow = len(region) // k
                     want = b"".join(
-                        b"".join(prefill_blocks[p][g][rb][i][j * prow:(j + 1) * prow]
-                                 for p in range(prefill_tp))[rank * drow:(rank + 1) * drow]
-                        for j in range(k))
+                        b"".join(
+                            prefill_blocks[p][g][rb][i][j * prow : (j + 1) * prow]
+                            for p in range(prefill_tp)
+                        )[rank * drow : (rank + 1) * drow]
+                        for j in range(k)
+                    )
                     compared += len(region)
                     differing += _diff(want, region)
         out.append([n_blocks, compared, differing])
     return out
 
 
-def cross_tp_read(prefill, decode, capfd, prefill_tp: int, decode_tp: int, prompt: list[int],
-                  plant: str | None = None, max_tokens: int = 8):  # noqa: ANN201
+def cross_tp_read(
+    prefill,
+    decode,
+    capfd,
+    prefill_tp: int,
+    decode_tp: int,
+    prompt: list[int],
+    plant: str | None = None,
+    max_tokens: int = 8,
+):  # noqa: ANN201
     """One P/D request across TP sizes with the decode READs probed (``plant``: a fault in the
     spans). Returns (per decode rank per group [blocks, bytes compared, bytes differing], the
     decode output, the log)."""
@@ -382,15 +482,20 @@ def cross_tp_read(prefill, decode, capfd, prefill_tp: int, decode_tp: int, promp
     log = "".join(capfd.readouterr())
     snaps = decode.collective_rpc(_take_snaps)
     failed = [line for line in log.splitlines() if _FAILED.search(line) or "refused" in line]
-    assert [len(s) for s in snaps] == [1] * decode_tp, f"one probed READ per decode rank: {snaps}: {failed}"
+    assert [len(s) for s in snaps] == [1] * decode_tp, (
+        f"one probed READ per decode rank: {snaps}: {failed}"
+    )
     dfacts, pfacts = decode.collective_rpc(_facts), prefill.collective_rpc(_facts)
-    per_rank = [expected_read(snaps[r][0], prefill_blocks, dfacts[r], pfacts, r, decode_tp, prefill_tp)
-                for r in range(decode_tp)]
+    per_rank = [
+        expected_read(snaps[r][0], prefill_blocks, dfacts[r], pfacts, r, decode_tp, prefill_tp)
+        for r in range(decode_tp)
+    ]
     return per_rank, got, log, params
 
 
-def mamba_cross_tp(prefill, decode, capfd, prefill_tp: int, decode_tp: int, seed: int, label: str,
-                   turns: int = 2) -> list[tuple]:
+def mamba_cross_tp(
+    prefill, decode, capfd, prefill_tp: int, decode_tp: int, seed: int, label: str, turns: int = 2
+) -> list[tuple]:
     """``turns`` agentic turns across TP sizes with allow_mamba_cross_tp on: each decode rank's READ
     wrote exactly the prefill ranks' attention KV and GDN state re-sliced for its heads (every byte
     compared, 0 differ), the provenance line says so; the output is compared with a recompute on
@@ -402,46 +507,73 @@ def mamba_cross_tp(prefill, decode, capfd, prefill_tp: int, decode_tp: int, seed
     rows = []
     for turn in range(1, turns + 1):
         local_before = metric(decode, "vllm:prefix_cache_hits")
-        per_rank, got, log, params = cross_tp_read(prefill, decode, capfd, prefill_tp, decode_tp, session.prompt)
+        per_rank, got, log, params = cross_tp_read(
+            prefill, decode, capfd, prefill_tp, decode_tp, session.prompt
+        )
         local_hit = int(metric(decode, "vllm:prefix_cache_hits") - local_before)
         handover = (len(session.prompt) - 1) // align * align
         want = _expected_blocks(geometries[0], params["remote_block_ids"], local_hit, handover)
         # the bytes each rank's provenance line counts: whole attention blocks, the GDN states (no padding)
-        sizes = [[sum(state_bytes(splits)) * len(rows_) if mamba else b
-                  for (mamba, rows_, splits), (_, b, _) in zip(dfacts[r], geometries[r], strict=True)]
-                 for r in range(decode_tp)]
+        sizes = [
+            [
+                sum(state_bytes(splits)) * len(rows_) if mamba else b
+                for (mamba, rows_, splits), (_, b, _) in zip(dfacts[r], geometries[r], strict=True)
+            ]
+            for r in range(decode_tp)
+        ]
         provenance(log, decode_tp, prefill_tp, want, [[(0, s, False) for s in sz] for sz in sizes])
         for r, groups in enumerate(per_rank):
             assert [g[0] for g in groups] == want, (r, groups, want)
-            assert all(g[2] == 0 for g in groups), f"{label} turn {turn} rank {r}: bytes differ {groups}"
+            assert all(g[2] == 0 for g in groups), (
+                f"{label} turn {turn} rank {r}: bytes differ {groups}"
+            )
         ref = generate(decode, session.prompt, cache_salt=f"pd-tp-{label}-{uuid.uuid4()}")
         same = common_prefix(got.token_ids, ref.token_ids)
         cmp = compare(got, ref)
-        rows.append((turn, len(session.prompt), handover, local_hit, want, per_rank, f"{same}/{len(ref.token_ids)}",
-                     cmp.matches, cmp.why))
+        rows.append(
+            (
+                turn,
+                len(session.prompt),
+                handover,
+                local_hit,
+                want,
+                per_rank,
+                f"{same}/{len(ref.token_ids)}",
+                cmp.matches,
+                cmp.why,
+            )
+        )
         session.extend(got.token_ids)
     planted = []
     for i, plant in enumerate(("swap", "ssm_shift")):
         prompt = Session(seed=seed + 100 + i, first_tokens=500).prompt
-        per_rank, _got, log, _ = cross_tp_read(prefill, decode, capfd, prefill_tp, decode_tp, prompt, plant=plant)
+        per_rank, _got, log, _ = cross_tp_read(
+            prefill, decode, capfd, prefill_tp, decode_tp, prompt, plant=plant
+        )
         assert _TP_LINE.search(log), f"planted {plant}: the READ must have happened"
         planted.append((plant, per_rank))
     decode.collective_rpc(_probe, args=(None,))
     with capfd.disabled():
-        print(f"\nP/D {label} (prefill TP{prefill_tp} -> decode TP{decode_tp}, allow_mamba_cross_tp): turn, prompt, "
-              "hand-over, decode's own hit, blocks read per group, per rank per group [blocks, bytes compared, "
-              f"bytes differing], output tokens = TP{decode_tp} recompute, compare() matches (information only), why")
+        print(
+            f"\nP/D {label} (prefill TP{prefill_tp} -> decode TP{decode_tp}, allow_mamba_cross_tp): turn, prompt, "
+            "hand-over, decode's own hit, blocks read per group, per rank per group [blocks, bytes compared, "
+            f"bytes differing], output tokens = TP{decode_tp} recompute, compare() matches (information only), why"
+        )
         for r in rows:
             print("  ", *r)
         for plant, per_rank in planted:
-            print(f"   planted {plant}: per rank per group [blocks, bytes compared, bytes differing] {per_rank}")
+            print(
+                f"   planted {plant}: per rank per group [blocks, bytes compared, bytes differing] {per_rank}"
+            )
     for plant, per_rank in planted:
         mamba_groups = [g for g, f in enumerate(dfacts[0]) if f[0]]
         assert all(per_rank[r][g][2] > 0 for r in range(decode_tp) for g in mamba_groups), (
-            f"planted {plant} went unnoticed in the GDN state: {per_rank}")
+            f"planted {plant} went unnoticed in the GDN state: {per_rank}"
+        )
         if plant == "swap":
             assert all(grp[2] > 0 for r in range(decode_tp) for grp in per_rank[r] if grp[0]), (
-                f"planted swap went unnoticed in a group: {per_rank}")
+                f"planted swap went unnoticed in a group: {per_rank}"
+            )
     return rows
 
 
@@ -464,8 +596,10 @@ def test_qwen3next_gdn_state_resliced_tp2_to_tp1_and_tp1_to_tp2(capfd):
         # differ by bf16 TP noise, far below what a wrong rank or part gives.
         rows = gdn_state_check(prefill2, decode1, seed=49)
         with capfd.disabled():
-            print("\nqwen3-next GDN state TP2 -> TP1 layout vs TP1's own: layer, conv bits equal, ssm bits equal, "
-                  "rel. diff conv/ssm re-sliced, ranks swapped conv/ssm, q/k swapped conv")
+            print(
+                "\nqwen3-next GDN state TP2 -> TP1 layout vs TP1's own: layer, conv bits equal, ssm bits equal, "
+                "rel. diff conv/ssm re-sliced, ranks swapped conv/ssm, q/k swapped conv"
+            )
             for r in rows:
                 print("  ", *r)
         assert rows[0][1] and rows[0][2], rows[0]
@@ -487,6 +621,13 @@ def test_qwen3next_gdn_state_resliced_tp2_to_tp1_and_tp1_to_tp2(capfd):
 def observe_mamba_cross_tp(label: str, rows: list[tuple]) -> None:
     """docs/results.md's P/D-across-TP table: blocks per group per turn (provenance asserted) and
     that the READ wrote the re-sliced state and KV byte for byte (the output is not asserted)."""
-    observe("pd-tp", label, {"blocks per group, turns 1-3 (SW, FA / Mamba, FA)":
-                             " ".join("[" + ",".join(map(str, r[4])) + "]" for r in rows),
-                             "= recompute": f"state + KV byte-exact {len(rows)}/{len(rows)}; output not asserted"})
+    observe(
+        "pd-tp",
+        label,
+        {
+            "blocks per group, turns 1-3 (SW, FA / Mamba, FA)": " ".join(
+                "[" + ",".join(map(str, r[4])) + "]" for r in rows
+            ),
+            "= recompute": f"state + KV byte-exact {len(rows)}/{len(rows)}; output not asserted",
+        },
+    )

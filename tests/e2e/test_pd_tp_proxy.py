@@ -97,8 +97,14 @@ PROBE = f"{__name__}.PDProbe"
 # starved turn into a failure the proxy itself would not have made (a POST that fails in
 # urllib3 hides the cause from the log).
 REQUEST_TIMEOUT_S = 600
-BAD_SIGNS = ("pd_lease_expired", "pd_read_outlived_lease", "[pd_read:", "[pd_refused]", "[pd_release:",
-             "P/D handshake with")
+BAD_SIGNS = (
+    "pd_lease_expired",
+    "pd_read_outlived_lease",
+    "[pd_read:",
+    "[pd_refused]",
+    "[pd_release:",
+    "P/D handshake with",
+)
 
 
 class PDProbe:
@@ -110,16 +116,25 @@ class PDProbe:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         w = get_kv_transfer_group()._worker
-        return [[int(g.kv_cache_spec.block_size), 0 if lg is None else int(lg.object_bytes),
-                 "Mamba" in type(g.kv_cache_spec).__name__]
-                for g, lg in zip(w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True)]
+        return [
+            [
+                int(g.kv_cache_spec.block_size),
+                0 if lg is None else int(lg.object_bytes),
+                "Mamba" in type(g.kv_cache_spec).__name__,
+            ]
+            for g, lg in zip(
+                w._kv_cache_config.kv_cache_groups, w._transport.layout.groups, strict=True
+            )
+        ]
 
     def hkv_pd_windows(self) -> list[int]:
         """Per KV cache group: vLLM's sliding window in tokens (its spec's), 0 for none."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        return [int(getattr(g.kv_cache_spec, "sliding_window", None) or 0)
-                for g in get_kv_transfer_group()._worker._kv_cache_config.kv_cache_groups]
+        return [
+            int(getattr(g.kv_cache_spec, "sliding_window", None) or 0)
+            for g in get_kv_transfer_group()._worker._kv_cache_config.kv_cache_groups
+        ]
 
     def hkv_module_file(self) -> list[str]:
         """Where this worker imported hybridkv's connector from (the code under test?)."""
@@ -140,8 +155,13 @@ class PDProbe:
             if lg is None or desc is None:
                 out.append([False, [], []])
             else:
-                out.append(["Mamba" in desc.spec, list(region_rows(desc.block_bytes, lg.kernel_rows)),
-                            [list(t) for t in desc.state_splits]])
+                out.append(
+                    [
+                        "Mamba" in desc.spec,
+                        list(region_rows(desc.block_bytes, lg.kernel_rows)),
+                        [list(t) for t in desc.state_splits],
+                    ]
+                )
         return out
 
     def hkv_pd_shift_block(self, rank: str, group: str, victim: str, source: str) -> list[int]:
@@ -175,7 +195,11 @@ def _http_session():  # noqa: ANN202 - a requests.Session
 
 
 def _rpc(http, url: str, method: str, *args: object) -> list:  # noqa: ANN001
-    r = http.post(url + "/collective_rpc", json={"method": method, "args": [str(a) for a in args]}, timeout=120)
+    r = http.post(
+        url + "/collective_rpc",
+        json={"method": method, "args": [str(a) for a in args]},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()["results"]
 
@@ -204,15 +228,27 @@ def _pd_reads(http, url: str) -> dict[str, int]:  # noqa: ANN001
     return {n: int(_counter_sum(text, f"vllm:hybridkv_pd_{n}_total")) for n in PD_READ_COUNTERS}
 
 
-def assert_pd_metrics(http, url: str, before: dict[str, int], decode_tp: int, want: list[int],  # noqa: ANN001
-                      sizes: list[list[tuple]], wait_s: float = 30.0) -> dict[str, int]:
+def assert_pd_metrics(
+    http,
+    url: str,
+    before: dict[str, int],
+    decode_tp: int,
+    want: list[int],  # noqa: ANN001
+    sizes: list[list[tuple]],
+    wait_s: float = 30.0,
+) -> dict[str, int]:
     """/metrics agrees with the provenance lines of one turn, exactly: one read per decode rank,
     the blocks each logged (``want`` per group, every rank) and each rank's bytes (its block
     sizes), no failed read. The workers' stats reach /metrics with a later engine step, so the
     read count is waited for (bounded); the rest is asserted at once after it."""
-    expected = {"reads": decode_tp, "read_blocks": decode_tp * sum(want),
-                "read_bytes": sum(sum(n * b for n, (_, b, _) in zip(want, rank, strict=True)) for rank in sizes),
-                "failed_reads": 0}
+    expected = {
+        "reads": decode_tp,
+        "read_blocks": decode_tp * sum(want),
+        "read_bytes": sum(
+            sum(n * b for n, (_, b, _) in zip(want, rank, strict=True)) for rank in sizes
+        ),
+        "failed_reads": 0,
+    }
     deadline = time.monotonic() + wait_s
     while True:
         now = _pd_reads(http, url)
@@ -220,15 +256,25 @@ def assert_pd_metrics(http, url: str, before: dict[str, int], decode_tp: int, wa
         if delta["reads"] >= decode_tp or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
-    assert delta == expected, f"vllm:hybridkv_pd_* on {url}/metrics: {delta}, the provenance lines say {expected}"
+    assert delta == expected, (
+        f"vllm:hybridkv_pd_* on {url}/metrics: {delta}, the provenance lines say {expected}"
+    )
     return now
 
 
 def _body(model: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
     from tests.e2e.engine_harness import TOP_LOGPROBS
 
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "ignore_eos": True, **extra}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": TOP_LOGPROBS,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def _completion(r):  # noqa: ANN001, ANN202 - a requests.Response -> (engine_harness.Completion, cached tokens)
@@ -242,7 +288,9 @@ def _completion(r):  # noqa: ANN001, ANN202 - a requests.Response -> (engine_har
     tokens = [tid(t) for t in lp["tokens"]]
     for top, t, v in zip(tops, tokens, lp["token_logprobs"], strict=True):
         top.setdefault(t, float(v))
-    cached = int(((doc.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    cached = int(
+        ((doc.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    )
     return Completion(tokens, [float(v) for v in lp["token_logprobs"]], cached, tops), cached
 
 
@@ -251,11 +299,15 @@ def _turn_sizes(facts: list[list], geometry: list[list]) -> list[int]:
     attention block, or the GDN states without the page padding (``state_bytes`` per layer)."""
     from tests.e2e.test_pd_tp import state_bytes
 
-    return [sum(state_bytes(splits)) * len(rows) if mamba else nbytes
-            for (mamba, rows, splits), (_, nbytes, _) in zip(facts, geometry, strict=True)]
+    return [
+        sum(state_bytes(splits)) * len(rows) if mamba else nbytes
+        for (mamba, rows, splits), (_, nbytes, _) in zip(facts, geometry, strict=True)
+    ]
 
 
-def prefill_kept_blocks(geometry: list[list], windows: list[int], prompt_len: int, handover: int) -> list[list[int]]:
+def prefill_kept_blocks(
+    geometry: list[list], windows: list[int], prompt_len: int, handover: int
+) -> list[list[int]]:
     """Per group, positional: 1 where the prefill still holds the block when it finishes, from
     vLLM's rule, not the connector's code. A prefill (``do_remote_decode``) of a model with a
     sliding window and no recurrent state computes hand-over + 1 tokens (the whole prompt when
@@ -275,8 +327,18 @@ def prefill_kept_blocks(geometry: list[list], windows: list[int], prompt_len: in
     return out
 
 
-def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed: int, prefill_tp: int,  # noqa: ANN001
-                decode_tp: int, label: str, turn_tokens: dict = TURN_TOKENS) -> list[tuple]:
+def proxy_turns(
+    http,
+    stack,
+    model: str,
+    decode_log: "LogTail",
+    turns: int,
+    seed: int,
+    prefill_tp: int,  # noqa: ANN001
+    decode_tp: int,
+    label: str,
+    turn_tokens: dict = TURN_TOKENS,
+) -> list[tuple]:
     """``turns`` agentic turns, each one POST to the proxy. Per turn: every decode rank logged
     exactly one read line (provenance: the prefill ranks of its heads, blocks per group = what it
     lacked, bytes = those blocks of its layout); decode's external hit == hand-over - its own hit
@@ -291,7 +353,9 @@ def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed
     windows = _rpc(http, stack.decode.url, "hkv_pd_windows")[0]
     assert len(geometries) == decode_tp, geometries
     align = math.lcm(*(bs for bs, _, _ in geometries[0]))
-    sizes = [[(0, n, False) for n in _turn_sizes(f, g)] for f, g in zip(facts, geometries, strict=True)]
+    sizes = [
+        [(0, n, False) for n in _turn_sizes(f, g)] for f, g in zip(facts, geometries, strict=True)
+    ]
     session = Session(seed=seed, **turn_tokens)
     rows, prev = [], 0
     for turn in range(1, turns + 1):
@@ -301,12 +365,19 @@ def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed
         pd_before = _pd_reads(http, stack.decode.url)
         decode_log.new(0)
         t = time.monotonic()
-        got, prefill_hit = _completion(http.post(stack.url + "/v1/completions", json=_body(model, prompt),
-                                                 timeout=REQUEST_TIMEOUT_S))
+        got, prefill_hit = _completion(
+            http.post(
+                stack.url + "/v1/completions", json=_body(model, prompt), timeout=REQUEST_TIMEOUT_S
+            )
+        )
         leg_s = time.monotonic() - t
         log = decode_log.new()
-        local_hit = int(_counter(http, stack.decode.url, "vllm:prefix_cache_hits_total") - hits_before)
-        pulled = int(_counter(http, stack.decode.url, "vllm:external_prefix_cache_hits_total") - ext_before)
+        local_hit = int(
+            _counter(http, stack.decode.url, "vllm:prefix_cache_hits_total") - hits_before
+        )
+        pulled = int(
+            _counter(http, stack.decode.url, "vllm:external_prefix_cache_hits_total") - ext_before
+        )
         handover = (len(prompt) - 1) // align * align
         # What decode lacks: each block the prefill still holds from decode's own hit to the
         # hand-over (full attention: every one; a sliding window: those inside the window of
@@ -316,19 +387,43 @@ def proxy_turns(http, stack, model: str, decode_log: "LogTail", turns: int, seed
         provenance(log, decode_tp, prefill_tp, want, sizes)
         assert_pd_metrics(http, stack.decode.url, pd_before, decode_tp, want, sizes)
         assert pulled == handover - local_hit > 0, (turn, pulled, handover, local_hit)
-        assert local_hit == 0 if turn == 1 else local_hit >= (prev - 1) // align * align, (turn, local_hit, prev)
+        assert local_hit == 0 if turn == 1 else local_hit >= (prev - 1) // align * align, (
+            turn,
+            local_hit,
+            prev,
+        )
         t = time.monotonic()
-        ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
-                                       json=_body(model, prompt, cache_salt=f"pd-tp-proxy-{label}-{uuid.uuid4()}")))
+        ref, _ = _completion(
+            http.post(
+                stack.decode.url + "/v1/completions",
+                timeout=REQUEST_TIMEOUT_S,
+                json=_body(model, prompt, cache_salt=f"pd-tp-proxy-{label}-{uuid.uuid4()}"),
+            )
+        )
         cmp = compare(got, ref)
-        rows.append((turn, len(prompt), handover, prefill_hit, local_hit, pulled, want, cmp.matches,
-                     f"{cmp.max_logprob_diff:.3g}", cmp.why, f"{leg_s:.1f}/{time.monotonic() - t:.1f} s"))
+        rows.append(
+            (
+                turn,
+                len(prompt),
+                handover,
+                prefill_hit,
+                local_hit,
+                pulled,
+                want,
+                cmp.matches,
+                f"{cmp.max_logprob_diff:.3g}",
+                cmp.why,
+                f"{leg_s:.1f}/{time.monotonic() - t:.1f} s",
+            )
+        )
         assert sum(want) > 0, rows[-1]
         session.extend(got.token_ids)
         prev = len(prompt)
-    print(f"\nP/D {label} (prefill TP{prefill_tp} -> decode TP{decode_tp}) through hybridkv proxy: turn, prompt, "
-          "hand-over, prefill's hit, decode's own hit, tokens pulled, blocks read per group (each rank), "
-          "matches_recompute, max logprob diff, why, proxy/recompute time")
+    print(
+        f"\nP/D {label} (prefill TP{prefill_tp} -> decode TP{decode_tp}) through hybridkv proxy: turn, prompt, "
+        "hand-over, prefill's hit, decode's own hit, tokens pulled, blocks read per group (each rank), "
+        "matches_recompute, max logprob diff, why, proxy/recompute time"
+    )
     for r in rows:
         print("  ", *r)
     return rows
@@ -341,8 +436,18 @@ def _no_bad_signs(*paths) -> None:  # noqa: ANN002
         assert not bad, f"{Path(path).name}: {bad}"
 
 
-def _planted_shift(http, stack, model: str, decode_log: "LogTail", prompt: list[int], dense: int,  # noqa: ANN001
-                   plant_rank: int, prefill_tp: int, decode_tp: int, check_params=None) -> None:  # noqa: ANN001
+def _planted_shift(
+    http,
+    stack,
+    model: str,
+    decode_log: "LogTail",
+    prompt: list[int],
+    dense: int,  # noqa: ANN001
+    plant_rank: int,
+    prefill_tp: int,
+    decode_tp: int,
+    check_params=None,
+) -> None:  # noqa: ANN001
     """The control every TP pair runs: ``prompt``'s prefill leg, then prefill rank ``plant_rank``'s
     first full-attention block overwritten with its second block's real KV (that rank only, the
     whole block); every decode rank must read the hand-over and the output must differ from a
@@ -350,28 +455,53 @@ def _planted_shift(http, stack, model: str, decode_log: "LogTail", prompt: list[
     from tests.e2e.engine_harness import compare
     from tests.e2e.test_pd_tp import _FAILED, _TP_LINE
 
-    r = http.post(stack.prefill.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,  # the proxy's first leg
-                  json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    r = http.post(
+        stack.prefill.url + "/v1/completions",
+        timeout=REQUEST_TIMEOUT_S,  # the proxy's first leg
+        json=_body(model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+    )
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
     if check_params is not None:
         check_params(params)
     ids = [b for b in params["remote_block_ids"][dense] if b]
     block_bytes = _rpc(http, stack.prefill.url, "hkv_pd_geometry")[plant_rank][dense][1]
-    written = [w[0] for w in _rpc(http, stack.prefill.url, "hkv_pd_shift_block", plant_rank, dense, ids[0], ids[1])]
-    assert written == [block_bytes if rank == plant_rank else 0 for rank in range(prefill_tp)], written
+    written = [
+        w[0]
+        for w in _rpc(
+            http, stack.prefill.url, "hkv_pd_shift_block", plant_rank, dense, ids[0], ids[1]
+        )
+    ]
+    assert written == [block_bytes if rank == plant_rank else 0 for rank in range(prefill_tp)], (
+        written
+    )
     decode_log.new(0)
-    got, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
-                                   json=_body(model, prompt, kv_transfer_params=params)))
+    got, _ = _completion(
+        http.post(
+            stack.decode.url + "/v1/completions",
+            timeout=REQUEST_TIMEOUT_S,
+            json=_body(model, prompt, kv_transfer_params=params),
+        )
+    )
     log = decode_log.new()
-    ref, _ = _completion(http.post(stack.decode.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
-                                   json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}")))
+    ref, _ = _completion(
+        http.post(
+            stack.decode.url + "/v1/completions",
+            timeout=REQUEST_TIMEOUT_S,
+            json=_body(model, prompt, cache_salt=f"pd-tp-proxy-planted-{uuid.uuid4()}"),
+        )
+    )
     cmp = compare(got, ref)
-    print(f"planted: prefill rank {plant_rank}'s block {ids[0]} = its block {ids[1]} ({block_bytes} bytes); "
-          f"matches recompute: {cmp.matches} ({cmp.why})")
-    assert len(_TP_LINE.findall(log)) == decode_tp and not _FAILED.search(log), \
+    print(
+        f"planted: prefill rank {plant_rank}'s block {ids[0]} = its block {ids[1]} ({block_bytes} bytes); "
+        f"matches recompute: {cmp.matches} ({cmp.why})"
+    )
+    assert len(_TP_LINE.findall(log)) == decode_tp and not _FAILED.search(log), (
         "every decode rank must have read the planted prompt's blocks"
-    assert not cmp.matches, f"prefill rank {plant_rank}'s shifted block went unnoticed: its KV is not what decode used"
+    )
+    assert not cmp.matches, (
+        f"prefill rank {plant_rank}'s shifted block went unnoticed: its KV is not what decode used"
+    )
 
 
 def test_qwen3next_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
@@ -381,49 +511,88 @@ def test_qwen3next_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
     from tests.e2e.test_pd_tp import observe_pd_tp
 
     if len(usable_cpus()) < TP:
-        pytest.fail(f"TP{TP} needs {TP} usable CPUs (one per rank), this runner has {sorted(usable_cpus())}")
+        pytest.fail(
+            f"TP{TP} needs {TP} usable CPUs (one per rank), this runner has {sorted(usable_cpus())}"
+        )
     t0 = time.monotonic()
     http = _http_session()
     worker_args = [*SERVER_ARGS, "--worker-extension-cls", PROBE]
-    prefill_config = pd_transfer_config("kv_producer") | {"kv_connector_extra_config": {"lease_s": LEASE_S}}
+    prefill_config = pd_transfer_config("kv_producer") | {
+        "kv_connector_extra_config": {"lease_s": LEASE_S}
+    }
     decode_config = pd_transfer_config("kv_consumer") | {"kv_connector_extra_config": DECODE_EXTRA}
-    with PDStack(tiny_model(KIND), max_model_len=2048, log_dir=tmp_path, prefill_tp=TP, decode_tp=TP,
-                 prefill_args=worker_args, decode_args=worker_args, prefill_config=prefill_config,
-                 decode_config=decode_config) as stack:
+    with PDStack(
+        tiny_model(KIND),
+        max_model_len=2048,
+        log_dir=tmp_path,
+        prefill_tp=TP,
+        decode_tp=TP,
+        prefill_args=worker_args,
+        decode_args=worker_args,
+        prefill_config=prefill_config,
+        decode_config=decode_config,
+    ) as stack:
         boot_s = time.monotonic() - t0
-        binds = [s.extra_env.get("VLLM_CPU_OMP_THREADS_BIND") for s in (stack.prefill, stack.decode)]
+        binds = [
+            s.extra_env.get("VLLM_CPU_OMP_THREADS_BIND") for s in (stack.prefill, stack.decode)
+        ]
         assert binds == [rank_cpus(TP, TP)[0], rank_cpus(TP, TP)[1]], binds
         model = http.get(stack.decode.url + "/v1/models", timeout=30).json()["data"][0]["id"]
         geometries = _rpc(http, stack.decode.url, "hkv_pd_geometry")
-        assert len(geometries) == TP and geometries[0] == geometries[1], geometries  # same shares per rank
-        assert sorted(m for _, _, m in geometries[0]) == [False, True], geometries  # GDN + full attention
+        assert len(geometries) == TP and geometries[0] == geometries[1], (
+            geometries
+        )  # same shares per rank
+        assert sorted(m for _, _, m in geometries[0]) == [False, True], (
+            geometries
+        )  # GDN + full attention
         dense = next(g for g, (_, _, mamba) in enumerate(geometries[0]) if not mamba)
         decode_log = LogTail(Path(stack.decode.log_path))
         rows = proxy_turns(http, stack, model, decode_log, 3, 45, TP, TP, "qwen3next-tp2-tp2")
         assert [r[7] for r in rows] == [True] * 3, rows
 
         # Control: one full-attention block of prefill rank 1 holds another block's real KV.
-        _planted_shift(http, stack, model, decode_log, Session(seed=46, **TURN_TOKENS).prompt, dense,
-                       plant_rank=1, prefill_tp=TP, decode_tp=TP)
+        _planted_shift(
+            http,
+            stack,
+            model,
+            decode_log,
+            Session(seed=46, **TURN_TOKENS).prompt,
+            dense,
+            plant_rank=1,
+            prefill_tp=TP,
+            decode_tp=TP,
+        )
         _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
         tp2_s = time.monotonic() - t0
 
         # Across TP sizes: the decode tier replaced by a TP1 instance with allow_mamba_cross_tp
         # (forwarded by PDStack), on the proxy's --decode port; the TP2 prefill keeps running.
         t1 = time.monotonic()
-        stack.replace_decode(1, decode_config=decode_config, decode_args=worker_args, allow_mamba_cross_tp=True)
+        stack.replace_decode(
+            1, decode_config=decode_config, decode_args=worker_args, allow_mamba_cross_tp=True
+        )
         swap_s = time.monotonic() - t1
         decode_log = LogTail(Path(stack.decode.log_path))
         cross = proxy_turns(http, stack, model, decode_log, 2, 47, TP, 1, "qwen3next-tp2-tp1")
         _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
-        assert "allow_mamba_cross_tp is ON" in Path(stack.decode.log_path).read_text(errors="replace")
+        assert "allow_mamba_cross_tp is ON" in Path(stack.decode.log_path).read_text(
+            errors="replace"
+        )
     observe_pd_tp("qwen3next-tp2-tp2-proxy", [r[6] for r in rows])
-    observe("pd-tp", "qwen3next-tp2-tp1-proxy", {
-        "blocks per group, turns 1-3 (SW, FA / Mamba, FA)": " ".join("[" + ",".join(map(str, r[6])) + "]"
-                                                                    for r in cross),
-        "= recompute": f"provenance + bytes {len(cross)}/{len(cross)}; output not asserted"})
-    print(f"boot {boot_s:.0f} s, TP2 -> TP2 part {tp2_s:.0f} s, decode replaced by TP1 in {swap_s:.0f} s, "
-          f"total {time.monotonic() - t0:.0f} s")
+    observe(
+        "pd-tp",
+        "qwen3next-tp2-tp1-proxy",
+        {
+            "blocks per group, turns 1-3 (SW, FA / Mamba, FA)": " ".join(
+                "[" + ",".join(map(str, r[6])) + "]" for r in cross
+            ),
+            "= recompute": f"provenance + bytes {len(cross)}/{len(cross)}; output not asserted",
+        },
+    )
+    print(
+        f"boot {boot_s:.0f} s, TP2 -> TP2 part {tp2_s:.0f} s, decode replaced by TP1 in {swap_s:.0f} s, "
+        f"total {time.monotonic() - t0:.0f} s"
+    )
 
 
 # gemma3 (sliding window 128 + full attention, block 128) across TP sizes through the proxy.
@@ -443,8 +612,11 @@ def _warm_up(http, stack, model: str, decode_log: "LogTail", seed: int) -> str: 
 
     decode_log.new(0)
     t = time.monotonic()
-    r = http.post(stack.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
-                  json=_body(model, Session(seed=seed, first_tokens=WARMUP_TOKENS).prompt, max_tokens=2))
+    r = http.post(
+        stack.url + "/v1/completions",
+        timeout=REQUEST_TIMEOUT_S,
+        json=_body(model, Session(seed=seed, first_tokens=WARMUP_TOKENS).prompt, max_tokens=2),
+    )
     assert r.status_code == 200, r.text
     return f"warm-up {time.monotonic() - t:.1f} s, read lines {len(_TP_LINE.findall(decode_log.new()))}"
 
@@ -464,7 +636,10 @@ def _gemma3_pair(http, stack, prefill_tp: int, decode_tp: int, seed: int) -> lis
     model = http.get(stack.decode.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     geometry = _rpc(http, stack.decode.url, "hkv_pd_geometry")[0]
     windows = _rpc(http, stack.decode.url, "hkv_pd_windows")[0]
-    assert [m for _, _, m in geometry] == [False, False] and windows[0] > 0 == windows[1], (geometry, windows)
+    assert [m for _, _, m in geometry] == [False, False] and windows[0] > 0 == windows[1], (
+        geometry,
+        windows,
+    )
     sw, dense = 0, 1  # gemma3: group 0 sliding window, group 1 full attention
     decode_log = LogTail(Path(stack.decode.log_path))
     warm = _warm_up(http, stack, model, decode_log, seed + 20)
@@ -485,15 +660,27 @@ def _gemma3_pair(http, stack, prefill_tp: int, decode_tp: int, seed: int) -> lis
         kept = prefill_kept_blocks(geometry, windows, len(prompt), handover)
         assert held == kept, f"the prefill's blocks at finish {held}, vLLM's rule says {kept}"
 
-    _planted_shift(http, stack, model, decode_log, prompt, dense, plant_rank=prefill_tp - 1, prefill_tp=prefill_tp,
-                   decode_tp=decode_tp, check_params=check_kept)
+    _planted_shift(
+        http,
+        stack,
+        model,
+        decode_log,
+        prompt,
+        dense,
+        plant_rank=prefill_tp - 1,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        check_params=check_kept,
+    )
     _no_bad_signs(stack.prefill.log_path, stack.decode.log_path)
     observe_pd_tp(label, [r[6] for r in rows])
     print(f"{label}: {warm}, 3 turns {turns_s:.0f} s, pair {time.monotonic() - t0:.0f} s")
     return rows
 
 
-def gemma3_through_the_proxy(tmp_path: Path, prefill_tp: int, decode_tps: list[int], seed: int) -> None:
+def gemma3_through_the_proxy(
+    tmp_path: Path, prefill_tp: int, decode_tps: list[int], seed: int
+) -> None:
     """gemma3 P/D at prefill TP``prefill_tp`` through ``hybridkv proxy``: a stack with decode
     TP``decode_tps[0]``, then the decode tier replaced by each next size (the prefill keeps
     running, ``PDStack.replace_decode``); ``_gemma3_pair`` for each."""
@@ -503,20 +690,35 @@ def gemma3_through_the_proxy(tmp_path: Path, prefill_tp: int, decode_tps: list[i
     t0 = time.monotonic()
     http = _http_session()
     worker_args = ["--worker-extension-cls", PROBE]
-    prefill_config = pd_transfer_config("kv_producer") | {"kv_connector_extra_config": {"lease_s": LEASE_S}}
+    prefill_config = pd_transfer_config("kv_producer") | {
+        "kv_connector_extra_config": {"lease_s": LEASE_S}
+    }
     decode_config = pd_transfer_config("kv_consumer") | {"kv_connector_extra_config": DECODE_EXTRA}
-    with PDStack(tiny_model("gemma3"), max_model_len=2048, log_dir=tmp_path, extra_args=GEMMA3_ARGS,
-                 prefill_tp=prefill_tp, decode_tp=decode_tps[0], prefill_args=worker_args, decode_args=worker_args,
-                 prefill_config=prefill_config, decode_config=decode_config) as stack:
+    with PDStack(
+        tiny_model("gemma3"),
+        max_model_len=2048,
+        log_dir=tmp_path,
+        extra_args=GEMMA3_ARGS,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tps[0],
+        prefill_args=worker_args,
+        decode_args=worker_args,
+        prefill_config=prefill_config,
+        decode_config=decode_config,
+    ) as stack:
         times = [f"boot {time.monotonic() - t0:.0f} s"]
         for i, decode_tp in enumerate(decode_tps):
             if i:
                 t1 = time.monotonic()
-                stack.replace_decode(decode_tp, decode_config=decode_config, decode_args=worker_args)
+                stack.replace_decode(
+                    decode_tp, decode_config=decode_config, decode_args=worker_args
+                )
                 times.append(f"decode replaced by TP{decode_tp} in {time.monotonic() - t1:.0f} s")
             _gemma3_pair(http, stack, prefill_tp, decode_tp, seed + i)
-    print(f"gemma3 prefill TP{prefill_tp} -> decode {decode_tps}: {', '.join(times)}, "
-          f"total {time.monotonic() - t0:.0f} s")
+    print(
+        f"gemma3 prefill TP{prefill_tp} -> decode {decode_tps}: {', '.join(times)}, "
+        f"total {time.monotonic() - t0:.0f} s"
+    )
 
 
 def test_gemma3_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
@@ -536,7 +738,10 @@ def test_rank_cpus_gives_each_rank_its_cores_or_unbinds():
 
     assert rank_cpus(1, 1, {0, 1}) == ("0", "1")  # TP1 -> TP1: split_cpus' halves, unchanged
     assert rank_cpus(1, 1, {0, 2, 3, 4, 9, 10}) == ("0,2-3", "4,9-10")
-    assert rank_cpus(2, 2, set(range(8))) == ("0-1|2-3", "4-5|6-7")  # one run per rank, prefill first
+    assert rank_cpus(2, 2, set(range(8))) == (
+        "0-1|2-3",
+        "4-5|6-7",
+    )  # one run per rank, prefill first
     assert rank_cpus(2, 1, set(range(7))) == ("0-1|2-3", "4-5")
     assert rank_cpus(1, 2, {0, 1, 2}) == ("0", "1|2")
     assert rank_cpus(2, 2, {0, 1}) == ("nobind", "nobind")  # fewer cores than ranks: not pinned
@@ -555,9 +760,14 @@ def test_unbound_ranks_get_their_share_of_openmp_threads(monkeypatch):
     both = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     assert disjoint_core_envs(2, 2, {0, 1}) == (both, both)
     assert disjoint_core_envs(2, 1, {0, 1}) == (both, both)
-    assert disjoint_core_envs(2, 2, set(range(8))) == ({"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"},
-                                                       {"VLLM_CPU_OMP_THREADS_BIND": "4-5|6-7"})
-    assert disjoint_core_envs(1, 1, {0, 1}) == ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    assert disjoint_core_envs(2, 2, set(range(8))) == (
+        {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "4-5|6-7"},
+    )
+    assert disjoint_core_envs(1, 1, {0, 1}) == (
+        {"VLLM_CPU_OMP_THREADS_BIND": "0"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "1"},
+    )
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert disjoint_core_envs(2, 2, {0, 1}) == ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"},) * 2
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -571,10 +781,20 @@ def test_pd_stack_passes_each_side_its_tp_size_and_args(tmp_path, monkeypatch):
     default = PDStack("m", log_dir=tmp_path / "a", extra_args=["--x"])
     for server in (default.prefill, default.decode):  # the defaults: no TP flag, extra args last
         assert "--tensor-parallel-size" not in server.command() and server.command()[-1] == "--x"
-    stack = PDStack("m", log_dir=tmp_path / "b", extra_args=["--x"], prefill_tp=2, decode_tp=1,
-                    prefill_args=["--p"], decode_args=["--d"])
+    stack = PDStack(
+        "m",
+        log_dir=tmp_path / "b",
+        extra_args=["--x"],
+        prefill_tp=2,
+        decode_tp=1,
+        prefill_args=["--p"],
+        decode_args=["--d"],
+    )
     assert stack.prefill.command()[-4:] == ["--x", "--tensor-parallel-size", "2", "--p"]
-    assert stack.decode.command()[-2:] == ["--x", "--d"] and "--tensor-parallel-size" not in stack.decode.command()
+    assert (
+        stack.decode.command()[-2:] == ["--x", "--d"]
+        and "--tensor-parallel-size" not in stack.decode.command()
+    )
 
 
 def test_pd_stack_instances_keep_idle_connections_75_s_unless_the_user_chose(tmp_path, monkeypatch):
@@ -587,19 +807,25 @@ def test_pd_stack_instances_keep_idle_connections_75_s_unless_the_user_chose(tmp
     monkeypatch.setattr(server_mod.VllmServer, "start", lambda self: None)  # no engine boots here
     monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
     stack = PDStack("m", log_dir=tmp_path / "a")
-    assert [s.extra_env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") for s in (stack.prefill, stack.decode)] == ["75", "75"]
+    assert [
+        s.extra_env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") for s in (stack.prefill, stack.decode)
+    ] == ["75", "75"]
     stack.replace_decode(1)
     assert stack.decode.extra_env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") == "75"
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "30")
     mine = PDStack("m", log_dir=tmp_path / "b")
-    assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" not in mine.prefill.extra_env | mine.decode.extra_env  # inherited: 30
+    assert (
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" not in mine.prefill.extra_env | mine.decode.extra_env
+    )  # inherited: 30
 
 
 def _extra(server) -> dict:  # noqa: ANN001 - a VllmServer -> its command line's kv_connector_extra_config
     import json
 
     cmd = server.command()
-    return json.loads(cmd[cmd.index("--kv-transfer-config") + 1]).get("kv_connector_extra_config", {})
+    return json.loads(cmd[cmd.index("--kv-transfer-config") + 1]).get(
+        "kv_connector_extra_config", {}
+    )
 
 
 def test_pd_stack_forwards_allow_mamba_cross_tp_to_decode_only(tmp_path, monkeypatch):
@@ -609,15 +835,24 @@ def test_pd_stack_forwards_allow_mamba_cross_tp_to_decode_only(tmp_path, monkeyp
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     off = PDStack("m", log_dir=tmp_path / "a", prefill_tp=2, decode_tp=1)
-    assert "allow_mamba_cross_tp" not in _extra(off.decode) and "allow_mamba_cross_tp" not in _extra(off.prefill)
+    assert "allow_mamba_cross_tp" not in _extra(
+        off.decode
+    ) and "allow_mamba_cross_tp" not in _extra(off.prefill)
     on = PDStack("m", log_dir=tmp_path / "b", prefill_tp=2, decode_tp=1, allow_mamba_cross_tp=True)
-    assert _extra(on.decode)["allow_mamba_cross_tp"] is True and "allow_mamba_cross_tp" not in _extra(on.prefill)
-    mine = pd_transfer_config("kv_consumer") | {"kv_connector_extra_config": {"handshake_timeout_s": 9.0}}
+    assert _extra(on.decode)[
+        "allow_mamba_cross_tp"
+    ] is True and "allow_mamba_cross_tp" not in _extra(on.prefill)
+    mine = pd_transfer_config("kv_consumer") | {
+        "kv_connector_extra_config": {"handshake_timeout_s": 9.0}
+    }
     merged = PDStack("m", log_dir=tmp_path / "c", decode_config=mine, allow_mamba_cross_tp=True)
     assert _extra(merged.decode) == {"handshake_timeout_s": 9.0, "allow_mamba_cross_tp": True}
-    assert mine["kv_connector_extra_config"] == {"handshake_timeout_s": 9.0}  # the caller's dict as given
-    assert {k: v for k, v in _extra(merged.decode).items() if k != "allow_mamba_cross_tp"} == \
-        mine["kv_connector_extra_config"]
+    assert mine["kv_connector_extra_config"] == {
+        "handshake_timeout_s": 9.0
+    }  # the caller's dict as given
+    assert {k: v for k, v in _extra(merged.decode).items() if k != "allow_mamba_cross_tp"} == mine[
+        "kv_connector_extra_config"
+    ]
 
 
 def test_pd_stack_replace_decode_keeps_port_and_secret_and_sets_the_new_size(tmp_path, monkeypatch):
@@ -638,8 +873,16 @@ def test_pd_stack_replace_decode_keeps_port_and_secret_and_sets_the_new_size(tmp
     kept = stack.replace_decode(1, decode_args=["--e"], allow_mamba_cross_tp=True)
     assert started == [stack.decode] and stack.decode is not old
     assert stack.decode.port == old.port and stack.decode.url == old.url  # the proxy's --decode URL
-    assert stack.decode.extra_env[SECRET_FILE_ENV] == old.extra_env[SECRET_FILE_ENV] \
+    assert (
+        stack.decode.extra_env[SECRET_FILE_ENV]
+        == old.extra_env[SECRET_FILE_ENV]
         == str(stack.secret_file)
-    assert "--tensor-parallel-size" not in stack.decode.command() and stack.decode.command()[-1] == "--e"
-    assert _extra(stack.decode)["allow_mamba_cross_tp"] is True and "allow_mamba_cross_tp" not in _extra(old)
+    )
+    assert (
+        "--tensor-parallel-size" not in stack.decode.command()
+        and stack.decode.command()[-1] == "--e"
+    )
+    assert _extra(stack.decode)[
+        "allow_mamba_cross_tp"
+    ] is True and "allow_mamba_cross_tp" not in _extra(old)
     assert kept == tmp_path / "decode.1.log" and kept.read_text() == "old decode log"

@@ -20,7 +20,6 @@ fails the failed-request count of after-corrupt / after-node-kill; leak-master a
 
 from __future__ import annotations
 
-
 import pytest
 
 from bench.soak import SoakConfig, pd_counts_agree, run_soak
@@ -30,7 +29,9 @@ pytestmark = pytest.mark.e2e
 # About 2 min on the shared 2-core machine (engine start ~30 s, 4 x 12 s + 12 s warm-up,
 # SIGSTOP 6 s, kill gap 3 s, the sampled recomputes and the shutdown).
 # 32 local blocks (the full run: 64 for 16 sessions), so the store, not the local cache, serves.
-CI = SoakConfig(sessions=5, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_blocks=32, samples=3)
+CI = SoakConfig(
+    sessions=5, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_blocks=32, samples=3
+)
 
 
 # The P/D + store variant (bench/soak.py --pd): prefill and decode behind the hybridkv proxy,
@@ -56,8 +57,18 @@ CI = SoakConfig(sessions=5, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_
 # workers ask Linux for the AMX tile state (allow_amx), so the restarted prefill's first forward
 # (a store hit of all but the last token, which runs vLLM's AMX attention before oneDNN asks)
 # does not die of SIGILL and leave "READs resumed after None s".
-CI_PD = SoakConfig(sessions=4, phase_s=12.0, stop_s=6.0, turns=4, cycle=2, num_gpu_blocks=64, samples=2,
-                   pd=True, faults=["stop", "prefill-kill"], think_s=2.0)
+CI_PD = SoakConfig(
+    sessions=4,
+    phase_s=12.0,
+    stop_s=6.0,
+    turns=4,
+    cycle=2,
+    num_gpu_blocks=64,
+    samples=2,
+    pd=True,
+    faults=["stop", "prefill-kill"],
+    think_s=2.0,
+)
 
 
 def timed_phases(doc: dict) -> tuple[str, ...]:
@@ -75,11 +86,17 @@ def soak_problems(doc: dict) -> list[str]:
     rows = {r["phase"]: r for r in doc["phases"]}
     for name, r in rows.items():
         if r["failures"] != 0:
-            problems.append(f"{name}: {r['failures']} of {r['requests']} requests failed "
-                            f"(e.g. {doc['failure_examples'][:1]})")
+            problems.append(
+                f"{name}: {r['failures']} of {r['requests']} requests failed "
+                f"(e.g. {doc['failure_examples'][:1]})"
+            )
         if r["differ"] != 0:
-            bad = [c["why"] for c in doc["recompute_checks"] if c["phase"] == name and not c["matches"]]
-            problems.append(f"{name}: {r['differ']} of {r['sampled']} sampled turns differ from recompute: {bad}")
+            bad = [
+                c["why"] for c in doc["recompute_checks"] if c["phase"] == name and not c["matches"]
+            ]
+            problems.append(
+                f"{name}: {r['differ']} of {r['sampled']} sampled turns differ from recompute: {bad}"
+            )
     timed = timed_phases(doc)
     for name in timed:
         if rows[name]["requests"] == 0:
@@ -90,21 +107,38 @@ def soak_problems(doc: dict) -> list[str]:
     if "corrupt" in rows:
         if doc["corruption"].get("planted", 0) == 0:
             problems.append(f"nothing corrupted: {doc['corruption']}")
-        refused = sum(rows[p]["corrupt_refused"] or 0 for p in ("corrupt", "after-corrupt", "node-kill",
-                                                                 "after-node-kill", "kill", "after-kill",
-                                                                 "prefill-kill", "after-prefill-kill") if p in rows)
+        refused = sum(
+            rows[p]["corrupt_refused"] or 0
+            for p in (
+                "corrupt",
+                "after-corrupt",
+                "node-kill",
+                "after-node-kill",
+                "kill",
+                "after-kill",
+                "prefill-kill",
+                "after-prefill-kill",
+            )
+            if p in rows
+        )
         if refused == 0:
-            problems.append(f"none of {doc['corruption'].get('planted')} corrupted objects was refused")
+            problems.append(
+                f"none of {doc['corruption'].get('planted')} corrupted objects was refused"
+            )
     if "kill" in rows:
         back, bound = doc["store_loads_back_after_s"], doc["recovery_bound_s"]
         if back is None or back > bound:
-            problems.append(f"store loads back after {back} s of the new master (bound {bound:.1f} s)")
+            problems.append(
+                f"store loads back after {back} s of the new master (bound {bound:.1f} s)"
+            )
         hit = doc["hit_rate_after_recovery"]
         if not hit:
             problems.append(f"hit rate after recovery {hit}")
     if doc["config"].get("pd"):
         if not rows["warm"].get("p2p_tokens"):
-            problems.append(f"warm: the decode read no tokens from its peer ({rows['warm'].get('p2p_tokens')})")
+            problems.append(
+                f"warm: the decode read no tokens from its peer ({rows['warm'].get('p2p_tokens')})"
+            )
         # /metrics tells what the decode's log tells, through every fault: reads = provenance
         # lines, failed reads = pd_worker's per-job failure lines, and the causes sum to them.
         burst = doc.get("burst") or {}
@@ -114,20 +148,30 @@ def soak_problems(doc: dict) -> list[str]:
     if "prefill-kill" in rows:
         burst = doc.get("burst") or {}
         if not burst.get("reads_issued_at_kill"):
-            problems.append(f"no READ was issued while the prefill was frozen before its kill (decode's p2p "
-                            f"admissions grew by {burst.get('reads_issued_at_kill')} in {burst.get('frozen_s')} s)")
+            problems.append(
+                f"no READ was issued while the prefill was frozen before its kill (decode's p2p "
+                f"admissions grew by {burst.get('reads_issued_at_kill')} in {burst.get('frozen_s')} s)"
+            )
         if not burst.get("in_flight_at_kill"):
             problems.append(f"no hand-over was cut by the kill: {burst.get('requests')}")
         burst_checks = [c for c in doc["recompute_checks"] if c.get("burst")]
         if len(burst_checks) != burst.get("handed_over"):
-            problems.append(f"{len(burst_checks)} of {burst.get('handed_over')} burst turns compared with a recompute")
+            problems.append(
+                f"{len(burst_checks)} of {burst.get('handed_over')} burst turns compared with a recompute"
+            )
         back, bound = doc.get("pd_reads_back_after_s"), doc["pd_recovery_bound_s"]
         if back is None or back > bound:
-            problems.append(f"P/D READs resumed after {back} s of the restarted prefill (bound {bound:.1f} s)")
+            problems.append(
+                f"P/D READs resumed after {back} s of the restarted prefill (bound {bound:.1f} s)"
+            )
     if doc.get("servers_exited"):
-        problems.append(f"servers exited on their own before shutdown (return codes): {doc['servers_exited']}")
+        problems.append(
+            f"servers exited on their own before shutdown (return codes): {doc['servers_exited']}"
+        )
     if doc["left_processes"] or doc["left_dirs"]:
-        problems.append(f"left after shutdown: processes {doc['left_processes']}, dirs {doc['left_dirs']}")
+        problems.append(
+            f"left after shutdown: processes {doc['left_processes']}, dirs {doc['left_dirs']}"
+        )
     return problems
 
 
@@ -140,7 +184,9 @@ def test_soak_ci_variant(tmp_path):
 def test_soak_pd_ci_variant(tmp_path):
     doc = run_soak(CI_PD, tmp_path, keep_log=True)
     b = doc["burst"]
-    print(f"\nP/D soak CI variant ({doc['wall_s']:.0f} s); logs {tmp_path}/soak_pd.*.log; "
-          f"burst {b.get('in_flight_at_kill')} of {b.get('handed_over')} in flight at the kill; "
-          f"READs back {doc['pd_reads_back_after_s']} s (bound {doc['pd_recovery_bound_s']:.1f} s)")
+    print(
+        f"\nP/D soak CI variant ({doc['wall_s']:.0f} s); logs {tmp_path}/soak_pd.*.log; "
+        f"burst {b.get('in_flight_at_kill')} of {b.get('handed_over')} in flight at the kill; "
+        f"READs back {doc['pd_reads_back_after_s']} s (bound {doc['pd_recovery_bound_s']:.1f} s)"
+    )
     assert soak_problems(doc) == []

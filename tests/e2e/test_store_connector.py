@@ -67,7 +67,11 @@ def _record(title: str, rows: list[TurnRow]) -> None:
 
 def observe_store_turns(row: str, rows: list[TurnRow]) -> None:
     """docs/results.md's store e2e table: turns 2 and 3, cached / expected (asserted equal)."""
-    observe("store-e2e", row, {f"turn {r.turn} cached / expected": f"{r.cached} / {r.expected}" for r in rows[1:3]})
+    observe(
+        "store-e2e",
+        row,
+        {f"turn {r.turn} cached / expected": f"{r.cached} / {r.expected}" for r in rows[1:3]},
+    )
 
 
 def assert_store_stack_on_loopback(master) -> None:  # noqa: ANN001 - EmbeddedMaster
@@ -93,8 +97,12 @@ def assert_controls_fail(runs: list[FaultRun], expected_hit: int) -> None:
     print("\n".join(r.line() for r in runs))
     *faults, clean = runs
     for r in faults:
-        assert r.cached == expected_hit, f"{r.name}: cached {r.cached} != {expected_hit}: the victim was not loaded"
-        assert r.failed_loads == 0, f"{r.name}: the load failed, so the comparison was not what caught it"
+        assert r.cached == expected_hit, (
+            f"{r.name}: cached {r.cached} != {expected_hit}: the victim was not loaded"
+        )
+        assert r.failed_loads == 0, (
+            f"{r.name}: the load failed, so the comparison was not what caught it"
+        )
         assert not r.comparison.matches, f"{r.name} went unnoticed: the check has no power"
     assert clean.cached == expected_hit and clean.comparison.matches, clean.line()
 
@@ -112,8 +120,14 @@ def test_three_turns_hit_the_store_and_match_recompute(case, master, tmp_path, m
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # for kv_cache_layout
     llm = make_llm(
         tiny_model(kind),
-        store_transfer_config({"master_address": master.address, "key_log_path": str(key_log),
-                               "namespace": case, **extra}),
+        store_transfer_config(
+            {
+                "master_address": master.address,
+                "key_log_path": str(key_log),
+                "namespace": case,
+                **extra,
+            }
+        ),
         prefix_match_unit=unit,
         disable_log_stats=False,
         **engine_kw,
@@ -123,7 +137,9 @@ def test_three_turns_hit_the_store_and_match_recompute(case, master, tmp_path, m
         _record(f"{case} (local cache reset before every turn)", rows)
         assert rows[0].expected == 0
         for r in rows:
-            assert r.cached == r.expected, f"turn {r.turn}: cached {r.cached} != checkpoint {r.expected}"
+            assert r.cached == r.expected, (
+                f"turn {r.turn}: cached {r.cached} != checkpoint {r.expected}"
+            )
             assert r.matches_recompute, f"turn {r.turn} differs from recompute"
             assert r.recompute_cached == 0, "the recompute under a fresh cache_salt must not hit"
         assert 0 < rows[1].cached < rows[2].cached
@@ -132,9 +148,16 @@ def test_three_turns_hit_the_store_and_match_recompute(case, master, tmp_path, m
         group = full_attention_group(llm.collective_rpc(kv_cache_layout)[0])
         last = session.prompt[: rows[2].prompt]  # turn 3's prompt, all saved
         hit = checkpoint(len(last), align)
-        runs = plausible_fault_runs(llm, master.address, key_log, group=group["group"],
-                                    block_size=group["block_size"], position=1,
-                                    first_prompt=session.prompt[: rows[0].prompt], prefix=last[:hit])
+        runs = plausible_fault_runs(
+            llm,
+            master.address,
+            key_log,
+            group=group["group"],
+            block_size=group["block_size"],
+            position=1,
+            first_prompt=session.prompt[: rows[0].prompt],
+            prefix=last[:hit],
+        )
         assert_controls_fail(runs, hit)
         observe_store_turns(case, rows)
         assert_store_stack_on_loopback(master)
@@ -172,8 +195,12 @@ def test_local_sub_block_hits_of_a_hybrid_model_match_recompute(master):
         del llm
     _record("qwen3next partial 64, local cache kept (local sub-block hits)", rows)
     for r in rows:  # the local cache keeps the previous turn: its 64-token checkpoint, exactly
-        assert r.cached == r.expected, f"turn {r.turn}: cached {r.cached} != checkpoint {r.expected}"
-    assert sum(1 for r in rows if r.cached % 256) == 6, "every later turn resumes from a sub-block hit"
+        assert r.cached == r.expected, (
+            f"turn {r.turn}: cached {r.cached} != checkpoint {r.expected}"
+        )
+    assert sum(1 for r in rows if r.cached % 256) == 6, (
+        "every later turn resumes from a sub-block hit"
+    )
     differ = [r.turn for r in rows if not r.matches_recompute]
     assert not differ, f"turns {differ} (of 2 sessions x 4) differ from recompute"
 
@@ -182,19 +209,38 @@ def test_local_sub_block_hits_of_a_hybrid_model_match_recompute(master):
         control = _local_sub_block_session(alone)
     finally:
         del alone
-    _record("control: the same on vLLM alone (no connector: the partial block copy is not redone)", control)
-    assert [r.cached for r in control] == [r.cached for r in rows], "vLLM alone must take the same local hits"
+    _record(
+        "control: the same on vLLM alone (no connector: the partial block copy is not redone)",
+        control,
+    )
+    assert [r.cached for r in control] == [r.cached for r in rows], (
+        "vLLM alone must take the same local hits"
+    )
     wrong = [r for r in control if not r.matches_recompute]
     assert wrong, "vLLM's partial copy went unnoticed: the comparison has no power here"
-    assert all(r.cached % 256 for r in wrong), "only a sub-block hit can be hurt by the partial copy"
+    assert all(r.cached % 256 for r in wrong), (
+        "only a sub-block hit can be hurt by the partial copy"
+    )
 
     def cached(rs: list[TurnRow]) -> str:
         return " / ".join(str(r.cached) for r in rs if r.turn > 1)
 
     # What is asserted: none differ with hybridkv, at least one without (how many is
     # bf16 numerics of this CPU; the docs give the measured count in free text).
-    observe("local-sub-block", "hybridkv", {"cached, turns 2-4 of each session": cached(rows),
-                                            "hit turns differing from recompute": "none of 6"})
-    observe("local-sub-block", "vllm-alone", {"cached, turns 2-4 of each session": cached(control),
-                                              "hit turns differing from recompute": "at least 1 of 6"})
+    observe(
+        "local-sub-block",
+        "hybridkv",
+        {
+            "cached, turns 2-4 of each session": cached(rows),
+            "hit turns differing from recompute": "none of 6",
+        },
+    )
+    observe(
+        "local-sub-block",
+        "vllm-alone",
+        {
+            "cached, turns 2-4 of each session": cached(control),
+            "hit turns differing from recompute": "at least 1 of 6",
+        },
+    )
     print(f"vLLM alone: {len(wrong)} of 6 hit turns differ from recompute")

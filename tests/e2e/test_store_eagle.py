@@ -66,31 +66,47 @@ def _layer_index(layer_name: str) -> int:
 def test_eagle_drafter_three_turns_hit_the_store_and_match_recompute(master, tmp_path, monkeypatch):
     target_dir = tiny_model("gemma3")
     draft_dir = str(write_tiny_model("eagle-gemma3", MODEL_CACHE / "eagle-gemma3-s0"))
-    num_target_layers = json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"]
+    num_target_layers = json.loads((Path(target_dir) / "config.json").read_text())[
+        "num_hidden_layers"
+    ]
     key_log = tmp_path / "keys.log"
     # Lets collective_rpc ship kv_cache_layout to the worker (read by the engine's
     # processes at startup; monkeypatch removes it after the test).
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     llm = make_llm(
         target_dir,
-        store_transfer_config({"master_address": master.address, "key_log_path": str(key_log),
-                               "namespace": "gemma3-eagle"}),
-        speculative_config={"method": "eagle", "model": draft_dir,
-                            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
+        store_transfer_config(
+            {
+                "master_address": master.address,
+                "key_log_path": str(key_log),
+                "namespace": "gemma3-eagle",
+            }
+        ),
+        speculative_config={
+            "method": "eagle",
+            "model": draft_dir,
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+        },
         disable_log_stats=False,
     )
     try:
         layout = llm.collective_rpc(kv_cache_layout)[0]
         groups = layout["groups"]
-        print(f"\nKV cache groups (scheduler block {layout['scheduler_block_size']}, "
-              f"hash block {layout['hash_block_size']}):")
+        print(
+            f"\nKV cache groups (scheduler block {layout['scheduler_block_size']}, "
+            f"hash block {layout['hash_block_size']}):"
+        )
         for g in groups:
-            print(f"  g{g['group']}: {g['spec']:<18} block {g['block_size']:<4} head {g['head_size']:<4} "
-                  f"window {g['sliding_window']} eagle_flag {g['is_eagle_group']} layers {g['layers']}")
+            print(
+                f"  g{g['group']}: {g['spec']:<18} block {g['block_size']:<4} head {g['head_size']:<4} "
+                f"window {g['sliding_window']} eagle_flag {g['is_eagle_group']} layers {g['layers']}"
+            )
 
         # The geometry this test is about: a drafter full-attention group at a block size
         # other than the target's full-attention groups.
-        drafter = [g for g in groups if any(_layer_index(n) >= num_target_layers for n in g["layers"])]
+        drafter = [
+            g for g in groups if any(_layer_index(n) >= num_target_layers for n in g["layers"])
+        ]
         target_full = [g for g in groups if g["spec"] == "FullAttentionSpec" and g not in drafter]
         assert [g["spec"] for g in drafter] == ["FullAttentionSpec"], groups
         assert target_full and any(g["spec"] == "SlidingWindowSpec" for g in groups), groups
@@ -107,11 +123,18 @@ def test_eagle_drafter_three_turns_hit_the_store_and_match_recompute(master, tmp
             return hit
 
         rows, session = run_turns(llm, 3, expected)
-        _record("gemma3-eagle-drafter (SW 256 + FA 256 + drafter FA 128), block "
-                "(local cache reset before every turn)", rows)
+        _record(
+            "gemma3-eagle-drafter (SW 256 + FA 256 + drafter FA 128), block "
+            "(local cache reset before every turn)",
+            rows,
+        )
         for r in rows:
-            assert r.cached == r.expected, f"turn {r.turn}: cached {r.cached} != EAGLE checkpoint {r.expected}"
-            assert r.cached % scheduler_block == 0, f"turn {r.turn}: hit {r.cached} not scheduler-block aligned"
+            assert r.cached == r.expected, (
+                f"turn {r.turn}: cached {r.cached} != EAGLE checkpoint {r.expected}"
+            )
+            assert r.cached % scheduler_block == 0, (
+                f"turn {r.turn}: hit {r.cached} not scheduler-block aligned"
+            )
             assert r.matches_recompute, f"turn {r.turn} differs from recompute"
             assert r.recompute_cached == 0, "the recompute under a fresh cache_salt must not hit"
         assert rows[0].expected == 0 and 0 < rows[1].cached < rows[2].cached
@@ -126,10 +149,16 @@ def test_eagle_drafter_three_turns_hit_the_store_and_match_recompute(master, tmp
         # EAGLE drop leaves exactly the turn-4 checkpoint; block 1 ([256, 512)) is inside.
         last = session.prompt[: rows[2].prompt]
         hit = expected(len(last), 0)
-        runs = plausible_fault_runs(llm, master.address, key_log, group=target_full[0]["group"],
-                                    block_size=target_full[0]["block_size"], position=1,
-                                    first_prompt=session.prompt[: rows[0].prompt],
-                                    prefix=last[: hit + scheduler_block])
+        runs = plausible_fault_runs(
+            llm,
+            master.address,
+            key_log,
+            group=target_full[0]["group"],
+            block_size=target_full[0]["block_size"],
+            position=1,
+            first_prompt=session.prompt[: rows[0].prompt],
+            prefix=last[: hit + scheduler_block],
+        )
         assert_controls_fail(runs, hit)
         observe_store_turns("gemma3-eagle", rows)
     finally:

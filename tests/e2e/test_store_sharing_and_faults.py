@@ -17,7 +17,6 @@ import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
 from hybridkv.store.embedded_master import EmbeddedMaster
-from tests.freeze import freeze
 from tests.e2e.engine_harness import (
     Completion,
     Session,
@@ -33,6 +32,7 @@ from tests.e2e.engine_harness import (
     timed_generate,
     tiny_model,
 )
+from tests.freeze import freeze
 
 ALIGN = 128  # gemma3 tiny model: scheduler block
 TIMEOUT_S = 2.0  # timeout_s of the fault tests' stores
@@ -56,8 +56,11 @@ def test_second_instance_hits_what_the_first_saved_and_name_resolves_without_mod
         extra = {"master_address": master.address, "namespace": "sharing"}
         a = make_llm(model, store_transfer_config(extra))
         # B uses the name registered by hybridkv's vLLM plugin entry point, no module path.
-        b = make_llm(model, store_transfer_config({**extra, "staging": "always"}, module_path=False),
-                     disable_log_stats=False)
+        b = make_llm(
+            model,
+            store_transfer_config({**extra, "staging": "always"}, module_path=False),
+            disable_log_stats=False,
+        )
         session = Session(seed=11)
         first = generate(a, session.prompt)
         prev_len = len(session.prompt)
@@ -66,15 +69,23 @@ def test_second_instance_hits_what_the_first_saved_and_name_resolves_without_mod
         got = generate(b, session.prompt)
         ref = generate(b, session.prompt, cache_salt="sharing-recompute")
         expected = get_mamba_prefill_checkpoint_position(prev_len, ALIGN, False)
-        print(f"\ninstance B: prompt {len(session.prompt)} cached {got.num_cached_tokens} expected {expected}")
+        print(
+            f"\ninstance B: prompt {len(session.prompt)} cached {got.num_cached_tokens} expected {expected}"
+        )
         assert first.num_cached_tokens == 0
         assert got.num_cached_tokens == expected
         assert matches(got, ref)
         assert ref.num_cached_tokens == 0
         assert metric(b, "vllm:hybridkv_store_loaded_bytes") > 0
-        assert metric(b, "vllm:hybridkv_store_hit_tokens") == expected  # all from the store, none local
+        assert (
+            metric(b, "vllm:hybridkv_store_hit_tokens") == expected
+        )  # all from the store, none local
         for kind in ("lookup", "load"):
-            hist = [m for m in b.get_metrics() if m.name == f"vllm:hybridkv_store_{kind}_latency_seconds"]
+            hist = [
+                m
+                for m in b.get_metrics()
+                if m.name == f"vllm:hybridkv_store_{kind}_latency_seconds"
+            ]
             assert hist and sum(m.count for m in hist) >= 1, f"no {kind} latency histogram"
 
         prev_len = len(session.prompt)
@@ -83,7 +94,9 @@ def test_second_instance_hits_what_the_first_saved_and_name_resolves_without_mod
         back = generate(a, session.prompt)
         back_ref = generate(a, session.prompt, cache_salt="sharing-recompute-a")
         expected = get_mamba_prefill_checkpoint_position(prev_len, ALIGN, False)
-        print(f"instance A: prompt {len(session.prompt)} cached {back.num_cached_tokens} expected {expected}")
+        print(
+            f"instance A: prompt {len(session.prompt)} cached {back.num_cached_tokens} expected {expected}"
+        )
         assert back.num_cached_tokens == expected
         assert matches(back, back_ref)
         del a, b
@@ -94,9 +107,18 @@ def test_master_killed_mid_session_degrades_to_recompute_without_hanging():
     2 x timeout_s (+ a small constant), and the lookup-error counter shows the lookup
     failed and was treated as a miss (not, say, a load that happened to time out)."""
     master = EmbeddedMaster(default_kv_lease_ttl_ms=2_000)
-    llm = make_llm(tiny_model("gemma3"), store_transfer_config(
-        {"master_address": master.address, "namespace": "killed-master", "timeout_s": TIMEOUT_S,
-         "lookup_timeout_s": LOOKUP_TIMEOUT_S}), disable_log_stats=False)
+    llm = make_llm(
+        tiny_model("gemma3"),
+        store_transfer_config(
+            {
+                "master_address": master.address,
+                "namespace": "killed-master",
+                "timeout_s": TIMEOUT_S,
+                "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+            }
+        ),
+        disable_log_stats=False,
+    )
     session = Session(seed=12)
     first = generate(llm, session.prompt)
     assert first.num_cached_tokens == 0
@@ -110,13 +132,17 @@ def test_master_killed_mid_session_degrades_to_recompute_without_hanging():
         got, elapsed = timed_generate(llm, session.prompt)
         errors = metric(llm, "vllm:hybridkv_store_lookup_errors") - errors_before
         ref = generate(llm, session.prompt, cache_salt=f"killed-master-{turn}")
-        print(f"\nmaster dead, turn {turn + 2}: cached {got.num_cached_tokens}, {elapsed:.1f}s "
-              f"(healthy {base_s:.1f}s, bound {fault_bound(base_s):.1f}s), lookup errors +{errors:g}, "
-              f"causes {failure_causes(llm)}")
+        print(
+            f"\nmaster dead, turn {turn + 2}: cached {got.num_cached_tokens}, {elapsed:.1f}s "
+            f"(healthy {base_s:.1f}s, bound {fault_bound(base_s):.1f}s), lookup errors +{errors:g}, "
+            f"causes {failure_causes(llm)}"
+        )
         assert matches(got, ref)
         assert got.num_cached_tokens == 0
         assert errors >= 1, "the lookup did not fail: this turn did not take the dead-store path"
-        assert elapsed <= fault_bound(base_s), "a dead store must cost at most the configured timeouts"
+        assert elapsed <= fault_bound(base_s), (
+            "a dead store must cost at most the configured timeouts"
+        )
         session.extend(got.token_ids)
         reset_local_cache(llm)
     del llm
@@ -134,14 +160,25 @@ time.sleep(3600)
 def test_objects_lost_between_lookup_and_load_recompute(tmp_path):
     """The node holding the objects dies; the master still lists them (about 10 s)."""
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
-        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE
+        )
         try:
             assert holder.stdout.readline().strip() == b"ready"
             # global_segment_size 0: this engine stores nothing itself, every object lands in the holder.
-            llm = make_llm(tiny_model("gemma3"), store_transfer_config(
-                {"master_address": master.address, "namespace": "lost", "global_segment_size": 0,
-                 "timeout_s": TIMEOUT_S, "lookup_timeout_s": LOOKUP_TIMEOUT_S}),
-                disable_log_stats=False)
+            llm = make_llm(
+                tiny_model("gemma3"),
+                store_transfer_config(
+                    {
+                        "master_address": master.address,
+                        "namespace": "lost",
+                        "global_segment_size": 0,
+                        "timeout_s": TIMEOUT_S,
+                        "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+                    }
+                ),
+                disable_log_stats=False,
+            )
             session = Session(seed=13)
             session.extend(generate(llm, session.prompt).token_ids)
             _, base_s = timed_generate(llm, session.prompt, cache_salt="lost-baseline")
@@ -151,16 +188,20 @@ def test_objects_lost_between_lookup_and_load_recompute(tmp_path):
             hits_before = metric(llm, "vllm:hybridkv_store_lookup_hits")
             got, elapsed = timed_generate(llm, session.prompt)
             ref = generate(llm, session.prompt, cache_salt="lost-recompute")
-            print(f"\nobjects lost: cached {got.num_cached_tokens}, {elapsed:.1f}s (healthy {base_s:.1f}s, "
-                  f"bound {fault_bound(base_s):.1f}s), failed loads "
-                  f"{metric(llm, 'vllm:hybridkv_store_failed_loads')}, causes {failure_causes(llm)}")
+            print(
+                f"\nobjects lost: cached {got.num_cached_tokens}, {elapsed:.1f}s (healthy {base_s:.1f}s, "
+                f"bound {fault_bound(base_s):.1f}s), failed loads "
+                f"{metric(llm, 'vllm:hybridkv_store_failed_loads')}, causes {failure_causes(llm)}"
+            )
             assert matches(got, ref)
             # The lookup still found the objects (the master lists them) and a load was
             # attempted and failed: one failed load. A hit counts only when its load
             # succeeded (hits are counted once per request decision), so none.
             assert metric(llm, "vllm:hybridkv_store_lookup_hits") - hits_before == 0
             assert metric(llm, "vllm:hybridkv_store_failed_loads") == 1
-            assert elapsed <= fault_bound(base_s), "lost objects must cost at most the configured timeouts"
+            assert elapsed <= fault_bound(base_s), (
+                "lost objects must cost at most the configured timeouts"
+            )
             del llm
         finally:
             if holder.poll() is None:
@@ -169,13 +210,15 @@ def test_objects_lost_between_lookup_and_load_recompute(tmp_path):
 
 def test_bad_config_fails_at_startup_naming_the_key(capfd):
     """A typo in the config line stops the engine at startup (unit tests cover every key)."""
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine core's startup error
         make_llm(tiny_model("gemma3"), store_transfer_config({"master_adress": "127.0.0.1:1"}))
     out, err = capfd.readouterr()
     assert "unknown key(s) ['master_adress']" in out + err
 
 
-def _generate_many(llm, prompts: list[list[int]], max_tokens: int = 8, top_k: bool = True) -> list[Completion]:
+def _generate_many(
+    llm, prompts: list[list[int]], max_tokens: int = 8, top_k: bool = True
+) -> list[Completion]:
     """All prompts in one batch (they are scheduled together, chunked and maybe preempted).
 
     ``top_k=False``: no top-5 logprobs (the long first turn, never compared: with top-5 on
@@ -184,8 +227,13 @@ def _generate_many(llm, prompts: list[list[int]], max_tokens: int = 8, top_k: bo
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = greedy_params(max_tokens) if top_k else SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True)
+    sp = (
+        greedy_params(max_tokens)
+        if top_k
+        else SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
+        )
+    )
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     return [completion_from(o) for o in outs]
 
@@ -194,9 +242,15 @@ def test_chunked_prefill_and_preemption_under_a_small_cache():
     """Several long requests at once in a KV cache too small for them: vLLM chunks their
     prefills and preempts some (their blocks are freed while saves are in flight, which
     the connector's pins must survive). The next turn must still hit the store and match."""
-    llm = make_llm(tiny_model("gemma3"), store_transfer_config({"namespace": "preempt"}),
-                   max_num_batched_tokens=256, num_gpu_blocks_override=36, max_num_seqs=4, max_model_len=2048,
-                   disable_log_stats=False)
+    llm = make_llm(
+        tiny_model("gemma3"),
+        store_transfer_config({"namespace": "preempt"}),
+        max_num_batched_tokens=256,
+        num_gpu_blocks_override=36,
+        max_num_seqs=4,
+        max_model_len=2048,
+        disable_log_stats=False,
+    )
     sessions = [Session(seed=100 + i, first_tokens=1100, growth_tokens=300) for i in range(4)]
     # Long answers: running requests grow by 3 blocks each and the pool runs out.
     first = _generate_many(llm, [s.prompt for s in sessions], max_tokens=300, top_k=False)
@@ -210,7 +264,9 @@ def test_chunked_prefill_and_preemption_under_a_small_cache():
     assert all(c.num_cached_tokens >= 1024 for c in second)
     for i, (s, got) in enumerate(zip(sessions, second)):
         ref = generate(llm, s.prompt, cache_salt=f"preempt-{i}")
-        assert matches(got, ref), f"request {i} (cached {got.num_cached_tokens}) differs from recompute"
+        assert matches(got, ref), (
+            f"request {i} (cached {got.num_cached_tokens}) differs from recompute"
+        )
     del llm
 
 
@@ -228,12 +284,24 @@ def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_b
     recompute; a different prompt (given whatever blocks are free) must match too.
     """
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
-        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE
+        )
         try:
             assert holder.stdout.readline().strip() == b"ready"
-            llm = make_llm(tiny_model("gemma3"), store_transfer_config(
-                {"master_address": master.address, "namespace": "hung", "global_segment_size": 0,
-                 "timeout_s": TIMEOUT_S, "lookup_timeout_s": LOOKUP_TIMEOUT_S}), disable_log_stats=False)
+            llm = make_llm(
+                tiny_model("gemma3"),
+                store_transfer_config(
+                    {
+                        "master_address": master.address,
+                        "namespace": "hung",
+                        "global_segment_size": 0,
+                        "timeout_s": TIMEOUT_S,
+                        "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+                    }
+                ),
+                disable_log_stats=False,
+            )
             session = Session(seed=14)
             session.extend(generate(llm, session.prompt).token_ids)
             _, base_s = timed_generate(llm, session.prompt, cache_salt="hung-baseline")
@@ -253,14 +321,18 @@ def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_b
             other = generate(llm, other_prompt, cache_salt="hung-other")
             other_ref = generate(llm, other_prompt, cache_salt="hung-other-2")
             local_hit = (len(session.prompt) - 1) // ALIGN * ALIGN
-            print(f"\nnode hung: cached {got.num_cached_tokens}, {elapsed:.1f}s (healthy {base_s:.1f}s, "
-                  f"bound {fault_bound(base_s):.1f}s), failed loads +{failed:g}, causes {causes}; "
-                  f"resend after resume: cached {again.num_cached_tokens} (local hit {local_hit})")
+            print(
+                f"\nnode hung: cached {got.num_cached_tokens}, {elapsed:.1f}s (healthy {base_s:.1f}s, "
+                f"bound {fault_bound(base_s):.1f}s), failed loads +{failed:g}, causes {causes}; "
+                f"resend after resume: cached {again.num_cached_tokens} (local hit {local_hit})"
+            )
             assert matches(got, ref)
             assert failed == 1, "the load did not fail: this turn did not take the hung-node path"
             assert causes.get("load_hkv_call_timeout", 0) >= 1, causes
             assert elapsed <= fault_bound(base_s)
-            assert again.num_cached_tokens == local_hit, "the resend did not reuse the recompute's blocks"
+            assert again.num_cached_tokens == local_hit, (
+                "the resend did not reuse the recompute's blocks"
+            )
             assert matches(again, ref), "a late read landed in blocks the local prefix cache reuses"
             assert matches(other, other_ref)
             del llm
@@ -290,13 +362,21 @@ def test_corrupt_short_and_misplaced_objects_are_detected_and_recompute(tmp_path
 
     key_log = tmp_path / "keys.log"
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
-        llm = make_llm(tiny_model("gemma3"), store_transfer_config(
-            {"master_address": master.address, "namespace": "corrupt", "key_log_path": str(key_log)}),
-            disable_log_stats=False)
+        llm = make_llm(
+            tiny_model("gemma3"),
+            store_transfer_config(
+                {
+                    "master_address": master.address,
+                    "namespace": "corrupt",
+                    "key_log_path": str(key_log),
+                }
+            ),
+            disable_log_stats=False,
+        )
 
         def flip(data: bytes, other: bytes) -> bytes:
             mid = len(data) // 2
-            return data[:mid] + bytes(b ^ 0x5A for b in data[mid:mid + 64]) + data[mid + 64:]
+            return data[:mid] + bytes(b ^ 0x5A for b in data[mid : mid + 64]) + data[mid + 64 :]
 
         # fault -> the failure cause it must be counted under (Mooncake itself refuses a
         # read whose buffers do not match the object's size: TRANSFER_FAIL).
@@ -314,14 +394,21 @@ def test_corrupt_short_and_misplaced_objects_are_detected_and_recompute(tmp_path
                 reset_local_cache(llm)
                 keys = _session_dense_keys(key_log, seen)
                 victim, other = keys[1], keys[2]
-                assert client.replace_bytes(victim, fault(client.get_bytes(victim), client.get_bytes(other))) == 0
+                assert (
+                    client.replace_bytes(
+                        victim, fault(client.get_bytes(victim), client.get_bytes(other))
+                    )
+                    == 0
+                )
                 failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
                 cause_before = metric(llm, "vllm:hybridkv_store_failures", cause=cause)
                 got = generate(llm, session.prompt)
                 ref = generate(llm, session.prompt, cache_salt=f"corrupt-recompute-{i}")
                 failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
                 counted = metric(llm, "vllm:hybridkv_store_failures", cause=cause) - cause_before
-                print(f"\n{name}: cached {got.num_cached_tokens}, failed loads +{failed}, {cause} +{counted}")
+                print(
+                    f"\n{name}: cached {got.num_cached_tokens}, failed loads +{failed}, {cause} +{counted}"
+                )
                 assert failed == 1 and counted >= 1, f"{name}: not refused"
                 assert matches(got, ref), f"{name}: output differs from recompute"
         del llm

@@ -34,7 +34,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import vllm  # noqa: E402  (after the platform variable)
 
-
 if os.environ.get("HYBRIDKV_SCHEDULER_ONLY_CPU") == "1" and not getattr(
     sys.modules.get("sitecustomize"), "SCHEDULER_ONLY_CPU", False
 ):

@@ -86,9 +86,7 @@ class Geometry:
 
     def kv_cache_config(self) -> KVCacheConfig:
         groups = [
-            KVCacheGroupSpec(
-                [f"layer{i}"], spec, is_eagle_group=(i == self.eagle_group)
-            )
+            KVCacheGroupSpec([f"layer{i}"], spec, is_eagle_group=(i == self.eagle_group))
             for i, spec in enumerate(self.specs)
         ]
         return KVCacheConfig(
@@ -184,7 +182,9 @@ def cached_keys(manager: KVCacheManager) -> set[tuple[int, bytes]]:
 def evict_random(manager: KVCacheManager, rng: random.Random, fraction: float) -> None:
     ids = {
         i
-        for entry in vllm_compat.cached_block_ids(manager.block_pool.cached_block_hash_to_block).values()
+        for entry in vllm_compat.cached_block_ids(
+            manager.block_pool.cached_block_hash_to_block
+        ).values()
         for i in entry
     }
     victims = {i for i in ids if rng.random() < fraction}

@@ -23,13 +23,29 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSp
 from hybridkv.store.vllm_compat import get_kv_cache_configs
 
 K3_TEXT_CONFIG = {
-    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 32000,
-    "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "intermediate_size": 512, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True, "max_position_embeddings": 65536,
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "vocab_size": 32000,
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 512,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "mla_use_nope": True,
+    "max_position_embeddings": 65536,
     "torch_dtype": "bfloat16",
-    "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 32, "head_dim": 128,
-                           "short_conv_kernel_size": 4},
+    "linear_attn_config": {
+        "kda_layers": [1],
+        "full_attn_layers": [2],
+        "num_heads": 32,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+    },
 }
 MAX_MODEL_LEN = 65536
 NUM_KDA_GROUPS = 3  # K3 has three KDA layers per MLA layer: three Mamba groups, one MLA group
@@ -46,8 +62,13 @@ def write_k3_config(directory: Path) -> Path:
     return directory
 
 
-def k3_vllm_config(model_dir: Path, num_speculative_tokens: int, tp_size: int = 1,
-                   max_model_len: int = MAX_MODEL_LEN, block_size: int | None = None) -> VllmConfig:
+def k3_vllm_config(
+    model_dir: Path,
+    num_speculative_tokens: int,
+    tp_size: int = 1,
+    max_model_len: int = MAX_MODEL_LEN,
+    block_size: int | None = None,
+) -> VllmConfig:
     """The target's ``VllmConfig`` after vLLM aligned its block size to the KDA state.
 
     ``Platform._align_hybrid_block_size`` reads ``speculative_config.num_speculative_tokens``
@@ -58,8 +79,13 @@ def k3_vllm_config(model_dir: Path, num_speculative_tokens: int, tp_size: int = 
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
 
-    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-                        max_model_len=max_model_len)
+    model = ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=max_model_len,
+    )
     cfg = VllmConfig(model_config=model, cache_config=CacheConfig(enable_prefix_caching=False))
     cfg.cache_config.enable_prefix_caching = True
     cfg.cache_config.mamba_cache_mode = "align"
@@ -68,7 +94,9 @@ def k3_vllm_config(model_dir: Path, num_speculative_tokens: int, tp_size: int = 
     if block_size is not None:
         cfg.cache_config.block_size = block_size
     if num_speculative_tokens:
-        cfg.speculative_config = types.SimpleNamespace(num_speculative_tokens=num_speculative_tokens)
+        cfg.speculative_config = types.SimpleNamespace(
+            num_speculative_tokens=num_speculative_tokens
+        )
     try:
         Platform._align_hybrid_block_size(cfg, FlashMLABackend)
     finally:
@@ -88,40 +116,71 @@ class K3Shape:
         return self.vllm_config.cache_config.block_size
 
     def group_ids(self, kind: type) -> list[int]:
-        return [g for g, grp in enumerate(self.kv_cache_config.kv_cache_groups)
-                if type(grp.kv_cache_spec) is kind]
+        return [
+            g
+            for g, grp in enumerate(self.kv_cache_config.kv_cache_groups)
+            if type(grp.kv_cache_spec) is kind
+        ]
 
 
-def k3_layer_specs(cfg: VllmConfig, num_speculative_tokens: int, tp_size: int = 1) -> dict[str, object]:
+def k3_layer_specs(
+    cfg: VllmConfig, num_speculative_tokens: int, tp_size: int = 1
+) -> dict[str, object]:
     """Per layer, the spec each K3 layer reports (what ``get_kv_cache_spec`` builds)."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-    model_cls, _ = ModelRegistry.resolve_model_cls(cfg.model_config.architecture, model_config=cfg.model_config)
-    spec_cfg = types.SimpleNamespace(num_speculative_tokens=num_speculative_tokens) if num_speculative_tokens else None
-    shape_cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=tp_size),
-                                      model_config=cfg.model_config, speculative_config=spec_cfg,
-                                      cache_config=cfg.cache_config)
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        cfg.model_config.architecture, model_config=cfg.model_config
+    )
+    spec_cfg = (
+        types.SimpleNamespace(num_speculative_tokens=num_speculative_tokens)
+        if num_speculative_tokens
+        else None
+    )
+    shape_cfg = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp_size),
+        model_config=cfg.model_config,
+        speculative_config=spec_cfg,
+        cache_config=cfg.cache_config,
+    )
     block = cfg.cache_config.block_size
-    kda = MambaSpec(block_size=cfg.cache_config.mamba_block_size,
-                    shapes=tuple(model_cls.get_mamba_state_shape_from_config(shape_cfg)),
-                    dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(shape_cfg)),
-                    page_size_padded=cfg.cache_config.mamba_page_size_padded,
-                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,  # vLLM's KDA layer is a GDN subclass
-                    mamba_cache_mode="align", num_speculative_blocks=num_speculative_tokens)
+    kda = MambaSpec(
+        block_size=cfg.cache_config.mamba_block_size,
+        shapes=tuple(model_cls.get_mamba_state_shape_from_config(shape_cfg)),
+        dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(shape_cfg)),
+        page_size_padded=cfg.cache_config.mamba_page_size_padded,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,  # vLLM's KDA layer is a GDN subclass
+        mamba_cache_mode="align",
+        num_speculative_blocks=num_speculative_tokens,
+    )
     specs: dict[str, object] = {f"model.layers.{i}.self_attn": kda for i in range(NUM_KDA_GROUPS)}
     specs[f"model.layers.{NUM_KDA_GROUPS}.self_attn.attn"] = MLAAttentionSpec(
-        block_size=block, num_kv_heads=1, head_size=cfg.model_config.get_head_size(), dtype=torch.bfloat16,
-        cache_dtype_str="auto")
+        block_size=block,
+        num_kv_heads=1,
+        head_size=cfg.model_config.get_head_size(),
+        dtype=torch.bfloat16,
+        cache_dtype_str="auto",
+    )
     if num_speculative_tokens:
         specs[f"model.layers.{NUM_KDA_GROUPS + 1}.self_attn.attn"] = FullAttentionSpec(
-            block_size=block, num_kv_heads=DRAFTER_HEADS, head_size=DRAFTER_HEAD_SIZE, dtype=torch.bfloat16,
-            sliding_window=DRAFTER_WINDOW)
+            block_size=block,
+            num_kv_heads=DRAFTER_HEADS,
+            head_size=DRAFTER_HEAD_SIZE,
+            dtype=torch.bfloat16,
+            sliding_window=DRAFTER_WINDOW,
+        )
     return specs
 
 
-def k3_shape(model_dir: Path, num_speculative_tokens: int, num_blocks: int = 64, tp_size: int = 1,
-             max_model_len: int = MAX_MODEL_LEN, block_size: int | None = None) -> K3Shape:
+def k3_shape(
+    model_dir: Path,
+    num_speculative_tokens: int,
+    num_blocks: int = 64,
+    tp_size: int = 1,
+    max_model_len: int = MAX_MODEL_LEN,
+    block_size: int | None = None,
+) -> K3Shape:
     """vLLM's KV cache config for the K3 shape with room for ``num_blocks`` blocks of
     every layer (``max_model_len``: vLLM refuses memory for less than one such request)."""
     cfg = k3_vllm_config(model_dir, num_speculative_tokens, tp_size, max_model_len, block_size)

@@ -45,8 +45,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def pd_scheduler(model_dir: Path, role: str, geo: Geometry, secret_file: str, *, max_num_seqs: int,
-                 store_master: str | None = None, store_namespace: str = "pd") -> Scheduler:
+def pd_scheduler(
+    model_dir: Path,
+    role: str,
+    geo: Geometry,
+    secret_file: str,
+    *,
+    max_num_seqs: int,
+    store_master: str | None = None,
+    store_namespace: str = "pd",
+) -> Scheduler:
     """What ``EngineCore`` builds in the scheduler process for a P/D instance of ``role``
     (``kv_producer`` / ``kv_consumer``) over ``geo``, block size ``geo.hash_block_size``,
     ``kv_load_failure_policy=recompute``. With ``store_master`` (a mooncake_master address)
@@ -55,37 +63,77 @@ def pd_scheduler(model_dir: Path, role: str, geo: Geometry, secret_file: str, *,
     block = geo.hash_block_size
     pd_extra = {"auth_secret_file": secret_file}
     if store_master is None:
-        transfer = KVTransferConfig(kv_connector="HybridPDConnector", kv_role=role,
-                                    kv_connector_module_path="hybridkv.connector",
-                                    kv_load_failure_policy="recompute", kv_connector_extra_config=pd_extra)
+        transfer = KVTransferConfig(
+            kv_connector="HybridPDConnector",
+            kv_role=role,
+            kv_connector_module_path="hybridkv.connector",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=pd_extra,
+        )
     else:
         transfer = KVTransferConfig(
-            kv_connector="MultiConnector", kv_role=role, kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"connectors": [
-                {"kv_connector": "HybridPDConnector", "kv_role": role,
-                 "kv_connector_module_path": "hybridkv.connector", "kv_connector_extra_config": pd_extra},
-                {"kv_connector": "HybridStoreConnector", "kv_role": role,
-                 "kv_connector_module_path": "hybridkv.connector", "kv_load_failure_policy": "recompute",
-                 "kv_connector_extra_config": {"master_address": store_master,
-                                               "namespace": store_namespace}}]})
-    sched = real_scheduler(model_dir, geo, transfer, CacheConfig(block_size=block, enable_prefix_caching=True),
-                           max_num_seqs=max_num_seqs)
+            kv_connector="MultiConnector",
+            kv_role=role,
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "connectors": [
+                    {
+                        "kv_connector": "HybridPDConnector",
+                        "kv_role": role,
+                        "kv_connector_module_path": "hybridkv.connector",
+                        "kv_connector_extra_config": pd_extra,
+                    },
+                    {
+                        "kv_connector": "HybridStoreConnector",
+                        "kv_role": role,
+                        "kv_connector_module_path": "hybridkv.connector",
+                        "kv_load_failure_policy": "recompute",
+                        "kv_connector_extra_config": {
+                            "master_address": store_master,
+                            "namespace": store_namespace,
+                        },
+                    },
+                ]
+            },
+        )
+    sched = real_scheduler(
+        model_dir,
+        geo,
+        transfer,
+        CacheConfig(block_size=block, enable_prefix_caching=True),
+        max_num_seqs=max_num_seqs,
+    )
     if store_master is None:
         assert isinstance(sched.connector, HybridPDConnector)
     return sched
 
 
-def real_scheduler(model_dir: Path, geo: Geometry, transfer: KVTransferConfig, cache_config: CacheConfig, *,
-                   max_num_seqs: int = 8) -> Scheduler:
+def real_scheduler(
+    model_dir: Path,
+    geo: Geometry,
+    transfer: KVTransferConfig,
+    cache_config: CacheConfig,
+    *,
+    max_num_seqs: int = 8,
+) -> Scheduler:
     """What ``EngineCore`` builds in the scheduler process over ``geo`` (no workers): block
     sizes and cache-hit alignment resolved by vLLM's own functions, the connector built by
     vLLM from ``transfer``."""
     vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                                 enforce_eager=True, max_model_len=geo.max_model_len),
+        model_config=ModelConfig(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=geo.max_model_len,
+        ),
         cache_config=cache_config,
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max_num_seqs,
-                                         max_model_len=geo.max_model_len, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=2048,
+            max_num_seqs=max_num_seqs,
+            max_model_len=geo.max_model_len,
+            is_encoder_decoder=False,
+        ),
         kv_transfer_config=transfer,
     )
     kv_cache_config = geo.kv_cache_config()
@@ -93,27 +141,41 @@ def real_scheduler(model_dir: Path, geo: Geometry, transfer: KVTransferConfig, c
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     kv_cache_config.hash_block_size = hash_block_size
     kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-        kv_cache_config, vllm_config, block_size, hash_block_size)
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=block_size, hash_block_size=hash_block_size)
+        kv_cache_config, vllm_config, block_size, hash_block_size
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+    )
 
 
 def pd_request(req_id: str, prompt: list[int], params: dict, block_size: int) -> Request:
     """A one-token request carrying ``params`` as its ``kv_transfer_params``."""
-    req = Request(req_id, list(prompt), SamplingParams(max_tokens=1), None,
-                  block_hasher=get_request_block_hasher(block_size, sha256))
+    req = Request(
+        req_id,
+        list(prompt),
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
     req.kv_transfer_params = dict(params)
     return req
 
 
-def worker_reply(out: SchedulerOutput, sampled: dict[str, list[int]] | None = None,
-                 **connector: object) -> ModelRunnerOutput:
+def worker_reply(
+    out: SchedulerOutput, sampled: dict[str, list[int]] | None = None, **connector: object
+) -> ModelRunnerOutput:
     """What the workers report for this step (no forward: ``sampled`` tokens and the
     connector's results, ``KVConnectorOutput(**connector)``, only)."""
     ids = list(out.num_scheduled_tokens)
-    return vllm_compat.model_runner_output(ids, sampled_token_ids=[list((sampled or {}).get(r, [])) for r in ids],
-                                           kv_connector_output=KVConnectorOutput(**connector))
+    return vllm_compat.model_runner_output(
+        ids,
+        sampled_token_ids=[list((sampled or {}).get(r, [])) for r in ids],
+        kv_connector_output=KVConnectorOutput(**connector),
+    )
 
 
 def prefill_leg(sched: Scheduler, req: Request) -> dict:
@@ -122,8 +184,14 @@ def prefill_leg(sched: Scheduler, req: Request) -> dict:
     sched.connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata("127.0.0.1", 45678, 0)})
     sched.add_request(req)
     out = sched.schedule()
-    outputs = sched.update_from_output(out, worker_reply(out, {r: [7] for r in out.num_scheduled_tokens},
-                                                         kv_connector_worker_meta=PDWorkerMetadata({})))
+    outputs = sched.update_from_output(
+        out,
+        worker_reply(
+            out,
+            {r: [7] for r in out.num_scheduled_tokens},
+            kv_connector_worker_meta=PDWorkerMetadata({}),
+        ),
+    )
     done = [o for eo in outputs.values() for o in eo.outputs if o.request_id == req.request_id]
     assert len(done) == 1 and done[0].kv_transfer_params, done
     return done[0].kv_transfer_params

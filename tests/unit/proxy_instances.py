@@ -35,7 +35,9 @@ class Server:
     def __init__(self, app: Any) -> None:
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -54,8 +56,12 @@ class FakeVllm(Server):
     ``raw``: (status, body bytes, content type) answered to every POST instead (a broken
     instance). ``gate``: answers wait until it is set."""
 
-    def __init__(self, role: str, raw: tuple[int, bytes, str] | None = None,
-                 gate: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        raw: tuple[int, bytes, str] | None = None,
+        gate: threading.Event | None = None,
+    ) -> None:
         self.role = role
         self.bodies: list[dict[str, Any]] = []
         self.leases: list[str] = []  # prefill: every lease issued (one per prompt)
@@ -75,29 +81,46 @@ class FakeVllm(Server):
             seed = body.get("seed")
             choices, params = [], None
             for p in prompts:
-                if role == "prefill" and (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                if role == "prefill" and (body.get("kv_transfer_params") or {}).get(
+                    "do_remote_decode"
+                ):
                     lease = f"lease-{next(lease_ids)}"
                     self.leases.append(lease)
                     if params is None:  # vLLM hands over the first prompt's parameters only
-                        params = {"do_remote_prefill": True, "remote_request_id": body.get("request_id", "?"),
-                                  "lease": lease}
+                        params = {
+                            "do_remote_prefill": True,
+                            "remote_request_id": body.get("request_id", "?"),
+                            "lease": lease,
+                        }
                 for i in range(n):
                     text = f"{p}|seed={None if seed is None else seed + i}"
-                    choice = ({"index": len(choices), "message": {"role": "assistant", "content": text}} if chat
-                              else {"index": len(choices), "text": text})
+                    choice = (
+                        {"index": len(choices), "message": {"role": "assistant", "content": text}}
+                        if chat
+                        else {"index": len(choices), "text": text}
+                    )
                     choices.append(choice)
             given = body.get("kv_transfer_params") or {}
             if role == "decode" and "lease" in given:
                 self.read.append(given["lease"])
             prompt_tokens = sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompts)
-            out = {"id": f"cmpl-{body.get('request_id', '?')}", "object": "text_completion", "model": "m",
-                   "choices": choices, "kv_transfer_params": params,
-                   "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(choices),
-                             "total_tokens": prompt_tokens + len(choices)}}
+            out = {
+                "id": f"cmpl-{body.get('request_id', '?')}",
+                "object": "text_completion",
+                "model": "m",
+                "choices": choices,
+                "kv_transfer_params": params,
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": len(choices),
+                    "total_tokens": prompt_tokens + len(choices),
+                },
+            }
             if body.get("stream"):
+
                 async def chunks():  # noqa: ANN202
                     for c in choices:
-                        yield f"data: {{\"choices\": [{{\"index\": {c['index']}}}]}}\n\n".encode()
+                        yield f'data: {{"choices": [{{"index": {c["index"]}}}]}}\n\n'.encode()
                     yield b"data: [DONE]\n\n"
 
                 return StreamingResponse(chunks(), media_type="text/event-stream")

@@ -28,13 +28,32 @@ from hybridkv.store.mooncake_backend import MooncakeBackend
 class StoreRig:
     """One StoreWorker with its own (memory-less) client; ``stats`` sums its counters."""
 
-    def __init__(self, master: EmbeddedMaster, schema: KeySchema, num_blocks: int, *, seed: int,
-                 secret_file: str = "", limits: WorkerLimits | None = None, **config: object) -> None:
-        self.client = MooncakeBackend(master.address, global_segment_size=0, local_buffer_size=4 << 20)
-        self.kv = torch.randn(num_blocks, 2, 16, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    def __init__(
+        self,
+        master: EmbeddedMaster,
+        schema: KeySchema,
+        num_blocks: int,
+        *,
+        seed: int,
+        secret_file: str = "",
+        limits: WorkerLimits | None = None,
+        **config: object,
+    ) -> None:
+        self.client = MooncakeBackend(
+            master.address, global_segment_size=0, local_buffer_size=4 << 20
+        )
+        self.kv = torch.randn(
+            num_blocks, 2, 16, 64, generator=torch.Generator().manual_seed(seed)
+        ).to(torch.bfloat16)
         spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-        kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-        cfg = StoreConnectorConfig(master_address=master.address, auth_secret_file=secret_file, **config)
+        kvc = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        )
+        cfg = StoreConnectorConfig(
+            master_address=master.address, auth_secret_file=secret_file, **config
+        )
         self.worker = StoreWorker(cfg, kvc, schema, self.client, limits)
         self.worker.register_kv_caches({"l0": self.kv})
         self.stats: dict = {}
@@ -68,7 +87,7 @@ class StoreRig:
 
     def _take_stats(self) -> None:
         s = self.worker.take_stats()
-        for k, v in (s.data.items() if s is not None else ()):
+        for k, v in s.data.items() if s is not None else ():
             if not isinstance(v, list):
                 self.stats[k] = self.stats.get(k, 0) + v
 
@@ -81,9 +100,12 @@ class StoreRig:
 def store() -> Iterator[tuple[EmbeddedMaster, MooncakeBackend]]:
     """A master and the client holding the store's memory (also the one that reads and
     plants objects: it has no secret and writes whatever it likes)."""
-    with EmbeddedMaster(default_kv_lease_ttl_ms=500) as master, MooncakeBackend(
-        master.address, global_segment_size=32 << 20, local_buffer_size=4 << 20
-    ) as holder:
+    with (
+        EmbeddedMaster(default_kv_lease_ttl_ms=500) as master,
+        MooncakeBackend(
+            master.address, global_segment_size=32 << 20, local_buffer_size=4 << 20
+        ) as holder,
+    ):
         yield master, holder
 
 

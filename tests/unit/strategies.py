@@ -72,7 +72,9 @@ def geometries(
     ``require_sparse``: only the two families with a sparse group (a save mask drops
     blocks only there). ``allow_retention``: also draw vLLM's sparse retention interval.
     """
-    fam = draw(st.sampled_from([f for f in _FAMILIES if f != DENSE_ONLY] if require_sparse else _FAMILIES))
+    fam = draw(
+        st.sampled_from([f for f in _FAMILIES if f != DENSE_ONLY] if require_sparse else _FAMILIES)
+    )
     if fam == DENSE_ONLY:
         sparse_kind = "none"
     else:
@@ -101,7 +103,9 @@ def geometries(
     if "sw" in sparse_kind:
         n_sw = draw(st.integers(1, 2))
         for i in range(n_sw):
-            specs.append(sw(draw(st.sampled_from(sizes)), draw(st.sampled_from(_WINDOWS)), heads=i + 1))
+            specs.append(
+                sw(draw(st.sampled_from(sizes)), draw(st.sampled_from(_WINDOWS)), heads=i + 1)
+            )
     if n_mamba:
         specs.append(mamba(mamba_bs))
     if n_mamba:
@@ -124,8 +128,10 @@ def geometries(
         use_eagle=eagle_mode != "off",
         num_blocks=draw(st.sampled_from([60, 120, 400])) * len(specs),
         retention_interval=retention,
-        label=(f"{fam}: fa={fa_sizes} sw={n_sw} mamba={mamba_bs} fg={fine_grained} "
-               f"eagle={eagle_mode} retention={retention}"),
+        label=(
+            f"{fam}: fa={fa_sizes} sw={n_sw} mamba={mamba_bs} fg={fine_grained} "
+            f"eagle={eagle_mode} retention={retention}"
+        ),
     )
 
 
@@ -218,7 +224,11 @@ def _target_group(manager: KVCacheManager, target: str, pick: int) -> int:
 
 
 def prefill_and_evict(
-    manager: KVCacheManager, geo: Geometry, prompts: list[list[int]], rng: random.Random, eviction: Eviction
+    manager: KVCacheManager,
+    geo: Geometry,
+    prompts: list[list[int]],
+    rng: random.Random,
+    eviction: Eviction,
 ) -> None:
     """Run every prompt through the real manager (chunked, like the scheduler), then evict."""
     ran = []
@@ -233,7 +243,7 @@ def prefill_and_evict(
         victims = set()
         for block_ids in ran:
             ids = block_ids[gid]
-            victims.update(b for b in ids[int(len(ids) * eviction.cut):] if b != 0)
+            victims.update(b for b in ids[int(len(ids) * eviction.cut) :] if b != 0)
         if victims:
             manager.evict_blocks(victims)
     if "random" in eviction.kind:
@@ -243,7 +253,7 @@ def prefill_and_evict(
 def note_geometry(geo: Geometry) -> None:
     """Record the geometry's family (and sparse kinds) in hypothesis's statistics."""
     event(f"geometry: {family(geo)}")
-    kinds = sorted({type(s).__name__ for s in geo.specs if not type(s) is FullAttentionSpec})
+    kinds = sorted({type(s).__name__ for s in geo.specs if type(s) is not FullAttentionSpec})
     event(f"sparse groups: {'+'.join(kinds) or 'none'}")
 
 

@@ -180,13 +180,21 @@ def test_compare_excuses_only_a_real_near_tie():
 def test_compare_excuses_a_three_way_tie_only_when_the_other_token_is_listed_close():
     """Served run: x, then z, then the recompute's y one bf16 ulp down (third); recompute:
     y and x tied exactly. A near-tie, visible only when the top-k reaches the third entry."""
-    served = Completion(token_ids=[5, 6], token_logprobs=[-1.0, -2.0],
-                        top_logprobs=[{5: -1.0}, {6: -2.0, 8: -2.0, 7: -2.0156}])
-    recompute = Completion(token_ids=[5, 7], token_logprobs=[-1.0, -2.0],
-                           top_logprobs=[{5: -1.0}, {7: -2.0, 6: -2.0, 8: -2.0156}])
+    served = Completion(
+        token_ids=[5, 6],
+        token_logprobs=[-1.0, -2.0],
+        top_logprobs=[{5: -1.0}, {6: -2.0, 8: -2.0, 7: -2.0156}],
+    )
+    recompute = Completion(
+        token_ids=[5, 7],
+        token_logprobs=[-1.0, -2.0],
+        top_logprobs=[{5: -1.0}, {7: -2.0, 6: -2.0, 8: -2.0156}],
+    )
     tie = compare(served, recompute, tol=0.1)
     assert tie.matches and tie.tie_at == 1
-    top2 = Completion(token_ids=[5, 6], token_logprobs=[-1.0, -2.0], top_logprobs=[{5: -1.0}, {6: -2.0, 8: -2.0}])
+    top2 = Completion(
+        token_ids=[5, 6], token_logprobs=[-1.0, -2.0], top_logprobs=[{5: -1.0}, {6: -2.0, 8: -2.0}]
+    )
     assert not compare(top2, recompute, tol=0.1).matches  # what a top-2 request saw
 
 
@@ -338,7 +346,9 @@ def _run_on_a_terminal(tmp_path, enabled: str, width: int = 160) -> str:
     script.write_text(_TABLE_SCRIPT.format(enabled=enabled))
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, width, 0, 0))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=slave, stderr=slave, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=slave, stderr=slave, close_fds=True
+    )
     os.close(slave)
     raw = b""
     while True:
@@ -355,10 +365,25 @@ def _run_on_a_terminal(tmp_path, enabled: str, width: int = 160) -> str:
 
 
 def _expected_lines() -> list[str]:
-    rows = [TurnResult(turn=t, prompt_tokens=1500 + 600 * t, cached_tokens=128 * t, hit_source="store",
-                       local_hit_tokens=0, store_hit_tokens=128 * t, reusable_tokens=128 * t, ttft_ms=70.5,
-                       recompute_ttft_ms=120.25, recompute_cached_tokens=0, max_logprob_diff=0.0163,
-                       tokens_match=True, near_tie_at=None, matches_recompute=True) for t in range(1, 5)]
+    rows = [
+        TurnResult(
+            turn=t,
+            prompt_tokens=1500 + 600 * t,
+            cached_tokens=128 * t,
+            hit_source="store",
+            local_hit_tokens=0,
+            store_hit_tokens=128 * t,
+            reusable_tokens=128 * t,
+            ttft_ms=70.5,
+            recompute_ttft_ms=120.25,
+            recompute_cached_tokens=0,
+            max_logprob_diff=0.0163,
+            tokens_match=True,
+            near_tie_at=None,
+            matches_recompute=True,
+        )
+        for t in range(1, 5)
+    ]
     return [table_header(), *(table_row(r) for r in rows), "summary line"]
 
 
@@ -403,8 +428,12 @@ def test_demo_progress_flag():
 def test_compare_fails_on_a_nan_logprob():
     """A NaN logprob (e.g. NaN KV loaded from a corrupt block) must fail the check;
     ``max(worst, nan)`` kept the old worst and passed it."""
-    good = Completion(token_ids=[5, 6], token_logprobs=[-0.1, -0.2], top_logprobs=[{5: -0.1}, {6: -0.2}])
-    bad = Completion(token_ids=[5, 6], token_logprobs=[-0.1, math.nan], top_logprobs=[{5: -0.1}, {6: math.nan}])
+    good = Completion(
+        token_ids=[5, 6], token_logprobs=[-0.1, -0.2], top_logprobs=[{5: -0.1}, {6: -0.2}]
+    )
+    bad = Completion(
+        token_ids=[5, 6], token_logprobs=[-0.1, math.nan], top_logprobs=[{5: -0.1}, {6: math.nan}]
+    )
     assert compare(good, good, 0.1).matches
     assert not compare(bad, good, 0.1).matches
     assert not compare(good, bad, 0.1).matches

@@ -50,7 +50,9 @@ class OneKeyFailsClient:
 @pytest.fixture(scope="module")
 def backend() -> Iterator[MooncakeBackend]:
     with EmbeddedMaster() as master:
-        b = MooncakeBackend(master.address, global_segment_size=64 << 20, local_buffer_size=16 << 20, timeout_s=10.0)
+        b = MooncakeBackend(
+            master.address, global_segment_size=64 << 20, local_buffer_size=16 << 20, timeout_s=10.0
+        )
         try:
             yield b
         finally:
@@ -58,7 +60,9 @@ def backend() -> Iterator[MooncakeBackend]:
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
-def test_one_failed_key_among_real_answers_raises_with_its_code(backend: MooncakeBackend, index: int) -> None:
+def test_one_failed_key_among_real_answers_raises_with_its_code(
+    backend: MooncakeBackend, index: int
+) -> None:
     present, missing = f"t/{uuid.uuid4().hex}", f"t/{uuid.uuid4().hex}"
     assert backend.put_bytes(present, b"x") == 0
     keys = [present, missing, present]
@@ -130,7 +134,9 @@ def pattern(backend: MooncakeBackend) -> tuple[list[str], list[bool]]:
 
 
 @pytest.mark.parametrize("shards", [2, 3, 4, 7, 40, 100])
-def test_parts_are_joined_in_key_order_whatever_returns_first(backend, pattern, shards: int) -> None:
+def test_parts_are_joined_in_key_order_whatever_returns_first(
+    backend, pattern, shards: int
+) -> None:
     """The FIRST part is held back until the others have answered, so a join in completion
     order (or a part dropped / answered twice) gives a different list."""
     keys, want = pattern
@@ -143,7 +149,9 @@ def test_parts_are_joined_in_key_order_whatever_returns_first(backend, pattern, 
     finally:
         backend._store = real
     n = min(shards, len(keys))
-    assert len(slow.calls) == n and sum(slow.calls) == len(keys), slow.calls  # n parts, every key once
+    assert len(slow.calls) == n and sum(slow.calls) == len(keys), (
+        slow.calls
+    )  # n parts, every key once
 
 
 def test_a_failed_code_in_one_part_fails_the_whole_query(backend, pattern) -> None:

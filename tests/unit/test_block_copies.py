@@ -19,11 +19,16 @@ NUM_BLOCKS, PAGE, GDN_BYTES = 8, 131072, 35840
 
 def _shared_layers() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Two (GDN, attention) layer pairs in ONE allocation, as the CPU engine allocates them."""
-    buf = torch.randint(0, 255, (2 * NUM_BLOCKS * PAGE,), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(0))
+    buf = torch.randint(
+        0,
+        255,
+        (2 * NUM_BLOCKS * PAGE,),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(0),
+    )
     layers = {}
     for pair in range(2):
-        part = buf[pair * NUM_BLOCKS * PAGE:(pair + 1) * NUM_BLOCKS * PAGE]
+        part = buf[pair * NUM_BLOCKS * PAGE : (pair + 1) * NUM_BLOCKS * PAGE]
         gdn = part.as_strided((NUM_BLOCKS, 1, 1, GDN_BYTES), (PAGE, GDN_BYTES, GDN_BYTES, 1))
         attn = part.view(torch.bfloat16).view(NUM_BLOCKS, 2, 256, 128)
         assert gdn.data_ptr() == attn.data_ptr()
@@ -51,7 +56,9 @@ def test_redo_copies_whole_blocks_of_every_view_and_nothing_else():
     before = _pages(buf).clone()
     views = block_copy_views(layers, NUM_BLOCKS)
     assert len(views) == 4  # every layer's view, though each pair shares a base address
-    copy_kv_cache_blocks_inplace(layers.values(), NUM_BLOCKS, [KVCacheBlockCopy(1, 3), KVCacheBlockCopy(2, 5)])
+    copy_kv_cache_blocks_inplace(
+        layers.values(), NUM_BLOCKS, [KVCacheBlockCopy(1, 3), KVCacheBlockCopy(2, 5)]
+    )
     redo_block_copies(views, [(1, 3), (2, 5)])
     untouched = [b for b in range(NUM_BLOCKS) if b not in (3, 5)]
     for page, old in zip(_pages(buf), before):

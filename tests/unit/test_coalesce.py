@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from hybridkv.connector.block_layout import KVLayout, coalesce, run_lengths
+from hybridkv.connector.pd_tp import rank_reads
 from hybridkv.connector.pd_transport import coalesced, read_descriptors
 from tests.unit.test_kernel_blocks import CASES, Cache, _hybrid, _single
-from tests.unit.test_pd_tp import _spans
 from tests.unit.test_pd_tp import Cache as TPCache
-from hybridkv.connector.pd_tp import rank_reads
+from tests.unit.test_pd_tp import _spans
 
 POISON = 0x5A
 
@@ -31,7 +31,12 @@ def _pair(case):  # noqa: ANN001, ANN202
     """(prefill cache with random bytes, decode layout, decode raw bytes) of one case."""
     src = Cache(case)
     dst = Cache(case)
-    return src, KVLayout.from_kv_caches(src.config, src.caches), dst, KVLayout.from_kv_caches(dst.config, dst.caches)
+    return (
+        src,
+        KVLayout.from_kv_caches(src.config, src.caches),
+        dst,
+        KVLayout.from_kv_caches(dst.config, dst.caches),
+    )
 
 
 def _apply(rows_local: np.ndarray, rows_remote: np.ndarray) -> None:
@@ -46,7 +51,9 @@ def _after(dst: Cache, local: np.ndarray, remote: np.ndarray) -> np.ndarray:
     return dst.raw.numpy().copy()
 
 
-def _handover(case_groups: int, runs: list[tuple[int, int, int]], nb: int) -> tuple[list[list[int]], list[list[int]]]:
+def _handover(
+    case_groups: int, runs: list[tuple[int, int, int]], nb: int
+) -> tuple[list[list[int]], list[list[int]]]:
     """runs: (group, first remote id, first local id, length) -> per-group id lists."""
     r = [[] for _ in range(case_groups)]
     l_ = [[] for _ in range(case_groups)]
@@ -69,12 +76,16 @@ def _random_handover(cache: Cache, rng: np.random.Generator, contiguous: bool):
         chunk = nb // (2 * groups)
         n = min(3, chunk)
         starts = [int(c * chunk + rng.integers(0, chunk - n + 1)) for c in range(2 * groups)]
-        return ([list(range(starts[2 * g], starts[2 * g] + n)) for g in range(groups)],
-                [list(range(starts[2 * g + 1], starts[2 * g + 1] + n)) for g in range(groups)])
+        return (
+            [list(range(starts[2 * g], starts[2 * g] + n)) for g in range(groups)],
+            [list(range(starts[2 * g + 1], starts[2 * g + 1] + n)) for g in range(groups)],
+        )
     n = min(3, nb // (2 * groups))
     pick = [int(x) for x in rng.permutation(nb)[: 2 * n * groups]]
-    return ([pick[2 * n * g: 2 * n * g + n] for g in range(groups)],
-            [pick[2 * n * g + n: 2 * n * (g + 1)] for g in range(groups)])
+    return (
+        [pick[2 * n * g : 2 * n * g + n] for g in range(groups)],
+        [pick[2 * n * g + n : 2 * n * (g + 1)] for g in range(groups)],
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
@@ -153,7 +164,9 @@ def test_hybrid_overlay_mamba_padded_pages_stay_per_block():
     assert len(c_local) == 2 * 1 + 2 * 2 + 2 * 2
     page = src.pages["fa.0"][1]
     mamba_bytes = src.pages["m.0"][2]
-    assert sorted(c_local[:, 1].tolist()) == sorted([3 * page] * 2 + [src.pages["sw.0"][2]] * 4 + [mamba_bytes] * 4)
+    assert sorted(c_local[:, 1].tolist()) == sorted(
+        [3 * page] * 2 + [src.pages["sw.0"][2]] * 4 + [mamba_bytes] * 4
+    )
     assert np.array_equal(_after(dst, c_local, c_remote), _after(dst, local, remote))
 
 
@@ -224,7 +237,9 @@ def test_tp_head_slices_coalesce_exactly():
     l_ids = [[6, 7, 8], [1, 2]]
     for part, src in zip(plan, ranks, strict=True):
         sl = _spans(full, src, part)
-        local, remote = read_descriptors(full.layout.groups, src.layout.groups, r_ids, l_ids, slices=sl)
+        local, remote = read_descriptors(
+            full.layout.groups, src.layout.groups, r_ids, l_ids, slices=sl
+        )
         c_local, c_remote = coalesced(local, remote)
         full.raw.fill_(POISON)
         _apply(local, remote)
@@ -238,8 +253,13 @@ def test_tp_head_slices_coalesce_exactly():
 def test_coalesce_refuses_overlapping_destinations_and_keeps_devices_apart():
     with pytest.raises(ValueError, match="overlap"):
         coalesce(np.array([0, 8]), np.array([100, 200]), np.array([16, 8]))
-    d, s, n, dd, sd = coalesce(np.array([0, 8, 16]), np.array([100, 108, 116]), np.array([8, 8, 8]),
-                               np.array([0, 0, 1]), np.array([0, 0, 0]))
+    d, s, n, dd, sd = coalesce(
+        np.array([0, 8, 16]),
+        np.array([100, 108, 116]),
+        np.array([8, 8, 8]),
+        np.array([0, 0, 1]),
+        np.array([0, 0, 0]),
+    )
     assert d.tolist() == [0, 16] and n.tolist() == [16, 8] and dd.tolist() == [0, 1]
 
 
@@ -249,7 +269,11 @@ def test_run_lengths():
     assert run_lengths([1, 2, 1]) == [2, 1]
     assert run_lengths([4, 5, 6, 8], peer=[9, 10, 2, 3]) == [2, 1, 1]
     assert run_lengths([7, 6, 5], peer=[3, 2, 1]) == [3]
-    assert run_lengths([7, 6, 5], peer=[1, 2, 3]) == [1, 1, 1]  # reversed on one side: no copy spans two
+    assert run_lengths([7, 6, 5], peer=[1, 2, 3]) == [
+        1,
+        1,
+        1,
+    ]  # reversed on one side: no copy spans two
 
 
 def test_descending_runs_on_both_sides_coalesce():

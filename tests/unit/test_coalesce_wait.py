@@ -52,4 +52,8 @@ def test_a_slow_read_still_backs_off_and_times_out(monkeypatch):
     positive = [s for s in sleeps if s > 0]
     assert positive[0] == 0.00005 and max(positive) == 0.001  # the backoff after the spin window
     # polls without a timer sleep for WAIT_SPIN_S (1e-4 s of clock per poll here), then backs off
-    assert int(pdt.WAIT_SPIN_S / 1e-4) <= sum(1 for s in sleeps if s == 0) <= int(pdt.WAIT_SPIN_S / 1e-4) + 2
+    assert (
+        int(pdt.WAIT_SPIN_S / 1e-4)
+        <= sum(1 for s in sleeps if s == 0)
+        <= int(pdt.WAIT_SPIN_S / 1e-4) + 2
+    )

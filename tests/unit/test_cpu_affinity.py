@@ -43,6 +43,7 @@ def _pinned_to_first_cpu(body):
 def test_embedded_master_started_from_a_pinned_thread_may_use_every_cpu():
     """In CI the master inherited the worker's single core and stopped answering for a
     minute (lookups timed out, saves failed). It must get every usable CPU."""
+
     def start_master():
         master = EmbeddedMaster()
         try:

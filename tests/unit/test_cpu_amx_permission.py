@@ -38,10 +38,14 @@ def _has_amx() -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not _has_amx(),
-                    reason="needs a Linux x86 CPU with AMX (the permission exists only there)")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not _has_amx(),
+    reason="needs a Linux x86 CPU with AMX (the permission exists only there)",
+)
 def test_allow_amx_takes_the_tile_permission_a_fresh_worker_lacks():
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     # A fresh process (torch imported, no matmul yet) lacks it; allow_amx takes it.
     assert out.stdout.split()[-3:] == ["False", "True", "True"], out.stdout
@@ -56,7 +60,10 @@ def test_both_connectors_take_it_in_their_worker_init():
 
     for module in (pd_connector, store_connector):
         assert module.allow_amx is cpu_amx.allow_amx
-        init = inspect.getsource(module.HybridPDConnector.__init__ if module is pd_connector
-                                 else module.HybridStoreConnector.__init__)
-        worker_branch = init[init.index("else:"):]
+        init = inspect.getsource(
+            module.HybridPDConnector.__init__
+            if module is pd_connector
+            else module.HybridStoreConnector.__init__
+        )
+        worker_branch = init[init.index("else:") :]
         assert "allow_amx()" in worker_branch, module.__name__

@@ -28,7 +28,6 @@ from tests.unit.harness import (
 )
 from tests.unit.strategies import PROPERTY, geometries, token_workloads
 
-
 TWO_DENSE_PLUS_MAMBA = Geometry(
     specs=[fa(16, heads=1), fa(32, heads=2), mamba(32)],
     hash_block_size=16,
@@ -171,7 +170,9 @@ def _prefill_in_chunks(manager, geo, tokens, chunks):
     first = True
     for chunk in chunks:
         if first:
-            out = manager.allocate_slots(req, chunk, num_new_computed_tokens=0, new_computed_blocks=computed)
+            out = manager.allocate_slots(
+                req, chunk, num_new_computed_tokens=0, new_computed_blocks=computed
+            )
             first = False
         else:
             out = manager.allocate_slots(req, chunk)
@@ -202,7 +203,9 @@ def _seed_case_fa16_64_fa32_128_mamba_128(keep_mamba_state_at_64: bool):
     if not keep_mamba_state_at_64:
         victims.add(state_at[64])
     manager.evict_blocks(victims)
-    _, hits = manager.coordinator.find_longest_cache_hit_per_group(query.block_hashes, query.num_tokens - 1)
+    _, hits = manager.coordinator.find_longest_cache_hit_per_group(
+        query.block_hashes, query.num_tokens - 1
+    )
     assert tuple(hits) == (64, 128, 128), hits
     return geo, manager, query, state_at
 
@@ -211,9 +214,13 @@ def test_sparse_state_at_reported_length_is_a_convergent_hit():
     """Mamba's state AT 64 is cached: the hit converges at 64 (no store round
     trip) and Mamba's list ends at 64. Before the strict reference, hybridkv
     reported 64 with Mamba's 128-token list and called the hit diverged."""
-    geo, manager, query, state_at = _seed_case_fa16_64_fa32_128_mamba_128(keep_mamba_state_at_64=True)
+    geo, manager, query, state_at = _seed_case_fa16_64_fa32_128_mamba_128(
+        keep_mamba_state_at_64=True
+    )
     geometry = GroupGeometry.from_kv_cache_manager(manager)
-    blocks, reported, _, diverged = reconciled_computed_blocks_for_connector(manager, geometry, query)
+    blocks, reported, _, diverged = reconciled_computed_blocks_for_connector(
+        manager, geometry, query
+    )
     assert (reported, diverged) == (64, False)
     assert [len(b) for b in blocks.blocks] == [4, 2, 2]
     assert blocks.blocks[2][1].block_id == state_at[64]
@@ -221,7 +228,9 @@ def test_sparse_state_at_reported_length_is_a_convergent_hit():
 
 
 def test_sparse_state_absent_at_reported_length_is_diverged_with_a_list_ending_there():
-    geo, manager, query, state_at = _seed_case_fa16_64_fa32_128_mamba_128(keep_mamba_state_at_64=False)
+    geo, manager, query, state_at = _seed_case_fa16_64_fa32_128_mamba_128(
+        keep_mamba_state_at_64=False
+    )
     geometry = GroupGeometry.from_kv_cache_manager(manager)
     calls = []
     blocks, reported, _, diverged = reconciled_computed_blocks_for_connector(
@@ -251,7 +260,11 @@ def _multi_dense_geometries(draw) -> Geometry:
     from tests.unit.harness import sw
 
     n_fa = draw(st.integers(2, 3))
-    sizes = draw(st.lists(st.sampled_from([16, 32, 64]), min_size=n_fa, max_size=n_fa).filter(lambda s: len(set(s)) >= 2))
+    sizes = draw(
+        st.lists(st.sampled_from([16, 32, 64]), min_size=n_fa, max_size=n_fa).filter(
+            lambda s: len(set(s)) >= 2
+        )
+    )
     with_mamba = draw(st.booleans())
     with_window = (not with_mamba) or draw(st.booleans())
     mamba_bs = draw(st.sampled_from([32, 64])) if with_mamba else None
@@ -309,7 +322,9 @@ def _window_realloc_case() -> dict:
     reported length and come back as fresh blocks of the same request."""
     from tests.unit.harness import sw
 
-    case = json.loads((Path(__file__).parent / "data" / "dense_reference_window_realloc.json").read_text())
+    case = json.loads(
+        (Path(__file__).parent / "data" / "dense_reference_window_realloc.json").read_text()
+    )
     geo = Geometry(
         specs=[fa(32, heads=1), fa(16, heads=2), sw(16, 24, heads=1)],
         hash_block_size=16,
@@ -343,8 +358,12 @@ def test_strict_reference_block_tables_match_reported_tokens(geo, work, seed):
     coordinator = manager.coordinator
     for q in queries:
         req = make_request(geo, q)
-        _, first_hits = coordinator.find_longest_cache_hit_per_group(req.block_hashes, req.num_tokens - 1)
-        blocks, reported, _, diverged = reconciled_computed_blocks_for_connector(manager, geometry, req)
+        _, first_hits = coordinator.find_longest_cache_hit_per_group(
+            req.block_hashes, req.num_tokens - 1
+        )
+        blocks, reported, _, diverged = reconciled_computed_blocks_for_connector(
+            manager, geometry, req
+        )
         dense_hits = [first_hits[g] for g in geometry.dense_group_ids]
         if any(first_hits[g] > max(dense_hits) for g in geometry.sparse_group_ids):
             event("guard: convergent fallback")
@@ -372,7 +391,9 @@ def test_strict_reference_block_tables_match_reported_tokens(geo, work, seed):
         # written block only after vLLM dropped it from the table (out of the
         # window), evicted it from the prefix cache and reallocated it; then it
         # no longer carries the hash it was a hit under.
-        hit_hash = {b.block_id: b.block_hash for group in blocks.blocks for b in group if not b.is_null}
+        hit_hash = {
+            b.block_id: b.block_hash for group in blocks.blocks for b in group if not b.is_null
+        }
         out = manager.allocate_slots(
             req,
             req.num_tokens - reported,
@@ -398,7 +419,9 @@ def test_strict_reference_block_tables_match_reported_tokens(geo, work, seed):
             hit_ids = {i for i, b in zip(hit_list, blocks.blocks[gid]) if not b.is_null}
             pool = manager.block_pool
             reused = {i for i in written & hit_ids if pool.blocks[i].block_hash == hit_hash[i]}
-            assert not reused, f"group {gid}: the request would write into cached hit blocks {reused}"
+            assert not reused, (
+                f"group {gid}: the request would write into cached hit blocks {reused}"
+            )
             if written & hit_ids:
                 event("window: a hit block dropped, evicted and reallocated")
                 assert not written & {t.block_id for t in table[:full] if not t.is_null}, gid

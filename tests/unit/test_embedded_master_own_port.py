@@ -29,7 +29,9 @@ def test_listener_is_names_the_process_holding_the_port() -> None:
         assert listener_is(os.getpid(), port) is True
         with EmbeddedMaster(default_kv_lease_ttl_ms=1_000) as m:
             assert m.pid is not None and m.rpc_port is not None
-            assert listener_is(m.pid, m.rpc_port) is True  # the master itself (mooncake's cli execs)
+            assert (
+                listener_is(m.pid, m.rpc_port) is True
+            )  # the master itself (mooncake's cli execs)
             assert listener_is(m.pid, port) is False  # this process's port, not the master's
             assert listener_is(os.getpid(), m.rpc_port) is False
 

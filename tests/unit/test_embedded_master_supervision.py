@@ -59,7 +59,7 @@ def test_sigkilled_owner_takes_its_master_and_temp_dir_along() -> None:
     owner.wait(timeout=10)
     took = _until(lambda: not _alive(master_pid) and not tmp.exists(), 10.0)
     print(f"\nowner SIGKILLed: master gone and {tmp} removed after {took}s")
-    assert took is not None, (f"master alive={_alive(master_pid)} dir exists={tmp.exists()}")
+    assert took is not None, f"master alive={_alive(master_pid)} dir exists={tmp.exists()}"
 
 
 def test_stop_removes_the_temp_dir_and_the_watchdog() -> None:
@@ -75,14 +75,21 @@ def _hits_again(client: MooncakeBackend, buf: np.ndarray) -> bool:
     """A fresh object can be written and found: the store serves hits again."""
     key = f"recovery/{uuid.uuid4().hex}"
     try:
-        return client.put_from([key], [buf.ctypes.data], [4096]) == [0] and client.exists([key]) == [True]
+        return client.put_from([key], [buf.ctypes.data], [4096]) == [0] and client.exists(
+            [key]
+        ) == [True]
     except StoreError:
         return False
 
 
 def _client(address: str) -> tuple[MooncakeBackend, np.ndarray]:
-    client = MooncakeBackend(address, global_segment_size=32 << 20, local_buffer_size=8 << 20,
-                             timeout_s=2.0, retry_after_s=0.5)
+    client = MooncakeBackend(
+        address,
+        global_segment_size=32 << 20,
+        local_buffer_size=8 << 20,
+        timeout_s=2.0,
+        retry_after_s=0.5,
+    )
     buf = np.arange(8192, dtype=np.uint8)
     client.register(buf.ctypes.data, buf.nbytes)
     return client, buf
@@ -91,7 +98,9 @@ def _client(address: str) -> tuple[MooncakeBackend, np.ndarray]:
 def test_supervised_master_is_restarted_and_the_client_hits_again() -> None:
     master = EmbeddedMaster(default_kv_lease_ttl_ms=1000)
     restarted: list[int | None] = []
-    sup = MasterSupervisor(master, max_restarts=2, poll_s=0.1, on_restart=lambda m: restarted.append(m.pid))
+    sup = MasterSupervisor(
+        master, max_restarts=2, poll_s=0.1, on_restart=lambda m: restarted.append(m.pid)
+    )
     client, buf = _client(master.address)
     try:
         old_key = f"before/{uuid.uuid4().hex}"
@@ -101,8 +110,10 @@ def test_supervised_master_is_restarted_and_the_client_hits_again() -> None:
         os.kill(old_pid, signal.SIGKILL)  # a crash, not master.kill(): the supervisor must notice
         t0 = time.monotonic()
         took = _until(lambda: _hits_again(client, buf), RECOVERY_BOUND_S, step_s=0.1)
-        print(f"\nsupervised master SIGKILLed: restarted in {sup.last_restart_s}s, "
-              f"client writes+finds again after {took}s")
+        print(
+            f"\nsupervised master SIGKILLed: restarted in {sup.last_restart_s}s, "
+            f"client writes+finds again after {took}s"
+        )
         assert took is not None
         assert sup.restarts == 1 and restarted == [master.pid] and master.pid != old_pid
         assert master.address == address  # same port: the client needed no new address

@@ -39,15 +39,21 @@ def test_install_fork_turns_vllms_spawn_into_fork_and_restore_undoes_it(monkeypa
     assert system_utils.multiprocessing is multiprocessing
 
 
-def test_the_server_command_runs_the_api_server_under_the_launcher_only_when_asked(monkeypatch, tmp_path):
+def test_the_server_command_runs_the_api_server_under_the_launcher_only_when_asked(
+    monkeypatch, tmp_path
+):
     from hybridkv.cli.server import VllmServer
 
     server = VllmServer(str(tmp_path), port=1)
     monkeypatch.delenv(engine_start.ENV, raising=False)
     assert server.command()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     monkeypatch.setenv(engine_start.ENV, "fork")
-    assert server.command()[1:5] == ["-m", "hybridkv.cli.engine_start", "vllm.entrypoints.openai.api_server",
-                                     "--model"]
+    assert server.command()[1:5] == [
+        "-m",
+        "hybridkv.cli.engine_start",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+    ]
 
 
 def test_the_worker_side_connector_releases_its_store_clients_at_shutdown(monkeypatch):
@@ -72,10 +78,14 @@ def test_the_worker_side_connector_releases_its_store_clients_at_shutdown(monkey
 def _write_where_stdout_points(line: str) -> None:
     import os as _os
 
-    _os.write(1, f"{line} cwd={_os.getcwd()} env={_os.environ.get('HYBRIDKV_TEST_MARK')}\n".encode())
+    _os.write(
+        1, f"{line} cwd={_os.getcwd()} env={_os.environ.get('HYBRIDKV_TEST_MARK')}\n".encode()
+    )
 
 
-def test_a_fork_server_child_writes_where_the_callers_stdout_points_at_its_start(tmp_path, monkeypatch):
+def test_a_fork_server_child_writes_where_the_callers_stdout_points_at_its_start(
+    tmp_path, monkeypatch
+):
     """The e2e tests point fds 1 and 2 at a log file and read the engine workers' lines there
     (tests/e2e/engine_harness.engine_output_to); a fork server's child inherits the server's fds
     instead, unless the caller's travel with it (otherwise an e2e test under fork fails with

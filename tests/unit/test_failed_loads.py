@@ -30,7 +30,9 @@ def test_another_connectors_failure_of_a_tracked_request_counts_as_failed_but_ow
     stale reservation, connector/failed_loads.py) and must not skip the request a second time."""
     f = FailedLoads()
     f.mark({"theirs", "unknown"}, lambda r: False, {"theirs"}.__contains__)
-    assert f.load_failed("theirs") and not f.load_failed("unknown")  # an untracked id is not remembered
+    assert f.load_failed("theirs") and not f.load_failed(
+        "unknown"
+    )  # an untracked id is not remembered
     assert not f.take_deferral("theirs") and f.deferrals == 0
     f.mark({"theirs"}, {"theirs"}.__contains__)  # reported again as its own: owes the deferral now
     assert f.take_deferral("theirs") and not f.take_deferral("theirs")

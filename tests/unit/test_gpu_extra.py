@@ -42,8 +42,17 @@ from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from tests.gpu_resolution import (ARCHES, GPU_PYTHON, PYPI, ROOT, _trust_bundle, manylinux_platforms,
-                                  read_requirements, read_result, resolve_all)
+from tests.gpu_resolution import (
+    ARCHES,
+    GPU_PYTHON,
+    PYPI,
+    ROOT,
+    _trust_bundle,
+    manylinux_platforms,
+    read_requirements,
+    read_result,
+    resolve_all,
+)
 
 CUDA_MAJOR = 13
 
@@ -62,19 +71,27 @@ def cuda_major_of(name: str) -> int | None:
 
 def _target_env(arch: str, python: tuple[int, int]) -> dict[str, str]:
     env = default_environment()
-    env.update(platform_machine=arch, platform_system="Linux", sys_platform="linux",
-               python_version=f"{python[0]}.{python[1]}", python_full_version=f"{python[0]}.{python[1]}.0",
-               implementation_name="cpython", platform_python_implementation="CPython")
+    env.update(
+        platform_machine=arch,
+        platform_system="Linux",
+        sys_platform="linux",
+        python_version=f"{python[0]}.{python[1]}",
+        python_full_version=f"{python[0]}.{python[1]}.0",
+        implementation_name="cpython",
+        platform_python_implementation="CPython",
+    )
     return env
 
 
-def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
-                  python: tuple[int, int]) -> None:
+def check_gpu_set(
+    requirements: list[str], result: dict[str, Any], arch: str, python: tuple[int, int]
+) -> None:
     """Assert that one architecture's resolution is the CUDA 13 set vLLM 0.33 needs."""
     errors = [line for line in result["log"].splitlines() if line.startswith("ERROR")]
     assert result["rc"] == 0 and result["report"] is not None, (
         f"the gpu extra does not resolve for manylinux {arch} cp{python[0]}{python[1]} "
-        f"(pip exit {result['rc']}): {errors}\n{result['log'][-3000:]}")
+        f"(pip exit {result['rc']}): {errors}\n{result['log'][-3000:]}"
+    )
     items = {canonicalize_name(i["metadata"]["name"]): i for i in result["report"]["install"]}
     version = {n: i["metadata"]["version"] for n, i in items.items()}
 
@@ -88,15 +105,21 @@ def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
 
     assert version.get("vllm") == "0.33.0", version.get("vllm")
     env = _target_env(arch, python)
-    vllm_torch = [r for r in map(Requirement, items["vllm"]["metadata"]["requires_dist"])
-                  if canonicalize_name(r.name) == "torch" and (r.marker is None or r.marker.evaluate(env))]
+    vllm_torch = [
+        r
+        for r in map(Requirement, items["vllm"]["metadata"]["requires_dist"])
+        if canonicalize_name(r.name) == "torch" and (r.marker is None or r.marker.evaluate(env))
+    ]
     assert [str(r.specifier) for r in vllm_torch] == ["==2.14.0"]
     assert version["torch"] == "2.14.0"
     assert wheel("torch").endswith(f"_{arch}.whl"), wheel("torch")
 
     # torch's CUDA major, from what its metadata pins on Linux: cuda-toolkit==13.x and nvidia-*-cu13.
-    torch_reqs = [r for r in map(Requirement, items["torch"]["metadata"]["requires_dist"])
-                  if r.marker is None or r.marker.evaluate(env)]
+    torch_reqs = [
+        r
+        for r in map(Requirement, items["torch"]["metadata"]["requires_dist"])
+        if r.marker is None or r.marker.evaluate(env)
+    ]
     majors = {cuda_major_of(r.name) for r in torch_reqs} - {None}
     majors |= {Version(version["cuda-toolkit"]).major} if "cuda-toolkit" in version else set()
     assert majors == {CUDA_MAJOR}, f"torch {version['torch']} on {arch} pins CUDA majors {majors}"
@@ -105,7 +128,9 @@ def check_gpu_set(requirements: list[str], result: dict[str, Any], arch: str,
     # next to vLLM 0.33's CUDA 13 torch would resolve fine and fail at the first transfer).
     for req in map(Requirement, requirements):
         major = cuda_major_of(req.name)
-        assert major in (None, CUDA_MAJOR), f"{req} is a CUDA {major} build; torch is CUDA {CUDA_MAJOR}"
+        assert major in (None, CUDA_MAJOR), (
+            f"{req} is a CUDA {major} build; torch is CUDA {CUDA_MAJOR}"
+        )
 
     # NIXL: the `nixl` package vLLM imports loads nixl_cu<torch's major>; it must be there,
     # at nixl's version, as a wheel for this arch.
@@ -139,12 +164,16 @@ def test_requires_python_admits_the_gpu_python() -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_gpu_extra_resolves_to_one_cuda13_set(gpu_resolution: dict[str, dict[str, Any]], arch: str) -> None:
+def test_gpu_extra_resolves_to_one_cuda13_set(
+    gpu_resolution: dict[str, dict[str, Any]], arch: str
+) -> None:
     check_gpu_set(read_requirements("gpu"), gpu_resolution[arch], arch, GPU_PYTHON)
 
 
 def _index_files(name: str) -> list[str]:
-    req = urllib.request.Request(f"{PYPI}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    req = urllib.request.Request(
+        f"{PYPI}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     ctx = ssl.create_default_context(cafile=_trust_bundle())
     with urllib.request.urlopen(req, context=ctx, timeout=60) as r:
         return [f["filename"] for f in json.load(r)["files"] if not f.get("yanked")]
@@ -158,24 +187,33 @@ def test_every_pinned_wheel_exists_for_each_supported_python_and_arch() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extra = [Requirement(r) for r in project["optional-dependencies"]["gpu"]]
     assert all([s.operator for s in r.specifier] == ["=="] for r in extra), extra  # the extra pins
-    pinned = [r for r in map(Requirement, read_requirements("gpu"))
-              if [s.operator for s in r.specifier] == ["=="]]  # + the pinned base deps
+    pinned = [
+        r
+        for r in map(Requirement, read_requirements("gpu"))
+        if [s.operator for s in r.specifier] == ["=="]
+    ]  # + the pinned base deps
     missing = []
     for req in pinned:
         (spec,) = req.specifier
-        files = [f for f in _index_files(req.name) if f.endswith(".whl")
-                 and parse_wheel_filename(f)[1] == Version(spec.version)]
+        files = [
+            f
+            for f in _index_files(req.name)
+            if f.endswith(".whl") and parse_wheel_filename(f)[1] == Version(spec.version)
+        ]
         tags: set[Tag] = {t for f in files for t in parse_wheel_filename(f)[3]}
         for py in minors:
             for arch in ARCHES:
                 wanted = set(cpython_tags(py, platforms=manylinux_platforms(arch))) | set(
-                    compatible_tags(py, platforms=manylinux_platforms(arch)))
+                    compatible_tags(py, platforms=manylinux_platforms(arch))
+                )
                 if not tags & wanted:
                     missing.append(f"{req} cp{py[0]}{py[1]} {arch}")
     assert missing == []
 
 
-def test_a_background_result_is_reused_only_if_it_resolved_from_these_inputs(tmp_path: Path) -> None:
+def test_a_background_result_is_reused_only_if_it_resolved_from_these_inputs(
+    tmp_path: Path,
+) -> None:
     """read_result (how the fixture takes scripts/test.sh's background run): a result made from
     other inputs, with an arch that did not resolve, or missing an arch is not reused (the
     test then resolves itself); one that matches is, as written."""
@@ -192,8 +230,16 @@ def test_a_background_result_is_reused_only_if_it_resolved_from_these_inputs(tmp
     stale = {**_inputs(), "requirements": [*read_requirements("gpu"), "extra-package==1"]}
     assert written({"inputs": stale, "arches": good}) is None
     assert written({"inputs": {**_inputs(), "pip": "23.2.1"}, "arches": good}) is None
-    assert written({"inputs": _inputs(), "arches": {**good, "aarch64": {**good["aarch64"], "rc": 1}}}) is None
-    assert written({"inputs": _inputs(), "arches": {**good, "x86_64": {**good["x86_64"], "report": None}}}) is None
+    assert (
+        written({"inputs": _inputs(), "arches": {**good, "aarch64": {**good["aarch64"], "rc": 1}}})
+        is None
+    )
+    assert (
+        written(
+            {"inputs": _inputs(), "arches": {**good, "x86_64": {**good["x86_64"], "report": None}}}
+        )
+        is None
+    )
     assert written({"inputs": _inputs(), "arches": {"x86_64": good["x86_64"]}}) is None
     assert written(good) is None  # the old format (no inputs)
     assert written(["not", "a", "dict"]) is None

@@ -51,10 +51,17 @@ class Rank:
         if seed is not None:
             gdp.fill_random(self.cache, seed)
         kvc = self.cache.kvc
-        heads = [int(getattr(gr.kv_cache_spec, "num_kv_heads", 0) or 0) for gr in kvc.kv_cache_groups]
-        self.desc = LayoutDescriptor.from_kv(self.cache.layout, layout_rows(kvc), tp, kv_heads=heads,
-                                             total_kv_heads=g.TOTAL_KV_HEADS,
-                                             state_splits=[group_state_splits(gr) for gr in kvc.kv_cache_groups])
+        heads = [
+            int(getattr(gr.kv_cache_spec, "num_kv_heads", 0) or 0) for gr in kvc.kv_cache_groups
+        ]
+        self.desc = LayoutDescriptor.from_kv(
+            self.cache.layout,
+            layout_rows(kvc),
+            tp,
+            kv_heads=heads,
+            total_kv_heads=g.TOTAL_KV_HEADS,
+            state_splits=[group_state_splits(gr) for gr in kvc.kv_cache_groups],
+        )
 
 
 def _apply(dec: Rank, pre: list[Rank], rank: int, src, dst, plan=None, slices=None) -> None:  # noqa: ANN001
@@ -67,7 +74,9 @@ def _apply(dec: Rank, pre: list[Rank], rank: int, src, dst, plan=None, slices=No
         sl = read_spans(part, dec.desc.groups, p.desc.groups, rows, src, dtp, ptp, rank)
         if slices is not None:
             sl = slices(part, sl)
-        loc, rem = read_descriptors(dec.cache.layout.groups, p.cache.layout.groups, src, dst, slices=sl)
+        loc, rem = read_descriptors(
+            dec.cache.layout.groups, p.cache.layout.groups, src, dst, slices=sl
+        )
         for (la, n, _), (ra, _, _) in zip(loc.tolist(), rem.tolist(), strict=True):
             ctypes.memmove(la, ra, n)
 
@@ -80,7 +89,9 @@ def _setup(ptp: int, dtp: int, kernel: int):
 
 
 def _model(dec: Rank, pre: list[Rank], rank: int, src, dst):  # noqa: ANN001
-    ref = g.expected_groups(dec.cache.kvc, [p.cache.views for p in pre], rank, dec.tp, len(pre), src)
+    ref = g.expected_groups(
+        dec.cache.kvc, [p.cache.views for p in pre], rank, dec.tp, len(pre), src
+    )
     return g.expected_image(dec.cache, ref, dst), ref
 
 
@@ -111,9 +122,10 @@ def test_planted_faults_differ_from_model(ptp: int, dtp: int) -> None:
     pre, decs, src, dst = _setup(ptp, dtp, g.KERNEL)
     for rank, dec in enumerate(decs):
         exp, _ = _model(dec, pre, rank, src, dst)
-        worker = types.SimpleNamespace(_s=types.SimpleNamespace(tp_size=dtp, tp_rank=rank,
-                                                                total_kv_heads=g.TOTAL_KV_HEADS),
-                                       _local=dec.desc)
+        worker = types.SimpleNamespace(
+            _s=types.SimpleNamespace(tp_size=dtp, tp_rank=rank, total_kv_heads=g.TOTAL_KV_HEADS),
+            _local=dec.desc,
+        )
         swapped = g.swapped_plan(worker, lambda job: rank_reads(rank, dtp, ptp, g.TOTAL_KV_HEADS))
         job = types.SimpleNamespace(remote_ports=[0] * ptp)
         gdp.poison(dec.cache)
@@ -131,7 +143,7 @@ def test_planted_faults_differ_from_model(ptp: int, dtp: int) -> None:
         _, conv_bytes, head = g.part_bytes(dec.tp)
         ssm_bytes = g.GDN_V_HEADS // dec.tp * head
         gdn_dst = {b for ids in dst[1:] for b in ids}
-        off = (wrong % (page * NUM_BLOCKS))
+        off = wrong % (page * NUM_BLOCKS)
         blocks, in_page = off // page, off % page
         assert set(blocks.tolist()) <= gdn_dst
         assert int(in_page.min()) >= conv_bytes and int(in_page.max()) < conv_bytes + ssm_bytes
@@ -144,12 +156,18 @@ def test_geometry_is_vllms() -> None:
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
     for tp in (1, 2):
-        want = MambaStateShapeCalculator.gated_delta_net_state_shape(tp, g.GDN_K_HEADS, g.GDN_V_HEADS,
-                                                                     g.GDN_HEAD_K, g.GDN_HEAD_V, g.GDN_KERNEL)
+        want = MambaStateShapeCalculator.gated_delta_net_state_shape(
+            tp, g.GDN_K_HEADS, g.GDN_V_HEADS, g.GDN_HEAD_K, g.GDN_HEAD_V, g.GDN_KERNEL
+        )
         assert tuple(map(tuple, want)) == g.gdn_shapes(tp)
         r = Rank(tp, g.KERNEL, None)
         assert mamba_reslice_problem(r.cache.kvc) is None
         conv, ssm = r.desc.groups[1].splits()
         assert (conv.offset, conv.rows, conv.unit) == (0, g.GDN_KERNEL - 1, 2)
         assert ssm.offset == conv.nbytes and ssm.parts == (g.GDN_V_HEADS // tp,)
-    assert gdp.check_vllm({f"TP{tp} k{k}": g.scenario(tp, kernel=k) for tp in (1, 2) for k in (g.KERNEL, g.BLOCK)}) == 0
+    assert (
+        gdp.check_vllm(
+            {f"TP{tp} k{k}": g.scenario(tp, kernel=k) for tp in (1, 2) for k in (g.KERNEL, g.BLOCK)}
+        )
+        == 0
+    )

@@ -34,13 +34,20 @@ def _exposed_hybridkv_samples() -> set[str]:
     def scoped(cls):  # noqa: ANN001, ANN202 - register into a private registry
         return lambda *args, **kw: cls(*args, registry=registry, **kw)
 
-    types = {t: scoped(t) for t in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    types = {
+        t: scoped(t)
+        for t in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)
+    }
     prom = HybridStorePromMetrics(VllmConfig(), types, ["model_name", "engine"], {0: ["m", "0"]})
     data = {name: 1 for name in COUNTERS} | {"fail.timeout": 1, "hit_tokens.g0": 1}
     data |= {f"lat.{kind}": [0.01] for kind in LATENCIES}
     prom.observe(data, 0)
-    pd = pd_stats.HybridPDPromMetrics(VllmConfig(), types, ["model_name", "engine"], {0: ["m", "0"]})
-    pd_data = {name: 1 for name in pd_stats.COUNTERS} | {f"fail.{cause}": 1 for cause in pd_stats.FAILURE_CAUSES}
+    pd = pd_stats.HybridPDPromMetrics(
+        VllmConfig(), types, ["model_name", "engine"], {0: ["m", "0"]}
+    )
+    pd_data = {name: 1 for name in pd_stats.COUNTERS} | {
+        f"fail.{cause}": 1 for cause in pd_stats.FAILURE_CAUSES
+    }
     pd.observe(pd_data | {f"lat.{kind}": [0.01] for kind in pd_stats.LATENCIES}, 0)
     return {s.name for metric in registry.collect() for s in metric.samples}
 
@@ -95,4 +102,6 @@ def test_every_counter_and_latency_has_a_panel_with_its_description():
 
 def test_committed_dashboard_is_the_generated_one():
     if COMMITTED.read_text() != grafana.render():
-        pytest.fail(f"{COMMITTED} is stale: regenerate it with `hybridkv grafana --out {COMMITTED.relative_to(COMMITTED.parents[2])}`")
+        pytest.fail(
+            f"{COMMITTED} is stale: regenerate it with `hybridkv grafana --out {COMMITTED.relative_to(COMMITTED.parents[2])}`"
+        )

@@ -74,9 +74,18 @@ KDA = list(range(NUM_KDA_GROUPS))
 MLA, DRAFTER = NUM_KDA_GROUPS, NUM_KDA_GROUPS + 1
 SECRET = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-k3-")) / "secret"))
 _LLAMA_64K = {  # the scheduler's ModelConfig only bounds lengths: a tiny local Llama config
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "head_dim": 32, "max_position_embeddings": MAX_MODEL_LEN, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": MAX_MODEL_LEN,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -128,9 +137,17 @@ def _manager(shape: K3Shape, num_blocks: int = 600) -> tuple[KVCacheManager, typ
     """The manager the Scheduler builds for this config (EAGLE block drop on: a drafter)."""
     block, hash_block = _resolved(shape)
     kc = dataclasses.replace(shape.kv_cache_config, num_blocks=num_blocks)
-    manager = KVCacheManager(kc, max_model_len=MAX_MODEL_LEN, scheduler_block_size=block,
-                             hash_block_size=hash_block, use_eagle=True, num_prefill_lookahead=1)
-    geo = types.SimpleNamespace(hash_block_size=hash_block, scheduler_block_size=block, use_eagle=True)
+    manager = KVCacheManager(
+        kc,
+        max_model_len=MAX_MODEL_LEN,
+        scheduler_block_size=block,
+        hash_block_size=hash_block,
+        use_eagle=True,
+        num_prefill_lookahead=1,
+    )
+    geo = types.SimpleNamespace(
+        hash_block_size=hash_block, scheduler_block_size=block, use_eagle=True
+    )
     return manager, geo
 
 
@@ -232,8 +249,11 @@ def test_save_mask_keeps_every_local_hit_and_only_kda_checkpoints(shape):
         mask = mirror.save_mask(g.group_id, 0, n_blocks, num_prompt_tokens=len(PROMPT))
         want = [i == 7 for i in range(n_blocks)] if g.group_id in KDA else [True] * n_blocks
         assert mask == want, g.group_id
-        masked |= {mirror.block_key(g.group_id, req.block_hashes, (i + 1) * g.block_size)
-                   for i in range(n_blocks) if mask[i]}
+        masked |= {
+            mirror.block_key(g.group_id, req.block_hashes, (i + 1) * g.block_size)
+            for i in range(n_blocks)
+            if mask[i]
+        }
     served = []
     for q in _queries():
         r = make_request(geo, q)
@@ -251,20 +271,39 @@ def _pd_scheduler(model_dir: Path, shape: K3Shape, role: str) -> Scheduler:
     a whole prompt: the budget holds it)."""
     block, hash_block = _resolved(shape)
     vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                                 enforce_eager=True, max_model_len=MAX_MODEL_LEN),
-        cache_config=CacheConfig(block_size=hash_block, enable_prefix_caching=True, mamba_cache_mode="align"),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=32768, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-                                         is_encoder_decoder=False),
+        model_config=ModelConfig(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=MAX_MODEL_LEN,
+        ),
+        cache_config=CacheConfig(
+            block_size=hash_block, enable_prefix_caching=True, mamba_cache_mode="align"
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=32768,
+            max_num_seqs=4,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+        ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridPDConnector", kv_role=role, kv_connector_module_path="hybridkv.connector",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"auth_secret_file": SECRET}),
+            kv_connector="HybridPDConnector",
+            kv_role=role,
+            kv_connector_module_path="hybridkv.connector",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"auth_secret_file": SECRET},
+        ),
     )
     kc = dataclasses.replace(shape.kv_cache_config, num_blocks=400)
     vllm_config.cache_config.num_gpu_blocks = kc.num_blocks
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kc,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=block, hash_block_size=hash_block)
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kc,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block,
+        hash_block_size=hash_block,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -287,10 +326,14 @@ def test_pd_reads_each_kda_state_column_never_a_scratch_block(llama_dir, shape):
     remote = params["remote_block_ids"]
     print(f"hand-over {handover}, prefill tables {remote}")
     for g in KDA:
-        assert remote[g][column], f"KDA group {g}: the prefill side lists no state block at column {column}"
+        assert remote[g][column], (
+            f"KDA group {g}: the prefill side lists no state block at column {column}"
+        )
 
     decode = _pd_scheduler(llama_dir, shape, "kv_consumer")
-    req = pd_request("cmpl-k3-d", prompt, params | {"do_remote_prefill": True, "do_remote_decode": False}, 2048)
+    req = pd_request(
+        "cmpl-k3-d", prompt, params | {"do_remote_prefill": True, "do_remote_decode": False}, 2048
+    )
     decode.add_request(req)
     out = decode.schedule()
     reads = out.kv_connector_metadata.reads
@@ -317,11 +360,16 @@ def caches(k3_dir):
     s = k3_shape(k3_dir, NUM_SPEC, num_blocks=8, max_model_len=8192)
     kc = s.kv_cache_config
     kernel = [2048] * NUM_KDA_GROUPS + [MLA_KERNEL_BLOCK, MLA_KERNEL_BLOCK]
-    tensors = allocate_kv_cache(kc, torch.device("cpu"), s.vllm_config.cache_config.get_resolved_kv_cache_layout(),
-                                kernel)
+    tensors = allocate_kv_cache(
+        kc, torch.device("cpu"), s.vllm_config.cache_config.get_resolved_kv_cache_layout(), kernel
+    )
     first = next(iter(tensors.values()))
     raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+    raw.copy_(
+        torch.randint(
+            0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+        )
+    )
     return s, kc, tensors, raw
 
 
@@ -330,7 +378,9 @@ def _page(kc, spec_of, name: str, b: int) -> tuple[int, int]:
     for t in kc.kv_cache_tensors:
         if name in t.layers:
             start = t.offset + t.layers.index(name) * t.layer_stride + b * t.block_stride
-            return start, start + math.prod(compute_layer_kv_cache_shape_bytes(spec_of(name), 1)[1:])
+            return start, start + math.prod(
+                compute_layer_kv_cache_shape_bytes(spec_of(name), 1)[1:]
+            )
     raise KeyError(name)
 
 
@@ -361,11 +411,15 @@ def test_every_transport_moves_exactly_each_manager_block(caches):
         lo, hi = _page(kc, spec_of, name, 0)
         assert g.object_bytes == hi - lo == want_bytes.get(gid, hi - lo)
         if gid in KDA:
-            assert g.object_bytes == sum(np.prod(sh) * dt.itemsize for sh, dt in
-                                         zip(group.kv_cache_spec.shapes, group.kv_cache_spec.dtypes))
+            assert g.object_bytes == sum(
+                np.prod(sh) * dt.itemsize
+                for sh, dt in zip(group.kv_cache_spec.shapes, group.kv_cache_spec.dtypes)
+            )
         ids = [5, 0, 3]
         addrs, sizes = g.regions(ids)
-        stager = build_stager_pools(layout, tensors, 8, 1 << 30, lambda ptr, n: None)[gid]["save"].acquire()
+        stager = build_stager_pools(layout, tensors, 8, 1 << 30, lambda ptr, n: None)[gid][
+            "save"
+        ].acquire()
         slots = stager.gather(ids)
         for k, (b, a, n) in enumerate(zip(ids, addrs, sizes)):
             lo, hi = _page(kc, spec_of, name, b)
@@ -379,27 +433,48 @@ def test_every_transport_moves_exactly_each_manager_block(caches):
 
 def _descriptor(k3_dir, tp: int, block_size: int | None = None) -> LayoutDescriptor:
     """One rank's handshake layout, from vLLM's allocation of the K3 config at ``tp``."""
-    s = k3_shape(k3_dir, NUM_SPEC, num_blocks=8, tp_size=tp, max_model_len=8192, block_size=block_size)
+    s = k3_shape(
+        k3_dir, NUM_SPEC, num_blocks=8, tp_size=tp, max_model_len=8192, block_size=block_size
+    )
     kc = s.kv_cache_config
-    kernel = [g.kv_cache_spec.block_size if isinstance(g.kv_cache_spec, MambaSpec) else MLA_KERNEL_BLOCK
-              for g in kc.kv_cache_groups]
-    tensors = allocate_kv_cache(kc, torch.device("cpu"), s.vllm_config.cache_config.get_resolved_kv_cache_layout(),
-                                kernel)
+    kernel = [
+        g.kv_cache_spec.block_size if isinstance(g.kv_cache_spec, MambaSpec) else MLA_KERNEL_BLOCK
+        for g in kc.kv_cache_groups
+    ]
+    tensors = allocate_kv_cache(
+        kc, torch.device("cpu"), s.vllm_config.cache_config.get_resolved_kv_cache_layout(), kernel
+    )
     mamba = [isinstance(g.kv_cache_spec, MambaSpec) for g in kc.kv_cache_groups]
     # As pd_worker describes its rank: each Mamba group's state splits, each attention
     # group's KV heads on this rank, the model's KV heads.
-    splits = [spec_state_splits(str(g.kv_cache_spec.mamba_type), g.kv_cache_spec.shapes,
-                                [d.itemsize for d in g.kv_cache_spec.dtypes], False) if m else ()
-              for g, m in zip(kc.kv_cache_groups, mamba)]
+    splits = [
+        spec_state_splits(
+            str(g.kv_cache_spec.mamba_type),
+            g.kv_cache_spec.shapes,
+            [d.itemsize for d in g.kv_cache_spec.dtypes],
+            False,
+        )
+        if m
+        else ()
+        for g, m in zip(kc.kv_cache_groups, mamba)
+    ]
     heads = [0 if m else g.kv_cache_spec.num_kv_heads for g, m in zip(kc.kv_cache_groups, mamba)]
-    return LayoutDescriptor.from_kv(KVLayout.from_kv_caches(kc, tensors), layout_rows(kc), tp, kv_heads=heads,
-                                    total_kv_heads=s.vllm_config.model_config.get_total_num_kv_heads(),
-                                    state_splits=splits)
+    return LayoutDescriptor.from_kv(
+        KVLayout.from_kv_caches(kc, tensors),
+        layout_rows(kc),
+        tp,
+        kv_heads=heads,
+        total_kv_heads=s.vllm_config.model_config.get_total_num_kv_heads(),
+        state_splits=splits,
+    )
 
 
 def _problems(k3_dir, block_size: int | None = None) -> set[tuple[str, str]]:
     """What the handshake finds between a TP2 prefill and a TP1 decode of K3."""
-    return {(m.where, m.name) for m in find_mismatches(_descriptor(k3_dir, 2, block_size), _descriptor(k3_dir, 1))}
+    return {
+        (m.where, m.name)
+        for m in find_mismatches(_descriptor(k3_dir, 2, block_size), _descriptor(k3_dir, 1))
+    }
 
 
 def test_k3_manager_block_depends_on_tp_size(k3_dir):
@@ -418,15 +493,24 @@ def test_pd_across_tp_sizes_is_refused_with_the_causes_named(k3_dir):
     rank (per-rank heads 1 x TP 2 is not the model config's 4). The KDA groups' GDN
     state splits pair: their re-slice is accepted."""
     default = _problems(k3_dir)
-    assert {(w, n) for w, n in default if n == "block_size"} == {(f"group {g}", "block_size") for g in range(5)}
-    assert _problems(k3_dir, block_size=2048) == {(f"group {MLA}", "kv_heads"), (f"group {DRAFTER}", "kv_heads")}
+    assert {(w, n) for w, n in default if n == "block_size"} == {
+        (f"group {g}", "block_size") for g in range(5)
+    }
+    assert _problems(k3_dir, block_size=2048) == {
+        (f"group {MLA}", "kv_heads"),
+        (f"group {DRAFTER}", "kv_heads"),
+    }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "connector/pd_tp.py and pd_handshake._heterogeneous_group_mismatches model every attention "
-    "group as KV heads sharded over ranks (per-rank heads x TP must equal the model config's KV "
-    "heads); an MLA latent is one row per token REPLICATED on every rank (MLAAttentionSpec "
-    "num_kv_heads=1 at any TP), so between TP sizes decode should read it whole from one prefill "
-    "rank; today the MLA group is refused (kv_heads) and K3 P/D across TP sizes always recomputes"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "connector/pd_tp.py and pd_handshake._heterogeneous_group_mismatches model every attention "
+        "group as KV heads sharded over ranks (per-rank heads x TP must equal the model config's KV "
+        "heads); an MLA latent is one row per token REPLICATED on every rank (MLAAttentionSpec "
+        "num_kv_heads=1 at any TP), so between TP sizes decode should read it whole from one prefill "
+        "rank; today the MLA group is refused (kv_heads) and K3 P/D across TP sizes always recomputes"
+    ),
+)
 def test_pd_across_tp_sizes_reads_the_mla_latent_from_one_rank(k3_dir):
     assert (f"group {MLA}", "kv_heads") not in _problems(k3_dir, block_size=2048)

@@ -53,13 +53,23 @@ def fa(bs: int, heads: int, head: int) -> FullAttentionSpec:
 
 
 def sw(bs: int, heads: int, head: int) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=head, dtype=torch.float32,
-                             sliding_window=2 * bs)
+    return SlidingWindowSpec(
+        block_size=bs,
+        num_kv_heads=heads,
+        head_size=head,
+        dtype=torch.float32,
+        sliding_window=2 * bs,
+    )
 
 
 def mamba(bs: int, page: int) -> MambaSpec:
-    return MambaSpec(block_size=bs, shapes=((3, 16),), dtypes=(torch.float32,), mamba_cache_mode="align",
-                     page_size_padded=page)
+    return MambaSpec(
+        block_size=bs,
+        shapes=((3, 16),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="align",
+        page_size_padded=page,
+    )
 
 
 @dataclass
@@ -72,7 +82,8 @@ class Case:
     @property
     def label(self) -> str:
         sizes = "+".join(
-            f"{type(s).__name__[:2]}{s.block_size}/{k}" for (_, s), k in zip(self.groups, self.kernel)
+            f"{type(s).__name__[:2]}{s.block_size}/{k}"
+            for (_, s), k in zip(self.groups, self.kernel)
         )
         return f"{self.layout}-{sizes}" + ("-shared" if self.share else "")
 
@@ -119,20 +130,34 @@ class Cache:
         self.config: KVCacheConfig = get_kv_cache_config_from_groups(cfg, groups, NBYTES)
         self.config.kv_cache_layout = case.layout  # as the engine core records it
         self.caches = allocate_kv_cache(
-            self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), case.kernel
+            self.config,
+            torch.device("cpu"),
+            cfg.cache_config.get_resolved_kv_cache_layout(),
+            case.kernel,
         )
         self.num_blocks = self.config.num_blocks
         self.pages = self._pages()  # layer -> (offset of block 0, block stride, content bytes)
-        for layer, target in (case.share or {}).items():  # cross-layer KV sharing, as the runner does it
-            gid = next(g for g, grp in enumerate(self.config.kv_cache_groups) if target in grp.layer_names)
+        for layer, target in (
+            case.share or {}
+        ).items():  # cross-layer KV sharing, as the runner does it
+            gid = next(
+                g for g, grp in enumerate(self.config.kv_cache_groups) if target in grp.layer_names
+            )
             self.config.kv_cache_groups[gid].layer_names.append(layer)
             self.caches[layer] = self.caches[target]
             self.pages[layer] = self.pages[target]
         self.kernel = case.kernel
         first = next(iter(self.caches.values()))
         self.raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
-        self.raw.copy_(torch.randint(0, 256, self.raw.shape, dtype=torch.uint8,
-                                     generator=torch.Generator().manual_seed(7)))
+        self.raw.copy_(
+            torch.randint(
+                0,
+                256,
+                self.raw.shape,
+                dtype=torch.uint8,
+                generator=torch.Generator().manual_seed(7),
+            )
+        )
         self.codes: dict[tuple[str, int], np.ndarray] = {}
         self._write_patterns()
 
@@ -206,7 +231,7 @@ class Cache:
         pos = 0
         for name in self.layers(gid):
             _, _, content = self.pages[name]
-            part = np.frombuffer(obj[pos:pos + content], dtype=self.codes[name, b].dtype)
+            part = np.frombuffer(obj[pos : pos + content], dtype=self.codes[name, b].dtype)
             assert np.array_equal(np.sort(part), np.sort(self.codes[name, b])), (
                 f"group {gid} block {b} layer {name}: not that block's tokens"
             )
@@ -283,7 +308,10 @@ def test_round_trip_lands_in_the_target_blocks_kernel_rows(cache, path):
             ids = cache.owned(gid)
             src, dst = [ids[0], ids[2]], [ids[3], ids[1]]
             before = cache.raw.numpy().copy()
-            want = {name: [cache.manager_view(name)[a].clone() for a in src] for name in cache.layers(gid)}
+            want = {
+                name: [cache.manager_view(name)[a].clone() for a in src]
+                for name in cache.layers(gid)
+            }
             if path == "staged":
                 stager = _stager(cache, layout, gid)
                 stager.gather(src)
@@ -296,7 +324,7 @@ def test_round_trip_lands_in_the_target_blocks_kernel_rows(cache, path):
                 for obj, da, ds in zip(staged, d_addr, sizes):
                     pos = 0
                     for a, n in zip(da, ds):
-                        ctypes.memmove(a, obj[pos:pos + n], n)
+                        ctypes.memmove(a, obj[pos : pos + n], n)
                         pos += n
             for name in cache.layers(gid):
                 mv = cache.manager_view(name)
@@ -304,7 +332,9 @@ def test_round_trip_lands_in_the_target_blocks_kernel_rows(cache, path):
                     assert torch.equal(mv[b].view(torch.uint8), w.view(torch.uint8)), (
                         f"{path}: group {gid} layer {name}: block {b} does not hold the moved block"
                     )
-            assert _touched_outside(cache, before, gid, dst) == 0, f"{path}: bytes outside the target blocks changed"
+            assert _touched_outside(cache, before, gid, dst) == 0, (
+                f"{path}: bytes outside the target blocks changed"
+            )
     finally:
         cache.raw.copy_(saved)
 
@@ -333,6 +363,7 @@ def test_block_format_tells_split_from_unsplit_where_bytes_differ():
     """LBHNC with 2 heads orders a split block [row, head, token] but an unsplit one
     [head, token]: same bytes, different meaning, so formats differ. LBNHC puts tokens
     outside heads, so splitting does not reorder and the formats agree."""
+
     def fmt(layout: str, kernel: int) -> str:
         c = Cache(Case(layout, [(["fa.0"], fa(128, 2, 8))], [kernel]))
         return KVLayout.from_kv_caches(c.config, c.caches).groups[0].block_formats[0]
@@ -367,7 +398,9 @@ def test_padded_kernel_rows_are_one_region_each():
     """Kernel rows a constant stride apart with bytes between them (no vLLM layout makes
     this today): block b = k regions, b*k+j at j * row stride; the stager agrees."""
     num_blocks, k, row, pad = 5, 4, 64, 16  # bytes
-    buf = torch.arange(num_blocks * k * (row + pad), dtype=torch.int32).view(torch.uint8)[: num_blocks * k * (row + pad)]
+    buf = torch.arange(num_blocks * k * (row + pad), dtype=torch.int32).view(torch.uint8)[
+        : num_blocks * k * (row + pad)
+    ]
     t = buf.as_strided((num_blocks * k, 2, row // 2), (row + pad, row // 2, 1))
     geo = block_geometry(t, num_blocks)
     assert geo.offsets == tuple(j * (row + pad) for j in range(k)) and geo.sizes == (row,) * k

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+
 from hybridkv.store.logs import get_logger, logger_name
 
 

@@ -24,8 +24,12 @@ from hybridkv.store.mirror import GroupedKeys, HitBlocks, KeyAnswers, StoreMirro
 from tests.unit.harness import Geometry, fa, make_request, mamba, sw
 
 ROWS = [{"group": 0, "spec": "FullAttentionSpec", "block_size": 16}]
-BENCH = Geometry(specs=[fa(16), fa(32, heads=2), sw(16, 128), mamba(64)], hash_block_size=16,
-                 num_blocks=3000, max_model_len=20000)
+BENCH = Geometry(
+    specs=[fa(16), fa(32, heads=2), sw(16, 128), mamba(64)],
+    hash_block_size=16,
+    num_blocks=3000,
+    max_model_len=20000,
+)
 
 
 def _hashes(n: int, size: int = 32) -> list[bytes]:
@@ -36,7 +40,9 @@ def test_key_carries_the_whole_hash_and_every_identity_part():
     schema = KeySchema.create("m", "bfloat16", ROWS, tp_size=2)
     h = bytes(range(32))
     key = schema.key(3, h)
-    assert key == f"{KEY_SCHEME_VERSION}/{schema.model_id}/{schema.layout_id}/g3/tp2.0-pp1.0/{h.hex()}"
+    assert (
+        key == f"{KEY_SCHEME_VERSION}/{schema.model_id}/{schema.layout_id}/g3/tp2.0-pp1.0/{h.hex()}"
+    )
     # Hashes that share their first 16 bytes (a counter padded to 32) stay apart.
     assert schema.key(3, h[:16] + bytes(16)) != schema.key(3, h[:16] + bytes([1]) + bytes(15))
     assert schema.key(2, h) != key and schema.for_rank(1).key(3, h) != key
@@ -65,13 +71,20 @@ def test_all_rank_names_of_grouped_keys_equal_the_per_key_path(tp):
     rng = random.Random(tp)
     found = [rng.random() < 0.8 for _ in names]
     folded = rank_keys.all_present(found)
-    assert folded == [all(found[i * tp:(i + 1) * tp]) for i in range(len(flat))]
+    assert folded == [all(found[i * tp : (i + 1) * tp]) for i in range(len(flat))]
 
 
 def test_grouped_keys_is_a_sequence_of_group_hash_pairs():
     hashes = _hashes(6)
     keys = GroupedKeys([(1, hashes[:2]), (3, hashes[2:6])])
-    flat = [(1, hashes[0]), (1, hashes[1]), (3, hashes[2]), (3, hashes[3]), (3, hashes[4]), (3, hashes[5])]
+    flat = [
+        (1, hashes[0]),
+        (1, hashes[1]),
+        (3, hashes[2]),
+        (3, hashes[3]),
+        (3, hashes[4]),
+        (3, hashes[5]),
+    ]
     assert len(keys) == 6 and list(keys) == flat
     assert [keys[i] for i in range(-6, 6)] == flat + flat
     assert keys[1:4] == flat[1:4]
@@ -80,7 +93,9 @@ def test_grouped_keys_is_a_sequence_of_group_hash_pairs():
 
 
 def _mirror() -> StoreMirror:
-    return StoreMirror(GroupGeometry.from_params(CoordinatorParams.from_kv_cache_manager(BENCH.manager())))
+    return StoreMirror(
+        GroupGeometry.from_params(CoordinatorParams.from_kv_cache_manager(BENCH.manager()))
+    )
 
 
 def test_answers_and_hit_blocks_equal_their_per_key_forms():
@@ -89,7 +104,9 @@ def test_answers_and_hit_blocks_equal_their_per_key_forms():
     ``(position, (group, hash))`` pairs of the complete-contents hit."""
     mirror = _mirror()
     req = make_request(BENCH, random.Random(5).choices(range(3, 30000), k=2048))
-    contents = set(mirror.probe_keys(req.block_hashes, req.num_tokens - 1, 0)[::7])  # a sparse store
+    contents = set(
+        mirror.probe_keys(req.block_hashes, req.num_tokens - 1, 0)[::7]
+    )  # a sparse store
     asked: list = []
 
     def exists(keys):

@@ -34,8 +34,12 @@ from hybridkv.store.mooncake_backend import MooncakeBackend
 from tests.unit.harness import Geometry, fa, make_request, mamba, sw
 
 # The lookup bench's geometry: FA16 + FA32 + SW16 (window 128) + Mamba64 align, unit 16.
-GEO = Geometry(specs=[fa(16), fa(32, heads=2), sw(16, 128), mamba(64)], hash_block_size=16,
-               num_blocks=3000, max_model_len=20000)
+GEO = Geometry(
+    specs=[fa(16), fa(32, heads=2), sw(16, 128), mamba(64)],
+    hash_block_size=16,
+    num_blocks=3000,
+    max_model_len=20000,
+)
 TOKENS = random.Random(11).choices(range(3, 30000), k=4096)
 
 
@@ -64,7 +68,10 @@ class PartsSpy:
 @pytest.fixture(scope="module")
 def client() -> Iterator[MooncakeBackend]:
     init_none_hash(sha256)
-    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=64 << 20) as c:
+    with (
+        EmbeddedMaster() as master,
+        MooncakeBackend(master.address, global_segment_size=64 << 20) as c,
+    ):
         yield c
 
 
@@ -84,12 +91,18 @@ def test_lookup_in_parts_equals_one_call_and_the_coordinator(client, monkeypatch
     buf = np.zeros(64, dtype=np.uint8)
     client.register(int(buf.ctypes.data), buf.nbytes)
     names = [
-        s.key(g, hh) for g, hh in probe for r, s in enumerate(schema.for_rank(i) for i in range(tp))
-        if not ((g, hh) in holes and r == tp - 1)  # the last rank misses them (TP2: rank 0 has them)
+        s.key(g, hh)
+        for g, hh in probe
+        for r, s in enumerate(schema.for_rank(i) for i in range(tp))
+        if not (
+            (g, hh) in holes and r == tp - 1
+        )  # the last rank misses them (TP2: rank 0 has them)
     ]
     for lo in range(0, len(names), 512):
-        part = names[lo:lo + 512]
-        assert client.put_from(part, [int(buf.ctypes.data)] * len(part), [64] * len(part)) == [0] * len(part)
+        part = names[lo : lo + 512]
+        assert client.put_from(part, [int(buf.ctypes.data)] * len(part), [64] * len(part)) == [
+            0
+        ] * len(part)
     contents = set(probe) - holes
     want = mirror.longest_hit(h, max_tokens, contents)
     assert 2900 < want.tokens < 3008, want.tokens  # the holes decide the hit
@@ -104,7 +117,9 @@ def test_lookup_in_parts_equals_one_call_and_the_coordinator(client, monkeypatch
     # and the exact fallback (the hit ends far below the bound, where the window tail and the
     # Mamba state were not asked): 3 queries.
     assert len(spy.queries) == 3, spy.queries
-    for q in spy.queries:  # as many parts as the query's names allow, sizes within one block's names
+    for (
+        q
+    ) in spy.queries:  # as many parts as the query's names allow, sizes within one block's names
         assert len(q) == min(store_scheduler._LOOKUP_MAX_PARTS, sum(q) // 64) > 1, spy.queries
         assert max(q) - min(q) <= tp and all(n % tp == 0 for n in q), spy.queries
     asked = sum(map(sum, spy.queries))

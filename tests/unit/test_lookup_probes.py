@@ -29,8 +29,12 @@ from tests.unit.strategies import (
 )
 
 # The lookup bench's geometry: FA16 + FA32 + SW16 (window 128) + Mamba64 align, unit 16.
-BENCH = Geometry(specs=[fa(16), fa(32, heads=2), sw(16, 128), mamba(64)], hash_block_size=16,
-                 num_blocks=3000, max_model_len=20000)
+BENCH = Geometry(
+    specs=[fa(16), fa(32, heads=2), sw(16, 128), mamba(64)],
+    hash_block_size=16,
+    num_blocks=3000,
+    max_model_len=20000,
+)
 
 
 def _mirror_for(manager) -> StoreMirror:  # noqa: ANN001 - vLLM KVCacheManager
@@ -46,9 +50,16 @@ def _counting_exists(contents: set, calls: list):
 
 
 @PROPERTY
-@given(geo=geometries(), work=token_workloads(), seed=st.integers(0, 2**16), eviction=evictions(),
-       local_share=st.sampled_from([0.0, 0.0, 0.5, 1.0]))
-def test_probed_lookup_equals_manager_and_reads_only_asked_keys(geo, work, seed, eviction, local_share):
+@given(
+    geo=geometries(),
+    work=token_workloads(),
+    seed=st.integers(0, 2**16),
+    eviction=evictions(),
+    local_share=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
+)
+def test_probed_lookup_equals_manager_and_reads_only_asked_keys(
+    geo, work, seed, eviction, local_share
+):
     prompts, queries = work
     manager = geo.manager()
     prefill_and_evict(manager, geo, prompts, random.Random(seed), eviction)
@@ -63,10 +74,14 @@ def test_probed_lookup_equals_manager_and_reads_only_asked_keys(geo, work, seed,
         local = int(want * local_share) // sbs * sbs
         full = mirror.longest_hit(req.block_hashes, req.num_tokens - 1, contents, local)
         calls: list = []
-        got = mirror.lookup(req.block_hashes, req.num_tokens - 1, _counting_exists(contents, calls), local)
+        got = mirror.lookup(
+            req.block_hashes, req.num_tokens - 1, _counting_exists(contents, calls), local
+        )
         event(f"round trips: {got.round_trips}")
         assert got.hit.tokens == want, geo.label
-        assert got.hit == full, geo.label  # same blocks, positions and keys (tied to vLLM's pool elsewhere)
+        assert got.hit == full, (
+            geo.label
+        )  # same blocks, positions and keys (tied to vLLM's pool elsewhere)
         assert got.unasked_reads == 0
         assert got.round_trips == len(calls) <= (3 if got.fallback else 2)
         asked = [k for c in calls for k in c]
@@ -91,7 +106,9 @@ def test_full_hit_probes_per_group_what_the_coordinator_reads():
     req = make_request(BENCH, random.Random(1).choices(range(3, 30000), k=4096))
     contents = _store_everything(mirror, req)
     calls: list = []
-    got = mirror.lookup(req.block_hashes, req.num_tokens - 1, _counting_exists(contents, calls), record=True)
+    got = mirror.lookup(
+        req.block_hashes, req.num_tokens - 1, _counting_exists(contents, calls), record=True
+    )
     assert got.hit == mirror.longest_hit(req.block_hashes, req.num_tokens - 1, contents)
     assert got.hit.tokens == 4095 // 16 * 16
     assert (got.round_trips, got.fallback, got.unasked_reads) == (2, False, 0)
@@ -111,14 +128,18 @@ def test_sparse_probes_do_not_grow_with_the_prompt_and_dense_ones_follow_the_hit
     tokens = random.Random(2).choices(range(3, 30000), k=16384)
     req = make_request(BENCH, tokens)
     contents = _store_everything(mirror, req)
-    got = mirror.lookup(req.block_hashes, req.num_tokens - 1, _counting_exists(contents, []), record=True)
+    got = mirror.lookup(
+        req.block_hashes, req.num_tokens - 1, _counting_exists(contents, []), record=True
+    )
     assert (got.round_trips, got.fallback) == (2, False)
     assert got.probed == (1024, 513, 17, 8)
     assert got.consulted == (1023, 512, 8, 1)
 
     short = make_request(BENCH, tokens[:1025])
     prefix = _store_everything(mirror, short)  # everything a 1025-token prompt saves (64 units)
-    got = mirror.lookup(req.block_hashes, req.num_tokens - 1, _counting_exists(prefix, []), record=True)
+    got = mirror.lookup(
+        req.block_hashes, req.num_tokens - 1, _counting_exists(prefix, []), record=True
+    )
     assert got.hit == mirror.longest_hit(req.block_hashes, req.num_tokens - 1, prefix)
     assert got.hit.tokens == 1024
     assert (got.round_trips, got.fallback, got.unasked_reads) == (2, False, 0)
@@ -143,7 +164,9 @@ def test_state_far_below_the_candidate_takes_the_exact_fallback():
     req = make_request(BENCH, tokens[:1000] + [5] * 500)
     _, want, _ = manager.get_computed_blocks(req)
     calls: list = []
-    got = mirror.lookup(req.block_hashes, req.num_tokens - 1, _counting_exists(contents, calls), record=True)
+    got = mirror.lookup(
+        req.block_hashes, req.num_tokens - 1, _counting_exists(contents, calls), record=True
+    )
     assert got.hit.tokens == want == 768
     assert (got.round_trips, got.fallback, got.unasked_reads) == (3, True, 0)
     assert got.hit == mirror.longest_hit(req.block_hashes, req.num_tokens - 1, contents)
@@ -156,9 +179,13 @@ def test_known_answers_are_not_asked_again():
     mirror = _mirror_for(manager)
     req = make_request(BENCH, random.Random(3).choices(range(3, 30000), k=2048))
     contents = _store_everything(mirror, req)
-    first = mirror.lookup(req.block_hashes, req.num_tokens - 1, _counting_exists(contents, []), record=True)
+    first = mirror.lookup(
+        req.block_hashes, req.num_tokens - 1, _counting_exists(contents, []), record=True
+    )
     calls: list = []
-    again = mirror.lookup(req.block_hashes, 1024, _counting_exists(contents, calls), known=first.answers)
+    again = mirror.lookup(
+        req.block_hashes, 1024, _counting_exists(contents, calls), known=first.answers
+    )
     assert again.hit == mirror.longest_hit(req.block_hashes, 1024, contents)
     assert again.hit.tokens == 1024 and again.round_trips == 1
     assert not set(calls[0]) & set(first.answers), "an answer already had was asked again"

@@ -63,6 +63,8 @@ _CHILD = textwrap.dedent("""
 def test_malloc_trim_returns_freed_arena_memory() -> None:
     """Linux/glibc (what hybridkv supports): a missing malloc_trim fails here, not skips."""
     assert malloc_trim.libc_malloc_trim() is not None, "this C library has no malloc_trim"
-    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=60, check=True
+    )
     before, after = map(float, out.stdout.split())
     assert before - after > 100, (before, after)  # ~150 MiB freed but resident before the trim

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
 from vllm.config import CacheConfig, KVTransferConfig
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.connector.pd_connector import HybridPDConnector
@@ -58,18 +57,30 @@ def gdn(block_size: int) -> MambaSpec:
     """A GDN state group with two speculative scratch blocks per request."""
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-    return MambaSpec(block_size=block_size, shapes=((3, 48), (2, 8, 8)), dtypes=(torch.bfloat16, torch.float32),
-                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align",
-                     num_speculative_blocks=NUM_SPEC)
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((3, 48), (2, 8, 8)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+        num_speculative_blocks=NUM_SPEC,
+    )
 
 
 def drafter(block_size: int) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float16
+    )
 
 
 MODES = {  # the drafter's layer has twice the target's per-token bytes: half its block
-    mode: Geometry(specs=[fa(32), gdn(32), drafter(16)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096,
-                   label=f"fa32+gdn32+drafter16 {mode}")
+    mode: Geometry(
+        specs=[fa(32), gdn(32), drafter(16)],
+        hash_block_size=UNIT,
+        num_blocks=600,
+        max_model_len=4096,
+        label=f"fa32+gdn32+drafter16 {mode}",
+    )
     for mode in ("block+drafter", "partial+drafter")
 }
 MAMBA = 1
@@ -79,20 +90,44 @@ PREFIX_MATCH_UNIT = {"block+drafter": None, "partial+drafter": UNIT}
 
 def _sched(model_dir, geo: Geometry, mode: str, transfer: KVTransferConfig) -> Scheduler:  # noqa: F811
     """What ``EngineCore`` builds in the scheduler process over ``geo`` in ``mode``."""
-    sched = real_scheduler(model_dir, geo, transfer, CacheConfig(
-        block_size=UNIT, enable_prefix_caching=True, mamba_cache_mode="align",
-        prefix_match_unit=PREFIX_MATCH_UNIT[mode]))
+    sched = real_scheduler(
+        model_dir,
+        geo,
+        transfer,
+        CacheConfig(
+            block_size=UNIT,
+            enable_prefix_caching=True,
+            mamba_cache_mode="align",
+            prefix_match_unit=PREFIX_MATCH_UNIT[mode],
+        ),
+    )
     assert sched.kv_cache_config.hash_block_size == UNIT, (mode, sched.block_size)
     return sched
 
 
-def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, mode: str) -> Scheduler:  # noqa: F811
-    sched = _sched(model_dir, geo, mode, KVTransferConfig(
-        kv_connector="HybridStoreConnector", kv_role="kv_both",
-        kv_connector_module_path="hybridkv.connector.store_connector", kv_load_failure_policy="fail",
-        kv_connector_extra_config={"master_address": master_address, "namespace": namespace, "lookup_cache_s": 0}))
+def _scheduler(
+    geo: Geometry, master_address: str, model_dir, namespace: str, mode: str
+) -> Scheduler:  # noqa: F811
+    sched = _sched(
+        model_dir,
+        geo,
+        mode,
+        KVTransferConfig(
+            kv_connector="HybridStoreConnector",
+            kv_role="kv_both",
+            kv_connector_module_path="hybridkv.connector.store_connector",
+            kv_load_failure_policy="fail",
+            kv_connector_extra_config={
+                "master_address": master_address,
+                "namespace": namespace,
+                "lookup_cache_s": 0,
+            },
+        ),
+    )
     assert isinstance(sched.connector, HybridStoreConnector)
     return sched
+
+
 PROMPT = random.Random(17).choices(range(3, 30000), k=1000)
 
 
@@ -115,7 +150,11 @@ def test_store_loads_into_the_state_column(store, mode):
     mamba_bs = geo.specs[MAMBA].block_size
     col = _state_column(512, mamba_bs)
     assert len(table[MAMBA]) >= col + 1 + NUM_SPEC, "scratch blocks follow the state column"
-    positions = [list(range(512 // geo.specs[0].block_size)), [col], list(range(512 // geo.specs[2].block_size))]
+    positions = [
+        list(range(512 // geo.specs[0].block_size)),
+        [col],
+        list(range(512 // geo.specs[2].block_size)),
+    ]
     assert got == _expected_job(sched, req, positions)
     _finish_load_and_resume(sched, req, out, job, 512)
 
@@ -144,8 +183,14 @@ def test_store_saves_each_state_from_its_column(store, mode):
                     checked += 1
         done = req.num_computed_tokens >= req.num_tokens
         n = out.num_scheduled_tokens.get(req.request_id, 0)
-        sched.update_from_output(out, _worker_reply(out, saves=out.kv_connector_metadata.saves,
-                                                    sampled={req.request_id: [5]} if done and n else None))
+        sched.update_from_output(
+            out,
+            _worker_reply(
+                out,
+                saves=out.kv_connector_metadata.saves,
+                sampled={req.request_id: [5]} if done and n else None,
+            ),
+        )
         finished_steps += req.is_finished()
         if finished_steps > 2:  # saves planned at the finish go out in the next steps
             break
@@ -153,15 +198,26 @@ def test_store_saves_each_state_from_its_column(store, mode):
 
 
 def _pd(model_dir, geo: Geometry, role: str, mode: str):  # noqa: ANN001, ANN202, F811
-    sched = _sched(model_dir, geo, mode, KVTransferConfig(
-        kv_connector="HybridPDConnector", kv_role=role, kv_connector_module_path="hybridkv.connector",
-        kv_load_failure_policy="recompute", kv_connector_extra_config={"auth_secret_file": SECRET}))
+    sched = _sched(
+        model_dir,
+        geo,
+        mode,
+        KVTransferConfig(
+            kv_connector="HybridPDConnector",
+            kv_role=role,
+            kv_connector_module_path="hybridkv.connector",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"auth_secret_file": SECRET},
+        ),
+    )
     assert isinstance(sched.connector, HybridPDConnector)
     return sched
 
 
 def _decode_reads(sched, req_id: str, prompt: list[int], params: dict):  # noqa: ANN001, ANN202
-    req = pd_request(req_id, prompt, params | {"do_remote_prefill": True, "do_remote_decode": False}, UNIT)
+    req = pd_request(
+        req_id, prompt, params | {"do_remote_prefill": True, "do_remote_decode": False}, UNIT
+    )
     sched.add_request(req)
     out = sched.schedule()
     return req, out.kv_connector_metadata.reads
@@ -171,8 +227,10 @@ def _decode_reads(sched, req_id: str, prompt: list[int], params: dict):  # noqa:
 def test_pd_reads_the_state_column_on_both_sides(model_dir, mode):  # noqa: F811
     geo = MODES[mode]
     prompt = PROMPT[:777]
-    params = prefill_leg(_pd(model_dir, geo, "kv_producer", mode), pd_request(f"p-{mode}", prompt,
-                                                                        {"do_remote_decode": True}, UNIT))
+    params = prefill_leg(
+        _pd(model_dir, geo, "kv_producer", mode),
+        pd_request(f"p-{mode}", prompt, {"do_remote_decode": True}, UNIT),
+    )
     handover = int(params["remote_num_tokens"])
     remote = params["remote_block_ids"]
     mamba_bs = geo.specs[MAMBA].block_size
@@ -200,20 +258,29 @@ def test_pd_to_a_data_parallel_decode_reads_on_the_chosen_rank_only(model_dir, m
     geo = MODES[mode]
     prefill = _pd(model_dir, geo, "kv_producer", mode)
     prompts = [PROMPT[:700], PROMPT[100:900]]
-    params = [prefill_leg(prefill, pd_request(f"p{r}-{mode}", p, {"do_remote_decode": True}, UNIT))
-              for r, p in enumerate(prompts)]
+    params = [
+        prefill_leg(prefill, pd_request(f"p{r}-{mode}", p, {"do_remote_decode": True}, UNIT))
+        for r, p in enumerate(prompts)
+    ]
     assert params[0]["remote_engine_id"] == params[1]["remote_engine_id"]
     assert params[0]["remote_lease_id"] != params[1]["remote_lease_id"]
     ranks = [_pd(model_dir, geo, "kv_consumer", mode) for _ in range(2)]
-    assert ranks[0].vllm_config.kv_transfer_config.engine_id != ranks[1].vllm_config.kv_transfer_config.engine_id
+    assert (
+        ranks[0].vllm_config.kv_transfer_config.engine_id
+        != ranks[1].vllm_config.kv_transfer_config.engine_id
+    )
     got = [_decode_reads(ranks[r], f"d{r}-{mode}", prompts[r], params[r]) for r in range(2)]
     for r, (req, reads) in enumerate(got):
         assert [j.req_id for j in reads] == [req.request_id]
         assert reads[0].remote_engine_id == params[r]["remote_engine_id"]
         assert reads[0].lease_id == params[r]["remote_lease_id"]
         assert reads[0].remote_block_ids == [list(x) for x in reads[0].remote_block_ids]
-        mine = {b for group in ranks[r].kv_cache_manager.get_block_ids(req.request_id) for b in group}
+        mine = {
+            b for group in ranks[r].kv_cache_manager.get_block_ids(req.request_id) for b in group
+        }
         assert {b for group in reads[0].local_block_ids for b in group} <= mine
         other_req = got[1 - r][0]
-        assert ranks[r].kv_cache_manager.get_block_ids(other_req.request_id) == ([], [], []) or \
-            other_req.request_id not in ranks[r].requests
+        assert (
+            ranks[r].kv_cache_manager.get_block_ids(other_req.request_id) == ([], [], [])
+            or other_req.request_id not in ranks[r].requests
+        )

@@ -27,22 +27,29 @@ def documented(row: re.Pattern[str] = ROW) -> dict[str, str]:
 def test_every_counter_and_latency_is_documented_with_its_help_text():
     rows = documented()
     expected = {f"vllm:hybridkv_store_{n}_total": d for n, d in COUNTERS.items()}
-    expected |= {f"vllm:hybridkv_store_{n}_latency_seconds": f"histogram: {d}" for n, d in LATENCIES.items()}
+    expected |= {
+        f"vllm:hybridkv_store_{n}_latency_seconds": f"histogram: {d}" for n, d in LATENCIES.items()
+    }
     missing = {m: d for m, d in expected.items() if rows.get(m) != d}
     assert not missing, f"docs/config.md metrics table lacks or misstates: {missing}"
 
 
 def test_the_table_names_no_metric_the_exporter_lacks():
-    exported = ({f"vllm:hybridkv_store_{n}_total" for n in COUNTERS}
-                | {f"vllm:hybridkv_store_{n}_latency_seconds" for n in LATENCIES}
-                | {"vllm:hybridkv_store_failures_total", "vllm:hybridkv_store_group_hit_tokens_total"})
+    exported = (
+        {f"vllm:hybridkv_store_{n}_total" for n in COUNTERS}
+        | {f"vllm:hybridkv_store_{n}_latency_seconds" for n in LATENCIES}
+        | {"vllm:hybridkv_store_failures_total", "vllm:hybridkv_store_group_hit_tokens_total"}
+    )
     assert set(documented()) - exported == set()
 
 
 def test_every_pd_counter_latency_and_cause_is_documented_with_its_help_text():
     rows = documented(PD_ROW)
     expected = {f"vllm:hybridkv_pd_{n}_total": d for n, d in pd_stats.COUNTERS.items()}
-    expected |= {f"vllm:hybridkv_pd_{n}_latency_seconds": f"histogram: {d}" for n, d in pd_stats.LATENCIES.items()}
+    expected |= {
+        f"vllm:hybridkv_pd_{n}_latency_seconds": f"histogram: {d}"
+        for n, d in pd_stats.LATENCIES.items()
+    }
     causes = ", ".join(f"`{c}` ({d})" for c, d in pd_stats.FAILURE_CAUSES.items())
     expected["vllm:hybridkv_pd_failures_total"] = f"{pd_stats.FAILURES_HELP}; `cause`: {causes}"
     missing = {m: d for m, d in expected.items() if rows.get(m) != d}
@@ -50,7 +57,9 @@ def test_every_pd_counter_latency_and_cause_is_documented_with_its_help_text():
 
 
 def test_the_pd_table_names_no_metric_the_exporter_lacks():
-    exported = ({f"vllm:hybridkv_pd_{n}_total" for n in pd_stats.COUNTERS}
-                | {f"vllm:hybridkv_pd_{n}_latency_seconds" for n in pd_stats.LATENCIES}
-                | {"vllm:hybridkv_pd_failures_total"})
+    exported = (
+        {f"vllm:hybridkv_pd_{n}_total" for n in pd_stats.COUNTERS}
+        | {f"vllm:hybridkv_pd_{n}_latency_seconds" for n in pd_stats.LATENCIES}
+        | {"vllm:hybridkv_pd_failures_total"}
+    )
     assert set(documented(PD_ROW)) - exported == set()

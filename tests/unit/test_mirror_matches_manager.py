@@ -25,7 +25,6 @@ from tests.unit.strategies import (
 )
 
 
-
 def _mirror_for(manager) -> StoreMirror:
     return StoreMirror(GroupGeometry.from_params(CoordinatorParams.from_kv_cache_manager(manager)))
 

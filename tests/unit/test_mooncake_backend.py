@@ -18,8 +18,12 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from tests.freeze import freeze
-from hybridkv.store.embedded_master import INSTALL_HINT, EmbeddedMaster, MasterError, find_master_binary
+from hybridkv.store.embedded_master import (
+    INSTALL_HINT,
+    EmbeddedMaster,
+    MasterError,
+    find_master_binary,
+)
 from hybridkv.store.mooncake_backend import (
     CALL_TIMEOUT,
     CLIENT_CLOSED,
@@ -34,6 +38,7 @@ from hybridkv.store.mooncake_backend import (
     StoreError,
     code_name,
 )
+from tests.freeze import freeze
 
 LEASE_MS = 300
 NO_HANG_S = 30.0  # generous: this asserts "does not hang", not latency
@@ -58,7 +63,9 @@ def master() -> Iterator[EmbeddedMaster]:
 @pytest.fixture(scope="module")
 def backend(master: EmbeddedMaster) -> Iterator[MooncakeBackend]:
     # One client per module: close() costs 1-2 s.
-    b = MooncakeBackend(master.address, global_segment_size=128 << 20, local_buffer_size=32 << 20, timeout_s=10.0)
+    b = MooncakeBackend(
+        master.address, global_segment_size=128 << 20, local_buffer_size=32 << 20, timeout_s=10.0
+    )
     yield b
     b.close()
 
@@ -121,7 +128,9 @@ def test_exists_missing_and_present(backend: MooncakeBackend) -> None:
     assert backend.exists([k1, k2, k1]) == [True, False, True]
 
 
-def test_put_from_get_into_round_trip_numpy(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+def test_put_from_get_into_round_trip_numpy(
+    backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]
+) -> None:
     src, dst = buffers
     rng = np.random.default_rng(0)
     sizes = [4096, 1, 100_000, 256 << 10, 3 << 20, 12345]
@@ -153,7 +162,9 @@ def test_put_from_get_into_round_trip_torch(backend: MooncakeBackend) -> None:
     assert torch.equal(blocks.view(torch.int16), out.view(torch.int16))  # byte-exact
 
 
-def test_put_on_existing_key_keeps_old_value(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+def test_put_on_existing_key_keeps_old_value(
+    backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]
+) -> None:
     # Mooncake's put is first-writer-wins (upsert would overwrite): documented behaviour.
     src, dst = buffers
     k = _key("keep")
@@ -169,7 +180,9 @@ def test_put_on_existing_key_keeps_old_value(backend: MooncakeBackend, buffers: 
     assert backend.get_bytes(kb) == b"first"
 
 
-def test_get_missing_key_gives_missing_code(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+def test_get_missing_key_gives_missing_code(
+    backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]
+) -> None:
     src, dst = buffers
     present, missing = _key("p"), _key("missing")
     src[:64] = 3
@@ -182,7 +195,9 @@ def test_get_missing_key_gives_missing_code(backend: MooncakeBackend, buffers: t
     assert code_name(OBJECT_NOT_FOUND) == "OBJECT_NOT_FOUND"
 
 
-def test_buffer_too_small_and_larger_buffer(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+def test_buffer_too_small_and_larger_buffer(
+    backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]
+) -> None:
     src, dst = buffers
     k = _key("small")
     src[:10000] = 5
@@ -195,7 +210,9 @@ def test_buffer_too_small_and_larger_buffer(backend: MooncakeBackend, buffers: t
     assert (dst[:10000] == 5).all()
 
 
-def test_zero_size_put_and_batch_mismatch(backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+def test_zero_size_put_and_batch_mismatch(
+    backend: MooncakeBackend, buffers: tuple[np.ndarray, np.ndarray]
+) -> None:
     src, _ = buffers
     assert backend.put_from([_key("z")], [src.ctypes.data], [0]) == [INVALID_PARAMS]
     assert backend.put_from([], [], []) == [] and backend.get_into([], [], []) == []
@@ -219,7 +236,9 @@ def test_register_is_idempotent(backend: MooncakeBackend) -> None:
         assert bytes(buf[4096:4352]) == bytes(range(256))
 
     backend.register(addr, n)
-    assert raw.register_buffer(addr, n) != 0, "Mooncake accepted a duplicate: the wrapper guards nothing"
+    assert raw.register_buffer(addr, n) != 0, (
+        "Mooncake accepted a duplicate: the wrapper guards nothing"
+    )
     backend.register(addr, n)  # no-op, no error
     backend.register(addr + 4096, 4096)  # inner range: covered, no error
     round_trip("reg-1")
@@ -278,8 +297,13 @@ def _assert_failed(fn, bound_s: float = NO_HANG_S) -> float:
 
 def test_master_killed_next_calls_fail_within_bound() -> None:
     m = EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS)
-    b = MooncakeBackend(m.address, global_segment_size=32 << 20, local_buffer_size=8 << 20,
-                        timeout_s=3.0, retry_after_s=0.5)
+    b = MooncakeBackend(
+        m.address,
+        global_segment_size=32 << 20,
+        local_buffer_size=8 << 20,
+        timeout_s=3.0,
+        retry_after_s=0.5,
+    )
     try:
         buf = np.arange(1 << 16, dtype=np.uint8)
         b.register(buf.ctypes.data, buf.nbytes)
@@ -298,7 +322,13 @@ def test_master_killed_next_calls_fail_within_bound() -> None:
         # the failure is typed: a dead-master code, our timeout, or the open circuit
         with pytest.raises(StoreError) as ei:
             b.exists([k])
-        assert ei.value.code in (RPC_FAIL, RPC_TIMEOUT, CALL_TIMEOUT, CLIENT_STUCK, MASTER_UNREACHABLE)
+        assert ei.value.code in (
+            RPC_FAIL,
+            RPC_TIMEOUT,
+            CALL_TIMEOUT,
+            CLIENT_STUCK,
+            MASTER_UNREACHABLE,
+        )
     finally:
         t0 = time.monotonic()
         b.close()  # up to ~10 s with a dead master, holding the GIL: unboundable, but must end
@@ -312,8 +342,9 @@ def test_master_killed_next_calls_fail_within_bound() -> None:
 def test_hung_master_call_times_out_and_backend_recovers() -> None:
     # SIGSTOP: the binding itself would block 30 s (then -901); the backend gives up after timeout_s.
     m = EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS)
-    b = MooncakeBackend(m.address, global_segment_size=32 << 20, local_buffer_size=8 << 20,
-                        timeout_s=1.0)
+    b = MooncakeBackend(
+        m.address, global_segment_size=32 << 20, local_buffer_size=8 << 20, timeout_s=1.0
+    )
     try:
         k = _key("hung")
         assert b.put_bytes(k, b"v") == 0
@@ -404,8 +435,16 @@ def test_external_master_restart_under_two_clients_recovers_both() -> None:
 
     m = EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS)
     env = dict(os.environ, GLOG_minloglevel="2")
-    procs = [subprocess.Popen([sys.executable, "-c", _RESTART_CLIENT, m.address, name, "90"], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env=env) for name in ("a", "b")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RESTART_CLIENT, m.address, name, "90"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        for name in ("a", "b")
+    ]
     rows: dict[str, list[dict]] = {"a": [], "b": []}
     ready: list[str] = []
 
@@ -420,7 +459,9 @@ def test_external_master_restart_under_two_clients_recovers_both() -> None:
     try:
         deadline = time.monotonic() + 60  # a loaded 2-core box starts processes slowly
         while len(ready) < 2 or min(len(r) for r in rows.values()) < 5:
-            assert time.monotonic() < deadline, f"clients did not start: {ready}, {[len(r) for r in rows.values()]}"
+            assert time.monotonic() < deadline, (
+                f"clients did not start: {ready}, {[len(r) for r in rows.values()]}"
+            )
             time.sleep(0.05)
         assert len(_master_http(m, "/get_all_segments").split()) == 2
         m.kill()
@@ -430,7 +471,9 @@ def test_external_master_restart_under_two_clients_recovers_both() -> None:
         time.sleep(RESTART_RECOVERY_S + 1.0)
         segments = _master_http(m, "/get_all_segments").split()
         keys = set(_master_http(m, "/get_all_keys").split())
-        t_stop = time.time()  # rows after this may be puts onto the segment of a client already killed
+        t_stop = (
+            time.time()
+        )  # rows after this may be puts onto the segment of a client already killed
         for p in procs:  # enough seen: stop them (no close(): it only costs seconds here)
             p.kill()
             p.wait(timeout=10)
@@ -449,9 +492,16 @@ def test_external_master_restart_under_two_clients_recovers_both() -> None:
         assert ok[0]["t"] - t_restart <= RESTART_RECOVERY_S, (name, ok[0]["t"] - t_restart)
         # No relapse once recovered, and what it wrote is held by the new master.
         later = [r for r in after if r["t"] >= ok[0]["t"]]
-        assert all(r["rc"] == 0 and r["seen"] is True for r in later), (name, [r for r in later if r["rc"]][:5])
-        assert {r["key"] for r in later if r["t"] < t_restart + RESTART_RECOVERY_S + 0.5} <= keys  # (read at +6 s)
-        assert later[-1]["epoch"] == 1  # the marker vanished once: state kept beside the store is dropped
+        assert all(r["rc"] == 0 and r["seen"] is True for r in later), (
+            name,
+            [r for r in later if r["rc"]][:5],
+        )
+        assert {
+            r["key"] for r in later if r["t"] < t_restart + RESTART_RECOVERY_S + 0.5
+        } <= keys  # (read at +6 s)
+        assert (
+            later[-1]["epoch"] == 1
+        )  # the marker vanished once: state kept beside the store is dropped
 
 
 # --- the global segment's memory (populate_segment) ------------------------------------------
@@ -470,12 +520,19 @@ def test_objects_landing_in_a_populated_segment_do_not_grow_rss(populate: bool) 
     into it (the only segment of a fresh master) grow RSS by little; the unpopulated control
     shows the step the measurement can see, and both read back what was put."""
     seg, total, size = 64 << 20, 48 << 20, 1 << 20
-    src = np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8)  # touched before measuring
+    src = np.random.default_rng(1).integers(
+        0, 256, total, dtype=np.uint8
+    )  # touched before measuring
     dst = np.zeros(total, dtype=np.uint8)
     with EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS) as m:
         before_setup = _rss_mib()
-        b = MooncakeBackend(m.address, global_segment_size=seg, local_buffer_size=16 << 20, timeout_s=10.0,
-                            populate_segment=populate)
+        b = MooncakeBackend(
+            m.address,
+            global_segment_size=seg,
+            local_buffer_size=16 << 20,
+            timeout_s=10.0,
+            populate_segment=populate,
+        )
         try:
             setup_growth = _rss_mib() - before_setup
             b.register(src.ctypes.data, src.nbytes)
@@ -483,20 +540,25 @@ def test_objects_landing_in_a_populated_segment_do_not_grow_rss(populate: bool) 
             keys = [_key(f"pop{i}") for i in range(total // size)]
             offs = [i * size for i in range(len(keys))]
             rss0 = _rss_mib()
-            assert b.put_from(keys, [src.ctypes.data + o for o in offs], [size] * len(keys)) == [0] * len(keys)
+            assert b.put_from(keys, [src.ctypes.data + o for o in offs], [size] * len(keys)) == [
+                0
+            ] * len(keys)
             growth = _rss_mib() - rss0
-            assert b.get_into(keys, [dst.ctypes.data + o for o in offs], [size] * len(keys)) == [size] * len(keys)
+            assert b.get_into(keys, [dst.ctypes.data + o for o in offs], [size] * len(keys)) == [
+                size
+            ] * len(keys)
             assert np.array_equal(dst, src)
         finally:
             b.close()
-    print(f"\npopulate={populate}: populated {b.segment_populated >> 20} MiB, setup +{setup_growth:.0f} MiB, "
-          f"48 MiB of puts +{growth:.1f} MiB")
+    print(
+        f"\npopulate={populate}: populated {b.segment_populated >> 20} MiB, setup +{setup_growth:.0f} MiB, "
+        f"48 MiB of puts +{growth:.1f} MiB"
+    )
     if populate:
         assert b.segment_populated >= seg and setup_growth >= seg >> 20
         assert growth < 12, f"RSS grew {growth:.1f} MiB as objects landed in a populated segment"
     else:
         assert b.segment_populated == 0 and growth >= 40, f"control: RSS grew only {growth:.1f} MiB"
-
 
 
 # --- reads wait at low priority (read_wait_nice) ---------------------------------------------
@@ -515,7 +577,9 @@ class _NiceRecorder:
             return fn
 
         def call(*args: object) -> object:
-            self.nice.setdefault(name, set()).add(os.getpriority(os.PRIO_PROCESS, 0))  # this thread's
+            self.nice.setdefault(name, set()).add(
+                os.getpriority(os.PRIO_PROCESS, 0)
+            )  # this thread's
             return fn(*args)
 
         return call
@@ -534,27 +598,46 @@ def test_reads_wait_on_threads_at_read_wait_nice(master: EmbeddedMaster, nice: i
     size, n = 16 << 10, 4
     src = np.random.default_rng(2).integers(0, 256, size * n, dtype=np.uint8)
     dst = np.zeros_like(src)
-    b = MooncakeBackend(master.address, global_segment_size=16 << 20, local_buffer_size=16 << 20, timeout_s=10.0,
-                        read_wait_nice=nice)
+    b = MooncakeBackend(
+        master.address,
+        global_segment_size=16 << 20,
+        local_buffer_size=16 << 20,
+        timeout_s=10.0,
+        read_wait_nice=nice,
+    )
     try:
         rec = _NiceRecorder(b._store)
         b._store = rec
         b.register(src.ctypes.data, src.nbytes)
         b.register(dst.ctypes.data, dst.nbytes)
         keys = [_key(f"nice{i}") for i in range(n)]
-        assert b.put_from_parts(keys, [[src.ctypes.data + i * size] for i in range(n)], [[size]] * n) == [0] * n
+        assert (
+            b.put_from_parts(keys, [[src.ctypes.data + i * size] for i in range(n)], [[size]] * n)
+            == [0] * n
+        )
         assert b.exists(keys) == [True] * n
-        assert b.get_into_parts(keys, [[dst.ctypes.data + i * size] for i in range(n)], [[size]] * n) == [size] * n
+        assert (
+            b.get_into_parts(keys, [[dst.ctypes.data + i * size] for i in range(n)], [[size]] * n)
+            == [size] * n
+        )
         assert b.get_into(keys[:1], [dst.ctypes.data], [size]) == [size]
         assert b.put_bytes(_key("nice-bytes"), b"x" * 100) == 0
         assert np.array_equal(dst, src)
     finally:
         b.close()
-    verbs = ("batch_put_from_multi_buffers", "batch_is_exist", "put", "batch_get_into_multi_buffers",
-             "batch_get_into")
+    verbs = (
+        "batch_put_from_multi_buffers",
+        "batch_is_exist",
+        "put",
+        "batch_get_into_multi_buffers",
+        "batch_get_into",
+    )
     assert {v: rec.nice.get(v) for v in verbs} == {
-        "batch_put_from_multi_buffers": {0}, "batch_is_exist": {0}, "put": {0},
-        "batch_get_into_multi_buffers": {nice}, "batch_get_into": {nice},
+        "batch_put_from_multi_buffers": {0},
+        "batch_is_exist": {0},
+        "put": {0},
+        "batch_get_into_multi_buffers": {nice},
+        "batch_get_into": {nice},
     }, rec.nice
     with pytest.raises(ValueError, match="read_wait_nice=20"):
         MooncakeBackend(master.address, read_wait_nice=20)

@@ -23,13 +23,13 @@ from hybridkv.store.object_trailer import (
     MAGIC,
     TAG_BLAKE3_KEYED_64,
     TAG_XXH3_64,
+    TRAILER_BYTES,
     UNAUTHENTICATED,
     ObjectMac,
-    must_remove,
-    TRAILER_BYTES,
     TrailerArena,
     checksum_bytes,
     checksum_parts,
+    must_remove,
     seal,
     size_verdict,
 )
@@ -100,7 +100,9 @@ def test_a_truncated_object_is_caught(cut):
     stored = seal(KEY, payload)[:-cut]
     verdict = _load(stored, KEY, len(payload))
     # 8 bytes short is exactly the old format's size: refused as a format mismatch.
-    assert verdict == (FORMAT_MISMATCH if cut == TRAILER_BYTES - LEGACY_TRAILER_BYTES else "short_object")
+    assert verdict == (
+        FORMAT_MISMATCH if cut == TRAILER_BYTES - LEGACY_TRAILER_BYTES else "short_object"
+    )
 
 
 def test_another_blocks_object_under_this_key_is_caught():
@@ -113,20 +115,25 @@ def test_another_blocks_object_under_this_key_is_caught():
 def test_an_old_format_object_is_a_format_mismatch_not_a_crash():
     """Format 2: payload + u32 b"HVK2" + u32 CRC-32 seeded with the key's CRC (8 bytes)."""
     payload = _payload(5)
-    old = payload + np.asarray([0x324B5648, zlib.crc32(payload, zlib.crc32(KEY.encode()))], "<u4").tobytes()
+    old = (
+        payload
+        + np.asarray([0x324B5648, zlib.crc32(payload, zlib.crc32(KEY.encode()))], "<u4").tobytes()
+    )
     assert len(old) == len(payload) + LEGACY_TRAILER_BYTES
     assert _load(old, KEY, len(payload)) == FORMAT_MISMATCH
 
 
-@pytest.mark.parametrize("field, value", [("version", FORMAT_VERSION + 1), ("version", 2), ("kind", 1),
-                                          ("magic", 0x324B5648)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("version", FORMAT_VERSION + 1), ("version", 2), ("kind", 1), ("magic", 0x324B5648)],
+)
 def test_a_trailer_of_another_version_or_tag_kind_is_a_format_mismatch(field, value):
     """Same size, right check, but a format this reader does not speak: refused, not trusted."""
     payload = _payload(6)
     stored = bytearray(seal(KEY, payload))
     t = len(payload)
     if field == "magic":
-        stored[t:t + 4] = value.to_bytes(4, "little")
+        stored[t : t + 4] = value.to_bytes(4, "little")
     else:
         stored[t + (4 if field == "version" else 5)] = value
     assert _load(bytes(stored), KEY, len(payload)) == FORMAT_MISMATCH
@@ -140,7 +147,10 @@ def test_arena_slots_are_registered_written_and_checked():
     assert arena.holds(2, 0xDEADBEEF_01234567)
     assert arena.verdict(2, 1) == CORRUPT and arena.verdict(1, 0) == FORMAT_MISMATCH
     raw = ctypes.string_at(arena.addr(2), TRAILER_BYTES)
-    assert int.from_bytes(raw[:4], "little") == MAGIC and int.from_bytes(raw[8:], "little") == 0xDEADBEEF_01234567
+    assert (
+        int.from_bytes(raw[:4], "little") == MAGIC
+        and int.from_bytes(raw[8:], "little") == 0xDEADBEEF_01234567
+    )
     arena.clear(4)
     assert arena.verdict(2, 0xDEADBEEF_01234567) == FORMAT_MISMATCH
 
@@ -181,7 +191,9 @@ def test_mac_over_regions_equals_mac_over_bytes_and_differs_per_secret_and_key()
     payload = b"".join(p.tobytes() for p in parts)
     mac = ObjectMac(SECRET)
     assert checksum_parts("k", *_regions(parts), mac) == checksum_bytes("k", payload, mac)
-    assert checksum_bytes("k", payload, mac) != checksum_bytes("k", payload, ObjectMac(SECRET[::-1]))
+    assert checksum_bytes("k", payload, mac) != checksum_bytes(
+        "k", payload, ObjectMac(SECRET[::-1])
+    )
     assert checksum_bytes("k", payload, mac) != checksum_bytes("k2", payload, mac)
     assert checksum_bytes("k", payload, mac) != checksum_bytes("k", payload)
     assert seal("k", payload, mac)[-TRAILER_BYTES + 5] == TAG_BLAKE3_KEYED_64
@@ -196,9 +208,12 @@ def test_mac_verdicts():
     flipped[100] ^= 1
     assert _load_mac(bytes(flipped), KEY, len(payload), mac) == CORRUPT
     assert _load_mac(seal(KEY, payload, ObjectMac(SECRET[::-1])), KEY, len(payload), mac) == CORRUPT
-    assert _load_mac(seal(KEY, payload, mac), KEY, len(payload), None) == FORMAT_MISMATCH  # cannot check
-    assert [must_remove(v) for v in (None, CORRUPT, UNAUTHENTICATED, FORMAT_MISMATCH, "short_object")] == [
-        False, True, True, False, False]
+    assert (
+        _load_mac(seal(KEY, payload, mac), KEY, len(payload), None) == FORMAT_MISMATCH
+    )  # cannot check
+    assert [
+        must_remove(v) for v in (None, CORRUPT, UNAUTHENTICATED, FORMAT_MISMATCH, "short_object")
+    ] == [False, True, True, False, False]
 
 
 def test_mac_refuses_a_short_secret():

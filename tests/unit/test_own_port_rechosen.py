@@ -53,7 +53,9 @@ def _squat(port: int, *, listen: bool = False) -> socket.socket:
 def test_free_ports_are_outside_the_ephemeral_range():
     low, high = ephemeral_range()
     if not candidate_ranges((low, high)):
-        pytest.fail(f"this host's ephemeral range {low}-{high} leaves no port >= {local_ports.LOWEST_PORT} outside it")
+        pytest.fail(
+            f"this host's ephemeral range {low}-{high} leaves no port >= {local_ports.LOWEST_PORT} outside it"
+        )
     ports = [free_port() for _ in range(50)]
     assert all(not (low <= p <= high) and p >= local_ports.LOWEST_PORT for p in ports), ports
     assert len(set(ports)) > 40  # random: concurrent callers rarely collide

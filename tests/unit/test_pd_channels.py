@@ -9,13 +9,20 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.connector import pd_handshake
-from hybridkv.connector.pd_handshake import HandshakeError, HandshakeServer, LeaseRefused, claim_lease, release_blocks
+from hybridkv.connector.pd_handshake import (
+    HandshakeError,
+    HandshakeServer,
+    LeaseRefused,
+    claim_lease,
+    release_blocks,
+)
 from tests.unit.test_pd_params_auth import INFO, KEY, worker  # noqa: F401 (fixture)
 
 
 def test_calls_to_one_peer_share_one_channel(worker):  # noqa: F811
-    with HandshakeServer(INFO, on_release=lambda ids, reader=0, readers=1: None, on_claim=worker._claim,
-                         key=KEY) as server:
+    with HandshakeServer(
+        INFO, on_release=lambda ids, reader=0, readers=1: None, on_claim=worker._claim, key=KEY
+    ) as server:
         before = pd_handshake._channels.opened
         for i in range(20):
             release_blocks(server.address, [f"req-{i}"], 5.0, KEY)
@@ -27,8 +34,9 @@ def test_calls_to_one_peer_share_one_channel(worker):  # noqa: F811
 
 
 def test_a_failed_call_drops_the_channel_and_a_restarted_peer_is_reached(worker):  # noqa: F811
-    server = HandshakeServer(INFO, on_release=lambda ids, reader=0, readers=1: None, on_claim=worker._claim,
-                             key=KEY)
+    server = HandshakeServer(
+        INFO, on_release=lambda ids, reader=0, readers=1: None, on_claim=worker._claim, key=KEY
+    )
     server.start()
     address, port = server.address, int(server.address.rsplit(":", 1)[1])
     release_blocks(address, ["a"], 5.0, KEY)
@@ -37,8 +45,13 @@ def test_a_failed_call_drops_the_channel_and_a_restarted_peer_is_reached(worker)
     with pytest.raises(HandshakeError, match="UNAVAILABLE|DEADLINE"):
         release_blocks(address, ["b"], 1.0, KEY)
     # The same port again (the prefill instance restarted): the next call works at once.
-    with HandshakeServer(INFO, on_release=lambda ids, reader=0, readers=1: None, on_claim=worker._claim,
-                         key=KEY, port=port) as again:
+    with HandshakeServer(
+        INFO,
+        on_release=lambda ids, reader=0, readers=1: None,
+        on_claim=worker._claim,
+        key=KEY,
+        port=port,
+    ) as again:
         assert again.address == address
         release_blocks(address, ["c"], 5.0, KEY)
     # The failed call ran on the cached channel and dropped it; the restarted peer got a new one.

@@ -22,18 +22,39 @@ def test_pd_child_not_chosen_only_releases_the_prefill_lease():
 
     # Two groups of 128-token blocks, no deployment key (unauthenticated: the MAC is not
     # what this test is about; tests/unit/test_pd_params.py covers it).
-    sched = PDScheduler("decode", False, LEASE_S, (), ALIGN, can_prefill=False,
-                        group_block_sizes=(ALIGN, ALIGN), num_blocks=16)
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill",
-              "remote_request_id": "p-1", "remote_host": "127.0.0.1", "remote_port": 1,
-              "remote_block_ids": [[1, 2], [3, 4]], "remote_num_tokens": 256, "remote_lease_id": "0" * 32}
-    request = SimpleNamespace(request_id="d-1", kv_transfer_params=params, num_prompt_tokens=300,
-                              block_hashes=[b"h1", b"h2"])
+    sched = PDScheduler(
+        "decode",
+        False,
+        LEASE_S,
+        (),
+        ALIGN,
+        can_prefill=False,
+        group_block_sizes=(ALIGN, ALIGN),
+        num_blocks=16,
+    )
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "prefill",
+        "remote_request_id": "p-1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "remote_block_ids": [[1, 2], [3, 4]],
+        "remote_num_tokens": 256,
+        "remote_lease_id": "0" * 32,
+    }
+    request = SimpleNamespace(
+        request_id="d-1",
+        kv_transfer_params=params,
+        num_prompt_tokens=300,
+        block_hashes=[b"h1", b"h2"],
+    )
     assert sched.get_num_new_matched_tokens(request, 0) == (256, True)  # offered, then not chosen
     sched.update_state_after_alloc(request, None, 0)
     meta = sched.build_connector_meta(None)
     assert [(j.req_id, j.remote_req_id, j.release_only, j.local_block_ids) for j in meta.reads] == [
-        ("d-1", "p-1", True, [])]
+        ("d-1", "p-1", True, [])
+    ]
     assert not sched.has_pins()
     sched.update_state_after_alloc(request, None, 0)  # re-admission (preemption): nothing more
     assert sched.build_connector_meta(None).reads == []

@@ -43,7 +43,9 @@ SECRET = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-fail-")) / "
 
 
 def _scheduler(model_dir, role: str, num_blocks: int) -> Scheduler:
-    geo = Geometry([fa(BS), sw(BS, 64)], hash_block_size=BS, num_blocks=num_blocks, max_model_len=4096)
+    geo = Geometry(
+        [fa(BS), sw(BS, 64)], hash_block_size=BS, num_blocks=num_blocks, max_model_len=4096
+    )
     return pd_scheduler(model_dir, role, geo, SECRET, max_num_seqs=16)
 
 
@@ -53,8 +55,10 @@ def _request(req_id: str, prompt: list[int], params: dict) -> Request:
 
 def _prefill(model_dir, req_id: str, prompt: list[int], num_blocks: int) -> dict:
     """One prefill leg through a real prefill scheduler: its signed kv_transfer_params."""
-    return prefill_leg(_scheduler(model_dir, "kv_producer", num_blocks),
-                       _request(req_id, prompt, {"do_remote_decode": True}))
+    return prefill_leg(
+        _scheduler(model_dir, "kv_producer", num_blocks),
+        _request(req_id, prompt, {"do_remote_decode": True}),
+    )
 
 
 @pytest.mark.parametrize("num_blocks", [48, 56, 72, 80])  # each stalls without the deferral
@@ -63,8 +67,14 @@ def test_reads_failing_together_do_not_stall_the_engine(model_dir, num_blocks):
     params = [_prefill(model_dir, f"cmpl-p{i}", p, num_blocks) for i, p in enumerate(prompts)]
     sched = _scheduler(model_dir, "kv_consumer", num_blocks)
     pd = sched.connector._scheduler
-    reqs = [_request(f"cmpl-d{num_blocks}-{i}", p, kv | {"do_remote_prefill": True, "do_remote_decode": False})
-            for i, (p, kv) in enumerate(zip(prompts, params))]
+    reqs = [
+        _request(
+            f"cmpl-d{num_blocks}-{i}",
+            p,
+            kv | {"do_remote_prefill": True, "do_remote_decode": False},
+        )
+        for i, (p, kv) in enumerate(zip(prompts, params))
+    ]
     for r in reqs:
         sched.add_request(r)
     out = sched.schedule()
@@ -74,30 +84,50 @@ def test_reads_failing_together_do_not_stall_the_engine(model_dir, num_blocks):
     assert all(r.num_computed_tokens == 288 for r in loading)
     ids = {r.request_id for r in loading}
     # The prefill instance died: every READ failed; the workers release their target blocks.
-    sched.update_from_output(out, worker_reply(out, finished_recving=set(ids), failed_recving=set(ids),
-                                               kv_connector_worker_meta=PDWorkerMetadata({r: 1 for r in ids})))
+    sched.update_from_output(
+        out,
+        worker_reply(
+            out,
+            finished_recving=set(ids),
+            failed_recving=set(ids),
+            kv_connector_worker_meta=PDWorkerMetadata({r: 1 for r in ids}),
+        ),
+    )
     out = sched.schedule()
     statuses = [r.status for r in loading]
-    holding = [r.request_id for r in loading if any(any(g) for g in sched.kv_cache_manager.get_block_ids(r.request_id))]
+    holding = [
+        r.request_id
+        for r in loading
+        if any(any(g) for g in sched.kv_cache_manager.get_block_ids(r.request_id))
+    ]
     deferred, pinned = pd.failed_read_deferrals, pd.has_pins()
     for _ in range(40):
         if out.num_scheduled_tokens:
             break
         reads = out.kv_connector_metadata.reads  # later admissions' READs: these land
         done = {j.req_id for j in reads if not j.release_only}
-        sched.update_from_output(out, worker_reply(out, finished_recving=done,
-                                                   kv_connector_worker_meta=PDWorkerMetadata({r: 1 for r in done})))
+        sched.update_from_output(
+            out,
+            worker_reply(
+                out,
+                finished_recving=done,
+                kv_connector_worker_meta=PDWorkerMetadata({r: 1 for r in done}),
+            ),
+        )
         out = sched.schedule()
     assert out.num_scheduled_tokens, (
         f"engine stalled: free {sched.kv_cache_manager.block_pool.get_num_free_blocks()} of {num_blocks}, "
-        f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in reqs]}")
+        f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in reqs]}"
+    )
     # The step right after the failure: every failed READ had given its blocks back (each
     # stepped aside once), and the READ targets were unpinned.
     assert statuses == [RequestStatus.WAITING] * len(loading) and holding == []
     assert deferred == len(loading) and not pinned
     # A failed READ recomputes its whole prompt: its second admission offers nothing (one
     # transfer per request).
-    recomputing = {r.request_id: PROMPT_TOKENS for r in loading if r.request_id in out.num_scheduled_tokens}
+    recomputing = {
+        r.request_id: PROMPT_TOKENS for r in loading if r.request_id in out.num_scheduled_tokens
+    }
     assert recomputing and {r: out.num_scheduled_tokens[r] for r in recomputing} == recomputing
     assert pd.failed_read_deferrals == len(loading)  # once each, never again
 
@@ -108,8 +138,10 @@ def test_a_read_that_lands_is_not_deferred(model_dir):
     params = [_prefill(model_dir, f"cmpl-q{i}", p, 200) for i, p in enumerate(prompts)]
     sched = _scheduler(model_dir, "kv_consumer", 200)
     pd = sched.connector._scheduler
-    ok, other = (_request(f"cmpl-ok-{i}", p, kv | {"do_remote_prefill": True, "do_remote_decode": False})
-                 for i, (p, kv) in enumerate(zip(prompts, params)))
+    ok, other = (
+        _request(f"cmpl-ok-{i}", p, kv | {"do_remote_prefill": True, "do_remote_decode": False})
+        for i, (p, kv) in enumerate(zip(prompts, params))
+    )
     local = _request("cmpl-local", prompts[0][:200], {})  # no P/D: computed here
     for r in (ok, other, local):
         sched.add_request(r)
@@ -117,9 +149,15 @@ def test_a_read_that_lands_is_not_deferred(model_dir):
     assert ok.status == other.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     # ok's READ lands; a failure reported for a request this connector never read (another
     # MultiConnector child's load) is not this connector's to defer.
-    sched.update_from_output(out, worker_reply(out, finished_recving={ok.request_id},
-                                               failed_recving={local.request_id},
-                                               kv_connector_worker_meta=PDWorkerMetadata({ok.request_id: 1})))
+    sched.update_from_output(
+        out,
+        worker_reply(
+            out,
+            finished_recving={ok.request_id},
+            failed_recving={local.request_id},
+            kv_connector_worker_meta=PDWorkerMetadata({ok.request_id: 1}),
+        ),
+    )
     out = sched.schedule()
     assert out.num_scheduled_tokens.get(ok.request_id) == PROMPT_TOKENS - 288
     assert pd.failed_read_deferrals == 0

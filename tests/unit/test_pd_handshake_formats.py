@@ -24,9 +24,15 @@ def _descriptor(kernel_block_sizes: list[int] | None, layout: str = "LBHNC") -> 
     cfg = VllmConfig()
     cfg.cache_config.kv_cache_layout = layout
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(["fa.0", "fa.1"], spec)], 4 << 20)
-    caches = allocate_kv_cache(config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(),
-                               kernel_block_sizes)
+    config = get_kv_cache_config_from_groups(
+        cfg, [KVCacheGroupSpec(["fa.0", "fa.1"], spec)], 4 << 20
+    )
+    caches = allocate_kv_cache(
+        config,
+        torch.device("cpu"),
+        cfg.cache_config.get_resolved_kv_cache_layout(),
+        kernel_block_sizes,
+    )
     kv = KVLayout.from_kv_caches(config, caches)
     return LayoutDescriptor.from_kv(kv, layout_rows(config), tp_size=1).without_addresses()
 
@@ -36,18 +42,31 @@ def test_layouts_differing_only_in_block_format_are_refused_naming_the_fix():
     a, b = whole.groups[0], split.groups[0]
     # everything the handshake compared before version 4 agrees ...
     assert (a.spec, a.block_size, a.dtype, a.sliding_window, a.block_bytes) == (
-        b.spec, b.block_size, b.dtype, b.sliding_window, b.block_bytes)
+        b.spec,
+        b.block_size,
+        b.dtype,
+        b.sliding_window,
+        b.block_bytes,
+    )
     assert a.block_formats != b.block_formats and len(a.block_formats) == 2
     problems = find_mismatches(whole, split)
     assert [m.field for m in problems] == ["group 0 block_formats"]
     msg = str(problems[0])
-    assert "same attention backend / kernel block size / VLLM_KV_CACHE_LAYOUT on both instances" in msg
-    assert msg.startswith(f"prefill group 0 block_formats={list(a.block_formats)} but decode has "
-                          f"{list(b.block_formats)}")
+    assert (
+        "same attention backend / kernel block size / VLLM_KV_CACHE_LAYOUT on both instances" in msg
+    )
+    assert msg.startswith(
+        f"prefill group 0 block_formats={list(a.block_formats)} but decode has "
+        f"{list(b.block_formats)}"
+    )
     # ... and the formats survive the JSON trip, so the refusal happens across processes too
     assert LayoutDescriptor.from_json(split.to_json()).groups[0].block_formats == b.block_formats
-    assert find_mismatches(LayoutDescriptor.from_json(whole.to_json()),
-                           LayoutDescriptor.from_json(split.to_json())) == problems
+    assert (
+        find_mismatches(
+            LayoutDescriptor.from_json(whole.to_json()), LayoutDescriptor.from_json(split.to_json())
+        )
+        == problems
+    )
 
 
 def test_equal_formats_pass_and_the_version_says_so():

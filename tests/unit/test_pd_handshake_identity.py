@@ -33,10 +33,16 @@ def _descriptor(vllm_config: VllmConfig) -> LayoutDescriptor:
     cfg = VllmConfig()
     cfg.cache_config.kv_cache_layout = "LBHNC"
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.uint8)
-    config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(["fa.0", "fa.1"], spec)], 1 << 20)
-    caches = allocate_kv_cache(config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), None)
+    config = get_kv_cache_config_from_groups(
+        cfg, [KVCacheGroupSpec(["fa.0", "fa.1"], spec)], 1 << 20
+    )
+    caches = allocate_kv_cache(
+        config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), None
+    )
     kv = KVLayout.from_kv_caches(config, caches)
-    d = LayoutDescriptor.from_kv(kv, layout_rows(config), tp_size=1, kv_identity=kv_identity(vllm_config))
+    d = LayoutDescriptor.from_kv(
+        kv, layout_rows(config), tp_size=1, kv_identity=kv_identity(vllm_config)
+    )
     return LayoutDescriptor.from_json(d.without_addresses().to_json())  # as decode sends it
 
 
@@ -52,11 +58,17 @@ def test_fp8_variants_are_refused_naming_the_cache_dtype(model_dir):
     assert p.groups == d.groups  # the geometry cannot tell them apart ...
     problems = find_mismatches(p, d)  # ... the identity does
     assert [m.field for m in problems] == ["kv_identity.kv_cache_dtype"]
-    assert str(problems[0]) == f'prefill kv_identity.kv_cache_dtype="fp8_e4m3" but decode has "fp8_e5m2": {_FIX}'
+    assert (
+        str(problems[0])
+        == f'prefill kv_identity.kv_cache_dtype="fp8_e4m3" but decode has "fp8_e5m2": {_FIX}'
+    )
 
 
 def test_revisions_are_refused_naming_the_revision(model_dir):
-    p, d = _descriptor(tiny_vllm_config(model_dir, revision="r1")), _descriptor(tiny_vllm_config(model_dir, revision="r2"))
+    p, d = (
+        _descriptor(tiny_vllm_config(model_dir, revision="r1")),
+        _descriptor(tiny_vllm_config(model_dir, revision="r2")),
+    )
     problems = find_mismatches(p, d)
     assert [m.field for m in problems] == ["kv_identity.revision"]
     assert (problems[0].prefill, problems[0].decode) == ('"r1"', '"r2"')

@@ -22,8 +22,17 @@ NUM_BLOCKS = 40
 
 
 def _scheduler(fraction: float) -> PDScheduler:
-    s = PDScheduler("prefill", False, 60.0, (), BLOCK, can_decode=False, group_block_sizes=(BLOCK, BLOCK),
-                    num_blocks=NUM_BLOCKS, max_lease_fraction=fraction)
+    s = PDScheduler(
+        "prefill",
+        False,
+        60.0,
+        (),
+        BLOCK,
+        can_decode=False,
+        group_block_sizes=(BLOCK, BLOCK),
+        num_blocks=NUM_BLOCKS,
+        max_lease_fraction=fraction,
+    )
     s.set_handshake({0: PDHandshakeMetadata(host="127.0.0.1", port=5000, tp_rank=0)})
     return s
 
@@ -31,10 +40,14 @@ def _scheduler(fraction: float) -> PDScheduler:
 def _finished(s: PDScheduler, rid: str, first_block: int, n_blocks: int):  # noqa: ANN202
     from vllm.v1.request import RequestStatus
 
-    req = SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_decode": True},
-                          num_prompt_tokens=n_blocks * BLOCK + 1, num_computed_tokens=n_blocks * BLOCK,
-                          block_hashes=[bytes([i]) * 8 for i in range(n_blocks)],
-                          status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    req = SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params={"do_remote_decode": True},
+        num_prompt_tokens=n_blocks * BLOCK + 1,
+        num_computed_tokens=n_blocks * BLOCK,
+        block_hashes=[bytes([i]) * 8 for i in range(n_blocks)],
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
     ids = list(range(first_block, first_block + n_blocks))
     return s.request_finished(req, (ids, [b + 20 for b in ids]))  # two groups, distinct blocks
 
@@ -47,7 +60,9 @@ def test_unread_leases_hold_at_most_the_budget_then_requests_hand_nothing_over()
     refused = _finished(s, "c", 9, 4)  # would be 24 > 20
     assert refused == (False, None) and s.leases_refused == 1
     # a's lease ends (read, released or expired: the worker reports it finished sending)
-    s.update_connector_output(SimpleNamespace(finished_sending={"a"}, kv_connector_worker_meta=None))
+    s.update_connector_output(
+        SimpleNamespace(finished_sending={"a"}, kv_connector_worker_meta=None)
+    )
     assert _finished(s, "c", 9, 4)[0]  # 16 again: handed over
     assert s.leases_refused == 1
 
@@ -62,4 +77,6 @@ def test_the_fraction_is_validated():
     assert PDConnectorConfig.from_extra_config({}).max_lease_fraction == 0.5
     for bad in (0, 1.5, "half", True):
         with pytest.raises(ConfigError, match="max_lease_fraction"):
-            PDConnectorConfig.from_extra_config({"max_lease_fraction": bad, "allow_unauthenticated": True})
+            PDConnectorConfig.from_extra_config(
+                {"max_lease_fraction": bad, "allow_unauthenticated": True}
+            )

@@ -32,8 +32,12 @@ def _decode(monkeypatch, with_nixl: bool) -> PDWorker:
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     monkeypatch.setenv("UCX_MODULES", "^ib")
     config, caches = _kv() if with_nixl else (None, None)
-    w = PDWorker(PDWorkerSettings("decode-engine", 0, 1, "127.0.0.1", 0, 5.0, 5.0, serve_handshake=False, key=KEY),
-                 config)
+    w = PDWorker(
+        PDWorkerSettings(
+            "decode-engine", 0, 1, "127.0.0.1", 0, 5.0, 5.0, serve_handshake=False, key=KEY
+        ),
+        config,
+    )
     if with_nixl:
         w.register_kv_caches(caches)
     return w
@@ -62,12 +66,23 @@ def test_a_read_that_will_not_happen_releases_the_lease(prefill, monkeypatch, fa
     prefill.start_load_kv(PDConnectorMetadata(leases=[Lease("p1", "a" * 32, 60.0)]))
     decode = _decode(monkeypatch, with_nixl=failure == "refused handshake")
     try:
-        job = ReadJob("d1", "p1", "prefill-engine", "127.0.0.1", prefill.test_port, [[1]], [[2]], lease_id="a" * 32)
+        job = ReadJob(
+            "d1",
+            "p1",
+            "prefill-engine",
+            "127.0.0.1",
+            prefill.test_port,
+            [[1]],
+            [[2]],
+            lease_id="a" * 32,
+        )
         if failure == "refused job":
             job.refused = "prefill has 2 KV cache groups, decode 1"
         decode.start_load_kv(PDConnectorMetadata(reads=[job]))
         assert _failed(decode, "d1", 10.0)
-        assert _ended(prefill, "p1", 10.0), "the prefill side still holds the lease after the decode gave up"
+        assert _ended(prefill, "p1", 10.0), (
+            "the prefill side still holds the lease after the decode gave up"
+        )
         assert prefill.take_stats().data.get("leases_released") == 1
     finally:
         decode.shutdown()

@@ -29,8 +29,13 @@ SECRET = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-spec-")) / "
 
 
 def _geometry(num_speculative_blocks: int) -> Geometry:
-    state = MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,), mamba_cache_mode="align",
-                      num_speculative_blocks=num_speculative_blocks)
+    state = MambaSpec(
+        block_size=BS,
+        shapes=((4,),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="align",
+        num_speculative_blocks=num_speculative_blocks,
+    )
     return Geometry([fa(BS), state], hash_block_size=BS, num_blocks=200, max_model_len=4096)
 
 
@@ -38,17 +43,22 @@ def _prompt(n: int) -> list[int]:
     return random.Random(n).choices(range(3, 30000), k=n)
 
 
-def _decode_read(model_dir, geo: Geometry, prompt: list[int], params: dict, remote_state: list[int] | None = None):
+def _decode_read(
+    model_dir, geo: Geometry, prompt: list[int], params: dict, remote_state: list[int] | None = None
+):
     """One decode schedule() step through the real scheduler: (its READ job, decode's Mamba table).
     ``remote_state`` replaces the parsed Mamba list (the MAC covers the ids, so a list from
     another prefill build is planted on the parsed value, as the validator would pass it)."""
     decode = pd_scheduler(model_dir, "kv_consumer", geo, SECRET, max_num_seqs=8)
-    req = pd_request("cmpl-decode", prompt, params | {"do_remote_prefill": True, "do_remote_decode": False}, BS)
+    req = pd_request(
+        "cmpl-decode", prompt, params | {"do_remote_prefill": True, "do_remote_decode": False}, BS
+    )
     if remote_state is not None:
         conn = decode.connector._scheduler
         parsed = conn.params(req)
         conn._params[req.request_id] = dataclasses.replace(
-            parsed, block_ids=(parsed.block_ids[0], tuple(remote_state)))
+            parsed, block_ids=(parsed.block_ids[0], tuple(remote_state))
+        )
     decode.add_request(req)
     out = decode.schedule()
     (job,) = out.kv_connector_metadata.reads
@@ -62,13 +72,17 @@ def test_read_pairs_the_state_column_on_both_sides(model_dir, spec_blocks, n):
     geo = _geometry(spec_blocks)
     prompt = _prompt(n)
     prefill = pd_scheduler(model_dir, "kv_producer", geo, SECRET, max_num_seqs=8)
-    params = prefill_leg(prefill, pd_request("cmpl-prefill", prompt, {"do_remote_decode": True}, BS))
+    params = prefill_leg(
+        prefill, pd_request("cmpl-prefill", prompt, {"do_remote_decode": True}, BS)
+    )
     handover = (n - 1) // BS * BS
     assert params["remote_num_tokens"] == handover
     column = cdiv(handover, BS) - 1
     remote_state = params["remote_block_ids"][1]
     # The prefill side hands its table over up to the state column: no scratch block.
-    assert [i for i, b in enumerate(remote_state) if b] == [column] and len(remote_state) == column + 1
+    assert [i for i, b in enumerate(remote_state) if b] == [column] and len(
+        remote_state
+    ) == column + 1
 
     job, local_state = _decode_read(model_dir, geo, prompt, params)
     # Decode's table: nulls, the state column, then its own scratch blocks.
@@ -86,7 +100,9 @@ def test_decode_never_reads_a_listed_scratch_block(model_dir):
     geo = _geometry(1)
     prompt = _prompt(1000)
     prefill = pd_scheduler(model_dir, "kv_producer", geo, SECRET, max_num_seqs=8)
-    params = prefill_leg(prefill, pd_request("cmpl-prefill", prompt, {"do_remote_decode": True}, BS))
+    params = prefill_leg(
+        prefill, pd_request("cmpl-prefill", prompt, {"do_remote_decode": True}, BS)
+    )
     column = cdiv(960, BS) - 1
     state = params["remote_block_ids"][1][column]
     scratch = max(params["remote_block_ids"][0]) + 50  # another block of the prefill's pool
@@ -101,7 +117,9 @@ def test_decode_refuses_a_state_of_another_position(model_dir):
     geo = _geometry(1)
     prompt = _prompt(1000)
     prefill = pd_scheduler(model_dir, "kv_producer", geo, SECRET, max_num_seqs=8)
-    params = prefill_leg(prefill, pd_request("cmpl-prefill", prompt, {"do_remote_decode": True}, BS))
+    params = prefill_leg(
+        prefill, pd_request("cmpl-prefill", prompt, {"do_remote_decode": True}, BS)
+    )
     column = cdiv(960, BS) - 1
     state = params["remote_block_ids"][1][column]
     job, _ = _decode_read(model_dir, geo, prompt, params, [0] * (column - 1) + [state, 0])

@@ -30,7 +30,10 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.mamba import mamba_utils
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weight_loader
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
 from vllm.model_executor.model_loader import weight_utils
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
@@ -84,32 +87,51 @@ class Rank:
         self.state_shapes = _shapes(tp)
         self.state_dtypes = _dtypes(model_dtype)
         page = 256 * 2 * (CFG["num_key_value_heads"] // tp) * CFG["head_dim"] * 2
-        self.spec = MambaSpec(block_size=256, shapes=tuple(self.state_shapes), dtypes=self.state_dtypes,
-                              mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align",
-                              page_size_padded=page)
+        self.spec = MambaSpec(
+            block_size=256,
+            shapes=tuple(self.state_shapes),
+            dtypes=self.state_dtypes,
+            mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+            mamba_cache_mode="align",
+            page_size_padded=page,
+        )
         assert self.spec.page_size_bytes == page > self.spec.state_content_size_bytes
         group = KVCacheGroupSpec(list(LAYERS), self.spec)
         self.group = group
         self.config = get_kv_cache_config_from_groups(cfg, [group], NUM_BLOCKS * page * len(LAYERS))
-        self.caches = allocate_kv_cache(self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
+        self.caches = allocate_kv_cache(
+            self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout()
+        )
         self.layout = KVLayout.from_kv_caches(self.config, self.caches)
         first = next(iter(self.caches.values()))
         self.raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
         self.raw.fill_(POISON)
         # vLLM's own unpacking of the int8 page into (conv, ssm) views
-        layer = SimpleNamespace(get_state_shape=lambda: self.state_shapes, get_state_dtype=lambda: self.state_dtypes)
+        layer = SimpleNamespace(
+            get_state_shape=lambda: self.state_shapes, get_state_dtype=lambda: self.state_dtypes
+        )
         self.states = {}
         for name in LAYERS:
             MambaBase.bind_kv_cache(layer, self.caches[name])
             self.states[name] = layer.kv_cache
 
     def splits(self) -> tuple[StateSplit, ...]:
-        return spec_state_splits(str(self.spec.mamba_type), self.spec.shapes,
-                                 [get_dtype_size(d) for d in self.spec.dtypes], mamba_utils.is_conv_state_dim_first())
+        return spec_state_splits(
+            str(self.spec.mamba_type),
+            self.spec.shapes,
+            [get_dtype_size(d) for d in self.spec.dtypes],
+            mamba_utils.is_conv_state_dim_first(),
+        )
 
     def descriptor(self) -> LayoutDescriptor:
-        return LayoutDescriptor.from_kv(self.layout, layout_rows(self.config), self.tp, kv_heads=[0],
-                                        total_kv_heads=CFG["num_key_value_heads"], state_splits=[self.splits()])
+        return LayoutDescriptor.from_kv(
+            self.layout,
+            layout_rows(self.config),
+            self.tp,
+            kv_heads=[0],
+            total_kv_heads=CFG["num_key_value_heads"],
+            state_splits=[self.splits()],
+        )
 
 
 def _conv_channels(tp: int, rank: int) -> torch.Tensor:
@@ -117,9 +139,15 @@ def _conv_channels(tp: int, rank: int) -> torch.Tensor:
     (qwen_gdn_linear_attn.py: q, k with key_dim, v with value_dim) applied to a weight whose
     row i is i."""
     param = torch.full((CONV_DIM // tp, 1, KERNEL), -1.0)
-    loader = mamba_v2_sharded_weight_loader([(KEY_DIM, 0, False), (KEY_DIM, 0, False), (VALUE_DIM, 0, False)], tp,
-                                            rank)
-    loader(param, torch.arange(CONV_DIM, dtype=torch.float32)[:, None, None].expand(CONV_DIM, 1, KERNEL).clone())
+    loader = mamba_v2_sharded_weight_loader(
+        [(KEY_DIM, 0, False), (KEY_DIM, 0, False), (VALUE_DIM, 0, False)], tp, rank
+    )
+    loader(
+        param,
+        torch.arange(CONV_DIM, dtype=torch.float32)[:, None, None]
+        .expand(CONV_DIM, 1, KERNEL)
+        .clone(),
+    )
     assert bool((param >= 0).all())
     return param[:, 0, 0].long()
 
@@ -155,14 +183,17 @@ def _fill_random(rank: Rank, seed: int) -> None:
     for name in LAYERS:
         for s in rank.states[name]:
             # random bit patterns, compared as raw bytes (random bits hold NaNs)
-            s.view(torch.uint8).copy_(torch.randint(0, 256, s.view(torch.uint8).shape, dtype=torch.uint8,
-                                                    generator=gen))
+            s.view(torch.uint8).copy_(
+                torch.randint(0, 256, s.view(torch.uint8).shape, dtype=torch.uint8, generator=gen)
+            )
 
 
 def _read(local: Rank, remote: Rank, remote_rank: int, spans) -> None:
     """What a NIXL READ of these descriptor rows does, done with memmove here."""
     slices = [[spans] * len(LAYERS)]
-    l_rows, r_rows = read_descriptors(local.layout.groups, remote.layout.groups, REMOTE_IDS, LOCAL_IDS, slices=slices)
+    l_rows, r_rows = read_descriptors(
+        local.layout.groups, remote.layout.groups, REMOTE_IDS, LOCAL_IDS, slices=slices
+    )
     for (la, n, _), (ra, n2, _) in zip(l_rows.tolist(), r_rows.tolist(), strict=True):
         assert n == n2
         ctypes.memmove(int(la), int(ra), int(n))
@@ -175,16 +206,25 @@ def _equal_states(local: Rank, want: Rank) -> bool:
     for name in LAYERS:
         for got, exp in zip(local.states[name], want.states[name], strict=True):
             for r, l_ in zip(REMOTE_IDS[0], LOCAL_IDS[0], strict=True):
-                if not torch.equal(got[l_].contiguous().view(torch.uint8), exp[r].contiguous().view(torch.uint8)):
+                if not torch.equal(
+                    got[l_].contiguous().view(torch.uint8), exp[r].contiguous().view(torch.uint8)
+                ):
                     return False
                 b = got[l_].view(torch.uint8)
                 start = b.data_ptr() - local.raw.data_ptr()
-                touched[start:start + b.numel()] = True
+                touched[start : start + b.numel()] = True
     return bool((local.raw[~touched] == POISON).all())
 
 
 def _spans(local: Rank, remote: Rank, local_rank: int, remote_rank: int, remote_splits=None):
-    return mamba_slices(local.splits(), remote_splits or remote.splits(), local.tp, remote.tp, local_rank, remote_rank)
+    return mamba_slices(
+        local.splits(),
+        remote_splits or remote.splits(),
+        local.tp,
+        remote.tp,
+        local_rank,
+        remote_rank,
+    )
 
 
 def _swap_qk(spans, rows: int):
@@ -209,8 +249,10 @@ def layout(request, monkeypatch):
 # The CPU platform resets mamba_ssm_cache_dtype to float32 on AVX512-BF16 hosts
 # (vllm/platforms/cpu.py, "Reset SSM cache type to float32"): bf16 conv + fp32 SSM is what
 # the e2e engines run; bf16/bf16 and fp32/fp32 are the other layouts a peer may have.
-@pytest.fixture(params=[(torch.bfloat16, "float32"), (torch.bfloat16, "auto"), (torch.float32, "auto")],
-                ids=["bf16-ssm32", "bf16", "fp32"])
+@pytest.fixture(
+    params=[(torch.bfloat16, "float32"), (torch.bfloat16, "auto"), (torch.float32, "auto")],
+    ids=["bf16-ssm32", "bf16", "fp32"],
+)
 def model_dtype(request):
     return request.param
 
@@ -222,19 +264,27 @@ def test_splits_are_what_vllm_shards(layout, model_dtype, monkeypatch):
     # rank 1's conv channels per vLLM's loader: its half of q, of k, of v, in that order
     ch = _conv_channels(2, 1).tolist()
     kd = KEY_DIM // 2
-    assert ch == (list(range(kd, 2 * kd)) + list(range(KEY_DIM + kd, KEY_DIM + 2 * kd))
-                  + list(range(2 * KEY_DIM + VALUE_DIM // 2, CONV_DIM)))
+    assert ch == (
+        list(range(kd, 2 * kd))
+        + list(range(KEY_DIM + kd, KEY_DIM + 2 * kd))
+        + list(range(2 * KEY_DIM + VALUE_DIM // 2, CONV_DIM))
+    )
     assert conv.parts == (kd, kd, VALUE_DIM // 2)
-    assert (conv.rows, conv.unit) == ((1, (KERNEL - 1) * cs) if layout == "DS" else (KERNEL - 1, cs))
+    assert (conv.rows, conv.unit) == (
+        (1, (KERNEL - 1) * cs) if layout == "DS" else (KERNEL - 1, cs)
+    )
     assert ssm == StateSplit(conv.nbytes, 1, HV * HK * ss, (NV // 2,))
     assert _v_heads(2, 1, monkeypatch).tolist() == [2, 3]
     assert full.splits()[0].parts == (KEY_DIM, KEY_DIM, VALUE_DIM)
     assert group_state_splits(half.group) == half.splits()  # what the worker sends in the handshake
     assert mamba_reslice_problem(half.config) is None
-    mamba2 = KVCacheGroupSpec(list(LAYERS), replace(half.spec, mamba_type=MambaAttentionBackendEnum.MAMBA2))
+    mamba2 = KVCacheGroupSpec(
+        list(LAYERS), replace(half.spec, mamba_type=MambaAttentionBackendEnum.MAMBA2)
+    )
     assert group_state_splits(mamba2) == ()
     assert "group 0: mamba_type 'mamba2': only 'gdn_attn'" in mamba_reslice_problem(
-        replace(half.config, kv_cache_groups=[mamba2]))
+        replace(half.config, kv_cache_groups=[mamba2])
+    )
 
 
 def test_prefill_tp2_to_decode_tp1_assembles_the_state_exactly(layout, model_dtype, monkeypatch):
@@ -247,7 +297,9 @@ def test_prefill_tp2_to_decode_tp1_assembles_the_state_exactly(layout, model_dty
     assert _equal_states(decode, full)
     conv_rows = decode.splits()[0].rows
     # same-TP spans cover each state whole (one span when adjacent): the content, not the padding
-    assert mamba_slices(full.splits(), full.splits(), 1, 1, 0, 0) == [(0, 0, full.spec.state_content_size_bytes)]
+    assert mamba_slices(full.splits(), full.splits(), 1, 1, 0, 0) == [
+        (0, 0, full.spec.state_content_size_bytes)
+    ]
     # planted: ranks swapped
     swapped = Rank(1, model_dtype)
     for p, rank in enumerate(reversed(ranks)):
@@ -286,7 +338,11 @@ def test_prefill_tp1_to_decode_tp2_takes_this_ranks_share(layout, model_dtype, m
     unit = full.splits()[1].unit
     spans = _spans(decode, full, rank, 0)
     lo, ro, n = spans[-1]  # the SSM span (not adjacent to the conv's v span on the peer)
-    assert (lo, ro, n) == (decode.splits()[1].offset, full.splits()[1].offset + rank * n, n) and n == 2 * unit
+    assert (lo, ro, n) == (
+        decode.splits()[1].offset,
+        full.splits()[1].offset + rank * n,
+        n,
+    ) and n == 2 * unit
     off = Rank(2, model_dtype)
     _read(off, full, 0, spans[:-1] + [(lo, ro + (unit if rank == 0 else -unit), n)])
     assert not _equal_states(off, want[rank])
@@ -308,7 +364,11 @@ def test_handshake_accepts_gdn_across_sizes_and_names_what_it_refuses(monkeypatc
         monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT")
         mamba_utils.get_conv_state_layout.cache_clear()
     got = [str(m) for m in find_mismatches(p2, ds)]
-    assert len(got) == 1 and got[0].startswith("prefill group 0 state_splits=") and "state 0: rows/unit/parts" in got[0]
+    assert (
+        len(got) == 1
+        and got[0].startswith("prefill group 0 state_splits=")
+        and "state 0: rows/unit/parts" in got[0]
+    )
     assert "--tensor-parallel-size" in got[0]
     # a peer that sent no split (a kind not re-sliced): refused across sizes, fine at equal sizes
     bare = replace(p2, groups=tuple(replace(g, state_splits=()) for g in p2.groups))
@@ -321,13 +381,18 @@ def test_split_problems_and_kinds_not_resliced():
     conv, ssm = gdn_state_splits(((3, 256), (2, 64, 64)), (2, 2), False)
     assert conv == StateSplit(0, 3, 2, (64, 64, 128)) and ssm == StateSplit(1536, 1, 8192, (2,))
     assert state_split_problem([conv, ssm], [conv, ssm], 2, 2, 65536, 65536) is None
-    assert "past the 9000-byte page" in state_split_problem([conv, ssm], [conv, ssm], 2, 2, 9000, 65536)
+    assert "past the 9000-byte page" in state_split_problem(
+        [conv, ssm], [conv, ssm], 2, 2, 9000, 65536
+    )
     tp1 = [StateSplit(0, 3, 2, (128, 128, 256)), StateSplit(3072, 1, 8192, (4,))]
     assert state_split_problem([conv, ssm], tp1, 2, 1) is None
     wide = StateSplit(0, 3, 2, (128, 128, 384))  # another value_dim on the peer
-    assert "state 0 part 2: 128 x TP2 here, 384 x TP1" in state_split_problem([conv, ssm], [wide, tp1[1]], 2, 1)
-    assert "overlaps the state before it" in state_split_problem([conv, ssm], [tp1[0], replace(tp1[1], offset=8)],
-                                                                 2, 1)
+    assert "state 0 part 2: 128 x TP2 here, 384 x TP1" in state_split_problem(
+        [conv, ssm], [wide, tp1[1]], 2, 1
+    )
+    assert "overlaps the state before it" in state_split_problem(
+        [conv, ssm], [tp1[0], replace(tp1[1], offset=8)], 2, 1
+    )
     for kind, why in (("MambaAttentionBackendEnum.MAMBA2", "only 'gdn_attn'"), ("GDN_ATTN", None)):
         try:
             spec_state_splits(kind, ((3, 256), (2, 64, 64)), (2, 2), False)
@@ -352,20 +417,37 @@ def _decode_connector(kv_cache_config, **extra):
 
     cfg = VllmConfig()
     cfg.kv_transfer_config = KVTransferConfig(
-        kv_connector="HybridPDConnector", kv_role="kv_consumer",
-        kv_connector_extra_config={"allow_unauthenticated": True, **extra})
+        kv_connector="HybridPDConnector",
+        kv_role="kv_consumer",
+        kv_connector_extra_config={"allow_unauthenticated": True, **extra},
+    )
     return HybridPDConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
 def _two_rank_params(local):
     """A prefill TP2's signed kv_transfer_params, parsed by a decode instance with ``local``."""
     from hybridkv.connector.pd_auth import DeploymentKey
-    from hybridkv.connector.pd_params import PromptView, RemotePrefill, issue_remote_prefill, parse_kv_transfer_params
+    from hybridkv.connector.pd_params import (
+        PromptView,
+        RemotePrefill,
+        issue_remote_prefill,
+        parse_kv_transfer_params,
+    )
 
     key, hashes = DeploymentKey(b"m" * 32), [bytes([i]) * 32 for i in range(2)]
-    p = RemotePrefill(engine_id="p", request_id="r", host="127.0.0.1", port=4000, block_ids=((3,),),
-                      num_tokens=256, lease_id="b" * 32, ports=(4000, 4001))
-    return parse_kv_transfer_params(issue_remote_prefill(p, key, hashes, 256), PromptView(300, hashes), local, key)
+    p = RemotePrefill(
+        engine_id="p",
+        request_id="r",
+        host="127.0.0.1",
+        port=4000,
+        block_ids=((3,),),
+        num_tokens=256,
+        lease_id="b" * 32,
+        ports=(4000, 4001),
+    )
+    return parse_kv_transfer_params(
+        issue_remote_prefill(p, key, hashes, 256), PromptView(300, hashes), local, key
+    )
 
 
 def _mamba2_config():
@@ -373,13 +455,21 @@ def _mamba2_config():
     cfg = VllmConfig()
     cfg.cache_config.kv_cache_layout = "LBHNC"
     shapes = MambaStateShapeCalculator.mamba2_state_shape(1, 64, 1, 2, 32, 16, 4)
-    spec = MambaSpec(block_size=256, shapes=tuple(shapes), dtypes=(torch.bfloat16, torch.float32),
-                     mamba_type=MambaAttentionBackendEnum.MAMBA2, mamba_cache_mode="align")
-    return get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(list(LAYERS), spec)],
-                                           NUM_BLOCKS * spec.page_size_bytes * len(LAYERS))
+    spec = MambaSpec(
+        block_size=256,
+        shapes=tuple(shapes),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+        mamba_cache_mode="align",
+    )
+    return get_kv_cache_config_from_groups(
+        cfg, [KVCacheGroupSpec(list(LAYERS), spec)], NUM_BLOCKS * spec.page_size_bytes * len(LAYERS)
+    )
 
 
-def test_allow_mamba_cross_tp_off_refuses_naming_the_switch_on_enables_gdn_only(vllm_caplog, monkeypatch):
+def test_allow_mamba_cross_tp_off_refuses_naming_the_switch_on_enables_gdn_only(
+    vllm_caplog, monkeypatch
+):
     caplog = vllm_caplog
     from hybridkv.connector.pd_connector import PDConnectorConfig
     from hybridkv.connector.pd_params import Refused, RemotePrefill
@@ -397,21 +487,35 @@ def test_allow_mamba_cross_tp_off_refuses_naming_the_switch_on_enables_gdn_only(
     got = _two_rank_params(replace(off, total_kv_heads=2))
     assert isinstance(got, Refused) and got.field == "remote_ports", got
     assert "lists 2 prefill ranks" in str(got) and "groups [0]" in str(got)
-    assert "set kv_connector_extra_config.allow_mamba_cross_tp=true on the decode instance" in str(got)
+    assert "set kv_connector_extra_config.allow_mamba_cross_tp=true on the decode instance" in str(
+        got
+    )
     # on, GDN state: accepted (the prefill side's split is checked at the handshake), said loudly
     caplog.clear()
     with caplog.at_level("WARNING"):
         on = _decode_connector(gdn, allow_mamba_cross_tp=True)._scheduler.local_layout()
     assert on.mamba_problem is None
     assert isinstance(_two_rank_params(replace(on, total_kv_heads=2)), RemotePrefill)
-    warned = [r.getMessage() for r in caplog.records if "allow_mamba_cross_tp is ON" in r.getMessage()]
-    assert len(warned) == 1 and "groups [0]" in warned[0] and "NOT for this model" not in warned[0], warned
+    warned = [
+        r.getMessage() for r in caplog.records if "allow_mamba_cross_tp is ON" in r.getMessage()
+    ]
+    assert (
+        len(warned) == 1 and "groups [0]" in warned[0] and "NOT for this model" not in warned[0]
+    ), warned
     # on, a layout mamba_reslice_problem refuses (Mamba2 state): still refused, with the reason
     caplog.clear()
     with caplog.at_level("WARNING"):
-        m2 = _decode_connector(_mamba2_config(), allow_mamba_cross_tp=True)._scheduler.local_layout()
-    assert m2.mamba_problem == ("allow_mamba_cross_tp is on, but this state is not re-sliced: group 0: "
-                                "mamba_type 'mamba2': only 'gdn_attn' (gated delta net) state is re-sliced")
+        m2 = _decode_connector(
+            _mamba2_config(), allow_mamba_cross_tp=True
+        )._scheduler.local_layout()
+    assert m2.mamba_problem == (
+        "allow_mamba_cross_tp is on, but this state is not re-sliced: group 0: "
+        "mamba_type 'mamba2': only 'gdn_attn' (gated delta net) state is re-sliced"
+    )
     got = _two_rank_params(replace(m2, total_kv_heads=2))
-    assert isinstance(got, Refused) and got.field == "remote_ports" and m2.mamba_problem in str(got), got
-    assert any("NOT for this model (allow_mamba_cross_tp is on" in r.getMessage() for r in caplog.records)
+    assert (
+        isinstance(got, Refused) and got.field == "remote_ports" and m2.mamba_problem in str(got)
+    ), got
+    assert any(
+        "NOT for this model (allow_mamba_cross_tp is on" in r.getMessage() for r in caplog.records
+    )

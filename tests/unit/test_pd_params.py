@@ -39,7 +39,7 @@ from hybridkv.connector.pd_params import (
     parse_kv_transfer_params,
 )
 from hybridkv.connector.store_config import ConfigError
-from tests.unit.harness import Geometry, fa, make_request, mamba, sw
+from tests.unit.harness import Geometry, fa, make_request, sw
 from tests.unit.strategies import PROPERTY
 
 # Three groups, two block sizes (scheduler block 32, hash block 16), like gemma4's.
@@ -52,14 +52,22 @@ SECRET = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-params-")) /
 def _step_output() -> SimpleNamespace:
     """The fields of a SchedulerOutput the P/D connector reads when it builds a step's metadata
     (a step that runs tokens, so no idle pacing applies)."""
-    return SimpleNamespace(kv_cache_block_copies=(), total_num_scheduled_tokens=1, finished_req_ids=set())
+    return SimpleNamespace(
+        kv_cache_block_copies=(), total_num_scheduled_tokens=1, finished_req_ids=set()
+    )
 
 
 def _connector(role: str, secret_file: str | None, policy: str = "recompute", geo: Geometry = GEO):
-    extra: dict[str, Any] = {"auth_secret_file": secret_file} if secret_file else {"allow_unauthenticated": True}
+    extra: dict[str, Any] = (
+        {"auth_secret_file": secret_file} if secret_file else {"allow_unauthenticated": True}
+    )
     cfg = VllmConfig()
-    cfg.kv_transfer_config = KVTransferConfig(kv_connector="HybridPDConnector", kv_role=role,
-                                              kv_load_failure_policy=policy, kv_connector_extra_config=extra)
+    cfg.kv_transfer_config = KVTransferConfig(
+        kv_connector="HybridPDConnector",
+        kv_role=role,
+        kv_load_failure_policy=policy,
+        kv_connector_extra_config=extra,
+    )
     conn = HybridPDConnector(cfg, KVConnectorRole.SCHEDULER, geo.kv_cache_config())
     manager = geo.manager()
     conn.bind_kv_cache_manager(manager)
@@ -81,7 +89,9 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 2000) for _ in range(n)]
 
 
-def _signed(secret_file: str | None, tokens: list[int], seed: int = 0, geo: Geometry = GEO) -> dict[str, Any]:
+def _signed(
+    secret_file: str | None, tokens: list[int], seed: int = 0, geo: Geometry = GEO
+) -> dict[str, Any]:
     """What a prefill instance issues for ``tokens``: positional block ids of every group,
     distinct (one shared pool), signed over the prompt's block hashes."""
     req = make_request(geo, tokens)
@@ -94,8 +104,15 @@ def _signed(secret_file: str | None, tokens: list[int], seed: int = 0, geo: Geom
         groups.append(ids[at : at + k])
         at += k
     num_tokens = min(n, len(req.block_hashes) * geo.hash_block_size)
-    p = RemotePrefill("prefill-engine", "cmpl-prefill-1", HOST, PORT, tuple(tuple(g) for g in groups),
-                      num_tokens, "ab" * 16)
+    p = RemotePrefill(
+        "prefill-engine",
+        "cmpl-prefill-1",
+        HOST,
+        PORT,
+        tuple(tuple(g) for g in groups),
+        num_tokens,
+        "ab" * 16,
+    )
     key = load_key(secret_file, False) if secret_file else None
     return issue_remote_prefill(p, key, req.block_hashes, geo.hash_block_size)
 
@@ -108,17 +125,29 @@ def _drive(conn, manager, tokens: list[int], raw: Any) -> tuple[int, list]:
     computed, n_local = manager.get_computed_blocks(req)[:2]
     n_ext, is_async = conn.get_num_new_matched_tokens(req, n_local)
     n_new = 0 if is_async else req.num_tokens - n_local - n_ext
-    blocks = manager.allocate_slots(req, n_new, num_new_computed_tokens=n_local, new_computed_blocks=computed,
-                                    num_external_computed_tokens=n_ext, delay_cache_blocks=is_async)
+    blocks = manager.allocate_slots(
+        req,
+        n_new,
+        num_new_computed_tokens=n_local,
+        new_computed_blocks=computed,
+        num_external_computed_tokens=n_ext,
+        delay_cache_blocks=is_async,
+    )
     assert blocks is not None, "pool too small for the test prompt"
-    conn.update_state_after_alloc(req, manager.get_blocks(req.request_id) if n_ext else blocks, n_ext)
+    conn.update_state_after_alloc(
+        req, manager.get_blocks(req.request_id) if n_ext else blocks, n_ext
+    )
     meta = conn.build_connector_meta(_step_output())
     # The worker's answer (reads over) unpins; then the request finishes and frees.
-    conn.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PDWorkerMetadata({req.request_id: 1})))
+    conn.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=PDWorkerMetadata({req.request_id: 1}))
+    )
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     conn.request_finished_all_groups(req, tuple([] for _ in GEO.specs))
     manager.free(req)
-    assert manager.reset_prefix_cache(), "a block stayed in use (a pin the connector never released?)"
+    assert manager.reset_prefix_cache(), (
+        "a block stayed in use (a pin the connector never released?)"
+    )
     return n_ext, meta.reads
 
 
@@ -127,14 +156,31 @@ def _handover(n: int) -> int:
 
 
 HOSTILE = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=12),
-    st.sampled_from(["abc", "x", "", "1e9", "127.0.0.1; rm -rf /", "a" * 2000, "0" * 32, "ab" * 32]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.sampled_from(
+        ["abc", "x", "", "1e9", "127.0.0.1; rm -rf /", "a" * 2000, "0" * 32, "ab" * 32]
+    ),
     st.lists(st.integers(-5, 10**6), max_size=6),
     st.lists(st.lists(st.integers(-3, 400), max_size=40), max_size=5),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
-FIELDS = ["do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host",
-          "remote_port", "remote_block_ids", "remote_num_tokens", "remote_lease_id", "remote_mac", "remote_ports"]
+FIELDS = [
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_num_tokens",
+    "remote_lease_id",
+    "remote_mac",
+    "remote_ports",
+]
 
 
 @st.composite
@@ -154,11 +200,19 @@ def hostile_params(draw):
     elif how == "nudge" and any(valid["remote_block_ids"]):
         g = draw(st.sampled_from([i for i, ids in enumerate(valid["remote_block_ids"]) if ids]))
         ids = list(valid["remote_block_ids"][g])
-        ids[draw(st.integers(0, len(ids) - 1))] = draw(st.sampled_from([0, -1, 299, 300, 10**18, ids[0]]))
+        ids[draw(st.integers(0, len(ids) - 1))] = draw(
+            st.sampled_from([0, -1, 299, 300, 10**18, ids[0]])
+        )
         raw["remote_block_ids"] = [list(x) for x in valid["remote_block_ids"]]
         raw["remote_block_ids"][g] = ids
     elif how == "extra":
-        raw[draw(st.sampled_from(["_hkv_read", "_hkv_truncated", "remote_prefill_cached_tokens", "x"]))] = draw(HOSTILE)
+        raw[
+            draw(
+                st.sampled_from(
+                    ["_hkv_read", "_hkv_truncated", "remote_prefill_cached_tokens", "x"]
+                )
+            )
+        ] = draw(HOSTILE)
     else:
         raw = draw(HOSTILE)
     return n, valid, raw
@@ -173,9 +227,13 @@ def _acted_on(valid: dict, raw: Any) -> bool:
     raw = dict(raw)
     if "remote_ports" not in raw and "remote_port" in raw:
         raw["remote_ports"] = [raw["remote_port"]]  # absent: one rank at remote_port
-    return all(raw.get(k, object()) == valid[k] and type(raw.get(k)) is type(valid[k])
-               and (k != "remote_ports" or all(type(x) is int for x in raw[k]))
-               for k in FIELDS if k not in ("do_remote_prefill", "do_remote_decode"))
+    return all(
+        raw.get(k, object()) == valid[k]
+        and type(raw.get(k)) is type(valid[k])
+        and (k != "remote_ports" or all(type(x) is int for x in raw[k]))
+        for k in FIELDS
+        if k not in ("do_remote_prefill", "do_remote_decode")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -191,25 +249,51 @@ def test_valid_signed_params_are_read_exactly(decode, secret_file):
     assert n_ext == _handover(200) == 192
     assert len(reads) == 1
     job = reads[0]
-    assert (job.remote_host, job.remote_port, job.remote_engine_id, job.remote_req_id, job.lease_id) == (
-        HOST, PORT, "prefill-engine", "cmpl-prefill-1", "ab" * 16)
+    assert (
+        job.remote_host,
+        job.remote_port,
+        job.remote_engine_id,
+        job.remote_req_id,
+        job.lease_id,
+    ) == (HOST, PORT, "prefill-engine", "cmpl-prefill-1", "ab" * 16)
     # dense groups pair by position over the 192 tokens read: sw(16,48) only its live window
     # tail is allocated, fa(16) all 12 blocks, fa(32) all 6
-    assert job.local_block_ids[1] and len(job.remote_block_ids[1]) == 12 == len(job.local_block_ids[1])
+    assert job.local_block_ids[1] and len(job.remote_block_ids[1]) == 12 == len(
+        job.local_block_ids[1]
+    )
     assert job.remote_block_ids[1] == params["remote_block_ids"][1][:12]
     assert job.remote_block_ids[2] == params["remote_block_ids"][2][:6]
     assert job.refused is None
 
 
-@pytest.mark.parametrize("field, value", [
-    ("remote_num_tokens", "abc"), ("remote_port", "x"), ("remote_block_ids", 5), ("remote_port", 0),
-    ("remote_port", 70000), ("remote_num_tokens", -1), ("remote_num_tokens", 10**12), ("remote_host", "a b"),
-    ("remote_block_ids", [[1], [2]]), ("remote_block_ids", [[-1], [], []]), ("remote_block_ids", [[10**9], [], []]),
-    ("remote_block_ids", [list(range(1, 30)), [], []]), ("remote_block_ids", [[7], [7], []]),
-    ("remote_lease_id", 5), ("do_remote_prefill", "yes"), ("remote_mac", "0" * 64), ("remote_mac", None),
-    ("remote_engine_id", "other-engine"), ("remote_port", PORT + 1), ("remote_host", "10.0.0.9"),
-])
-def test_each_malformed_or_altered_field_is_refused_and_named(decode, secret_file, field, value, vllm_caplog):
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("remote_num_tokens", "abc"),
+        ("remote_port", "x"),
+        ("remote_block_ids", 5),
+        ("remote_port", 0),
+        ("remote_port", 70000),
+        ("remote_num_tokens", -1),
+        ("remote_num_tokens", 10**12),
+        ("remote_host", "a b"),
+        ("remote_block_ids", [[1], [2]]),
+        ("remote_block_ids", [[-1], [], []]),
+        ("remote_block_ids", [[10**9], [], []]),
+        ("remote_block_ids", [list(range(1, 30)), [], []]),
+        ("remote_block_ids", [[7], [7], []]),
+        ("remote_lease_id", 5),
+        ("do_remote_prefill", "yes"),
+        ("remote_mac", "0" * 64),
+        ("remote_mac", None),
+        ("remote_engine_id", "other-engine"),
+        ("remote_port", PORT + 1),
+        ("remote_host", "10.0.0.9"),
+    ],
+)
+def test_each_malformed_or_altered_field_is_refused_and_named(
+    decode, secret_file, field, value, vllm_caplog
+):
     caplog = vllm_caplog
     conn, manager = decode
     tokens = _prompt(200, 3)
@@ -217,7 +301,9 @@ def test_each_malformed_or_altered_field_is_refused_and_named(decode, secret_fil
     n_ext, reads = _drive(conn, manager, tokens, params)
     assert (n_ext, reads) == (0, [])
     named = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert named and all(f"kv_transfer_params.{field}" in m or "kv_transfer_params.remote_mac" in m for m in named), named
+    assert named and all(
+        f"kv_transfer_params.{field}" in m or "kv_transfer_params.remote_mac" in m for m in named
+    ), named
 
 
 def test_params_signed_for_another_prompt_are_refused(decode, secret_file):
@@ -264,7 +350,9 @@ def test_with_policy_fail_a_refused_set_fails_its_request(secret_file):
     ends the request with an error (the worker reports the refused job as failed)."""
     conn, manager = _connector("kv_consumer", secret_file, policy="fail")
     tokens = _prompt(200, 9)
-    n_ext, reads = _drive(conn, manager, tokens, _signed(secret_file, tokens) | {"remote_port": "x"})
+    n_ext, reads = _drive(
+        conn, manager, tokens, _signed(secret_file, tokens) | {"remote_port": "x"}
+    )
     assert n_ext == 192 and len(reads) == 1
     assert reads[0].refused and "kv_transfer_params.remote_port" in reads[0].refused
     assert reads[0].remote_host == "" and reads[0].remote_block_ids == []
@@ -286,7 +374,9 @@ def test_issued_params_round_trip_through_a_real_prefill_scheduler(secret_file, 
     # The connector holds the lease's blocks itself (pd_lease_pins): vLLM frees the request now.
     assert delay is False and params["remote_mac"] and len(params["remote_lease_id"]) == 32
     meta = prefill.build_connector_meta(_step_output())
-    assert [(x.req_id, x.lease_id, x.ttl_s) for x in meta.leases] == [(req.request_id, params["remote_lease_id"], 60.0)]
+    assert [(x.req_id, x.lease_id, x.ttl_s) for x in meta.leases] == [
+        (req.request_id, params["remote_lease_id"], 60.0)
+    ]
     conn, manager = decode
     n_ext, reads = _drive(conn, manager, tokens, params)
     assert n_ext == 192 and reads[0].remote_req_id == req.request_id
@@ -314,7 +404,9 @@ def test_fuzz_unauthenticated_still_never_raises_and_types_hold(unauthenticated,
     n_ext, reads = _drive(conn, manager, _prompt(n, 1), raw)
     for job in reads:
         assert isinstance(job.remote_port, int) and 1 <= job.remote_port <= 65535
-        assert all(isinstance(b, int) and 0 < b < GEO.num_blocks for g in job.remote_block_ids for b in g)
+        assert all(
+            isinstance(b, int) and 0 < b < GEO.num_blocks for g in job.remote_block_ids for b in g
+        )
     assert n_ext <= _handover(n) if n_ext else True
 
 
@@ -322,7 +414,9 @@ def test_without_secret_or_explicit_choice_the_connector_refuses_to_start(monkey
     monkeypatch.delenv("HYBRIDKV_AUTH_SECRET", raising=False)
     monkeypatch.delenv("HYBRIDKV_AUTH_SECRET_FILE", raising=False)
     cfg = VllmConfig()
-    cfg.kv_transfer_config = KVTransferConfig(kv_connector="HybridPDConnector", kv_role="kv_consumer")
+    cfg.kv_transfer_config = KVTransferConfig(
+        kv_connector="HybridPDConnector", kv_role="kv_consumer"
+    )
     with pytest.raises(ConfigError, match="auth_secret_file.*allow_unauthenticated"):
         HybridPDConnector(cfg, KVConnectorRole.SCHEDULER, GEO.kv_cache_config())
 
@@ -345,15 +439,29 @@ def test_parse_is_total_on_the_local_layout_bounds():
     """Direct unit of the bounds: the prompt's block count per group and the pool size."""
     local = LocalLayout(False, True, (16, 32), 10, 16)
     prompt = PromptView(50, [b"h1", b"h2"])  # (a real 50-token prompt has 3 hashes)
-    base = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h",
-            "remote_port": 1, "remote_num_tokens": 32, "remote_lease_id": "0" * 32}
-    ok = parse_kv_transfer_params(base | {"remote_block_ids": [[1, 2, 3, 0], [4, 5]]}, prompt, local, None)
+    base = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_request_id": "r",
+        "remote_host": "h",
+        "remote_port": 1,
+        "remote_num_tokens": 32,
+        "remote_lease_id": "0" * 32,
+    }
+    ok = parse_kv_transfer_params(
+        base | {"remote_block_ids": [[1, 2, 3, 0], [4, 5]]}, prompt, local, None
+    )
     assert isinstance(ok, RemotePrefill) and ok.block_ids == ((1, 2, 3, 0), (4, 5))
-    for ids, field in [([[1, 2, 3, 4, 6], [5]], "remote_block_ids[0]"), ([[1], [2, 3, 4]], "remote_block_ids[1]"),
-                       ([[10], []], "remote_block_ids[0]")]:
+    for ids, field in [
+        ([[1, 2, 3, 4, 6], [5]], "remote_block_ids[0]"),
+        ([[1], [2, 3, 4]], "remote_block_ids[1]"),
+        ([[10], []], "remote_block_ids[0]"),
+    ]:
         r = parse_kv_transfer_params(base | {"remote_block_ids": ids}, prompt, local, None)
         assert isinstance(r, Refused) and r.field == field, (ids, r)
-    r = parse_kv_transfer_params(base | {"remote_block_ids": [[], []], "remote_num_tokens": 48}, prompt, local, None)
+    r = parse_kv_transfer_params(
+        base | {"remote_block_ids": [[], []], "remote_num_tokens": 48}, prompt, local, None
+    )
     assert isinstance(r, Refused) and r.field == "remote_num_tokens"  # 48 tokens, 2 hashes of 16
     assert covered_hashes([b"a", b"b"], 33, 16) == [b"a", b"b"]
     assert PURPOSE_PARAMS.startswith("hybridkv-pd-params")

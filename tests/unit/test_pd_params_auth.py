@@ -17,10 +17,10 @@ import pytest
 
 from hybridkv.connector.pd_auth import DeploymentKey
 from hybridkv.connector.pd_handshake import (
-    HANDSHAKE_VERSION,
     _CHANNEL_OPTIONS,
     _FULL_METHOD,
     _FULL_RELEASE_METHOD,
+    HANDSHAKE_VERSION,
     MAC_METADATA,
     AgentInfo,
     AgentInfoRequest,
@@ -39,9 +39,21 @@ from hybridkv.connector.pd_worker import CLAIM_WAIT_S, PDWorker, PDWorkerSetting
 
 KEY = DeploymentKey(b"k" * 32, "test")
 OTHER = DeploymentKey(b"o" * 32, "other")
-LAYOUT = LayoutDescriptor(tp_size=1, groups=(GroupDescriptor(0, "FullAttentionSpec", 16, "torch.bfloat16", None,
-                                                             (4096,), (0x1000,), (4096,)),))
-INFO = AgentInfo(engine_id="prefill-engine", tp_rank=0, agent_name="p0", agent_metadata=b"nixl-meta", layout=LAYOUT)
+LAYOUT = LayoutDescriptor(
+    tp_size=1,
+    groups=(
+        GroupDescriptor(
+            0, "FullAttentionSpec", 16, "torch.bfloat16", None, (4096,), (0x1000,), (4096,)
+        ),
+    ),
+)
+INFO = AgentInfo(
+    engine_id="prefill-engine",
+    tp_rank=0,
+    agent_name="p0",
+    agent_metadata=b"nixl-meta",
+    layout=LAYOUT,
+)
 
 
 @pytest.fixture()
@@ -66,8 +78,9 @@ def server(worker):
 
 def _raw(address: str, method: str, body: bytes, metadata=()):  # noqa: ANN001, ANN202
     with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as ch:
-        return ch.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)(
-            body, timeout=5, metadata=metadata)
+        return ch.unary_unary(
+            method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )(body, timeout=5, metadata=metadata)
 
 
 def test_agent_info_needs_the_secret(server):
@@ -77,15 +90,21 @@ def test_agent_info_needs_the_secret(server):
         with pytest.raises(HandshakeError, match="UNAUTHENTICATED"):
             request_agent_info(server.address, req, 5.0, key)
     # a MAC copied from another body does not open this one
-    body = (b'{"version": %d, "engine_id": "d", "tp_rank": 0, "expected_layout": null, "nonce": "1", "ts": %f}'
-            % (HANDSHAKE_VERSION, time.time()))
+    body = (
+        b'{"version": %d, "engine_id": "d", "tp_rank": 0, "expected_layout": null, "nonce": "1", "ts": %f}'
+        % (HANDSHAKE_VERSION, time.time())
+    )
     stolen = request_mac(KEY, "GetAgentInfo", body.replace(b'"1"', b'"2"'))
     with pytest.raises(grpc.RpcError) as e:
         _raw(server.address, _FULL_METHOD, body, ((MAC_METADATA, stolen),))
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # the control: that body with its own MAC is answered
-    assert b"nixl_agent_metadata" in _raw(server.address, _FULL_METHOD, body,
-                                          ((MAC_METADATA, request_mac(KEY, "GetAgentInfo", body)),))
+    assert b"nixl_agent_metadata" in _raw(
+        server.address,
+        _FULL_METHOD,
+        body,
+        ((MAC_METADATA, request_mac(KEY, "GetAgentInfo", body)),),
+    )
 
 
 def test_forged_release_is_refused_and_frees_nothing(server, worker):
@@ -98,14 +117,16 @@ def test_forged_release_is_refused_and_frees_nothing(server, worker):
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert server.released == [] and worker.get_transfer_results().finished_sending == set()
     release_blocks(server.address, ["req-1"], 5.0, KEY)  # the control
-    assert server.released == [["req-1"]] and worker.get_transfer_results().finished_sending == {"req-1"}
+    assert server.released == [["req-1"]] and worker.get_transfer_results().finished_sending == {
+        "req-1"
+    }
 
 
 def test_an_impostor_server_is_not_believed(worker):
     """A listener without the secret (another local user on a freed port, a wrong address)
     cannot hand decode a layout or a lease answer."""
     for key in (None, OTHER):
-        with HandshakeServer(INFO, on_claim=lambda r, l, *_: 1000.0, key=key) as impostor:
+        with HandshakeServer(INFO, on_claim=lambda r, lease, *_: 1000.0, key=key) as impostor:
             with pytest.raises(HandshakeError, match="no valid hkv-mac"):
                 request_agent_info(impostor.address, AgentInfoRequest("decode", 0, None), 5.0, KEY)
             with pytest.raises(HandshakeError):
@@ -117,11 +138,15 @@ def test_a_lease_is_claimed_once(server, worker):
     remaining = claim_lease(server.address, "req-2", "b" * 32, 5.0, KEY)
     assert 29.0 < remaining <= 30.0
     with pytest.raises(LeaseRefused, match="claimed already"):
-        claim_lease(server.address, "req-2", "b" * 32, 5.0, KEY)  # n > 1's second child, or a replay
+        claim_lease(
+            server.address, "req-2", "b" * 32, 5.0, KEY
+        )  # n > 1's second child, or a replay
 
 
 def test_wrong_lease_id_unknown_and_expired_are_refused(server, worker):
-    worker.start_load_kv(PDConnectorMetadata(leases=[Lease("req-3", "c" * 32, 30.0), Lease("req-4", "d" * 32, 0.3)]))
+    worker.start_load_kv(
+        PDConnectorMetadata(leases=[Lease("req-3", "c" * 32, 30.0), Lease("req-4", "d" * 32, 0.3)])
+    )
     with pytest.raises(LeaseRefused, match="no such lease"):
         claim_lease(server.address, "req-3", "e" * 32, 5.0, KEY)
     t0 = time.monotonic()
@@ -143,7 +168,11 @@ def test_wrong_lease_id_unknown_and_expired_are_refused(server, worker):
 
 def test_a_claim_that_races_the_lease_waits_for_it(server, worker):
     """Decode's claim may arrive before the prefill worker's next step delivers the lease."""
-    timer = threading.Timer(0.4, worker.start_load_kv, args=(PDConnectorMetadata(leases=[Lease("req-5", "f" * 32, 9.0)]),))
+    timer = threading.Timer(
+        0.4,
+        worker.start_load_kv,
+        args=(PDConnectorMetadata(leases=[Lease("req-5", "f" * 32, 9.0)]),),
+    )
     timer.start()
     assert 8.0 < claim_lease(server.address, "req-5", "f" * 32, 5.0, KEY) <= 9.0
     timer.join()
@@ -159,8 +188,13 @@ def test_leases_ignore_the_wall_clock(server, worker, monkeypatch):
 
     real = time.time
     for i, skew in enumerate((+3600.0, -3600.0)):
-        monkeypatch.setattr(pd_worker, "time", types.SimpleNamespace(
-            time=lambda s=skew: real() + s, monotonic=time.monotonic, sleep=time.sleep))
+        monkeypatch.setattr(
+            pd_worker,
+            "time",
+            types.SimpleNamespace(
+                time=lambda s=skew: real() + s, monotonic=time.monotonic, sleep=time.sleep
+            ),
+        )
         worker.start_load_kv(PDConnectorMetadata(leases=[Lease(f"req-6{i}", "9" * 32, 20.0)]))
         assert worker.get_transfer_results().finished_sending == set()
         assert 19.0 < claim_lease(server.address, f"req-6{i}", "9" * 32, 5.0, KEY) <= 20.0
@@ -176,10 +210,16 @@ def _kv():  # noqa: ANN202 - a small KV cache built by vLLM's own allocation cod
 
     cfg = VllmConfig()
     cfg.cache_config.kv_cache_layout = "LBHNC"
-    groups = [KVCacheGroupSpec(["fa.0"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64,
-                                                           dtype=torch.bfloat16))]
+    groups = [
+        KVCacheGroupSpec(
+            ["fa.0"],
+            FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16),
+        )
+    ]
     config = get_kv_cache_config_from_groups(cfg, groups, 1 << 20)
-    return config, allocate_kv_cache(config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
+    return config, allocate_kv_cache(
+        config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout()
+    )
 
 
 @pytest.mark.parametrize("serves", [False, True])
@@ -187,7 +227,10 @@ def test_only_prefill_capable_workers_serve_the_handshake(serves, monkeypatch):
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     monkeypatch.setenv("UCX_MODULES", "^ib")
     config, caches = _kv()
-    w = PDWorker(PDWorkerSettings("engine", 0, 1, "127.0.0.1", 0, 5.0, 5.0, serve_handshake=serves, key=KEY), config)
+    w = PDWorker(
+        PDWorkerSettings("engine", 0, 1, "127.0.0.1", 0, 5.0, 5.0, serve_handshake=serves, key=KEY),
+        config,
+    )
     try:
         w.register_kv_caches(caches)
         meta = w.handshake_metadata()
@@ -195,7 +238,9 @@ def test_only_prefill_capable_workers_serve_the_handshake(serves, monkeypatch):
             assert meta is None and w._server is None
         else:
             assert meta is not None and meta.port > 0
-            info = request_agent_info(f"127.0.0.1:{meta.port}", AgentInfoRequest("d", 0, None), 5.0, KEY)
+            info = request_agent_info(
+                f"127.0.0.1:{meta.port}", AgentInfoRequest("d", 0, None), 5.0, KEY
+            )
             assert info.engine_id == "engine"
     finally:
         w.shutdown()

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import time
 
-from tests.unit.harness import Geometry, fa
-from tests.unit.pd_real_scheduler import model_dir, pd_request, pd_scheduler, prefill_leg, worker_reply  # noqa: F401
-
 from hybridkv.connector.pd_auth import write_secret_file
+from tests.unit.harness import Geometry, fa
+from tests.unit.pd_real_scheduler import (
+    model_dir,  # noqa: F401 (a fixture)
+    pd_request,
+    pd_scheduler,
+    prefill_leg,
+    worker_reply,
+)
 
 BLOCK = 16
 HOLD_S = 1.0
@@ -35,7 +40,9 @@ def _engine_steps(sched, until: float) -> int:  # noqa: ANN001
 
 def test_an_unread_lease_does_not_keep_the_engine_stepping(model_dir, tmp_path):  # noqa: F811
     geo = Geometry([fa(BLOCK)], hash_block_size=BLOCK, num_blocks=64, max_model_len=4096)
-    sched = pd_scheduler(model_dir, "kv_producer", geo, str(write_secret_file(tmp_path / "s")), max_num_seqs=4)
+    sched = pd_scheduler(
+        model_dir, "kv_producer", geo, str(write_secret_file(tmp_path / "s")), max_num_seqs=4
+    )
     pool = sched.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
     prompt = list(range(1, 3 * BLOCK + 2))
@@ -52,7 +59,9 @@ def test_an_unread_lease_does_not_keep_the_engine_stepping(model_dir, tmp_path):
     from hybridkv.connector.pd_lease_pins import PDLeaseWorkerMetadata
 
     out = sched.schedule()
-    sched.update_from_output(out, worker_reply(out, kv_connector_worker_meta=PDLeaseWorkerMetadata({}, {"p1": 1})))
+    sched.update_from_output(
+        out, worker_reply(out, kv_connector_worker_meta=PDLeaseWorkerMetadata({}, {"p1": 1}))
+    )
     assert all(pool.blocks[b].ref_cnt == 0 for b in held)
     assert pool.get_num_free_blocks() == free_before
     assert sched.connector._scheduler._leased_blocks == 0  # the lease budget counts them no more

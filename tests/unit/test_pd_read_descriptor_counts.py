@@ -36,12 +36,20 @@ def _kv(seed: int) -> tuple[KVLayout, torch.Tensor, list[torch.Tensor]]:
     cfg = VllmConfig()
     cfg.cache_config.kv_cache_layout = "LBHNC"  # what the CPU attention backend resolves to
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec([f"l.{i}" for i in range(LAYERS)], spec)], NBYTES)
-    caches = allocate_kv_cache(config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
+    config = get_kv_cache_config_from_groups(
+        cfg, [KVCacheGroupSpec([f"l.{i}" for i in range(LAYERS)], spec)], NBYTES
+    )
+    caches = allocate_kv_cache(
+        config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout()
+    )
     layout = KVLayout.from_kv_caches(config, caches)
     first = next(iter(caches.values()))
     raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
-    raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    raw.copy_(
+        torch.randint(
+            0, 256, (raw.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+        )
+    )
     return layout, raw, list(caches.values())
 
 
@@ -66,12 +74,23 @@ def test_contiguous_handover_counts_fewer_descriptors_than_regions(monkeypatch, 
     monkeypatch.setattr(PDWorker, "_slices", lambda self, part, peer_layout, job: None)
     monkeypatch.setattr(pd_worker, "claim_lease", lambda *a, **k: 10.0)  # FAKE side channel
     monkeypatch.setattr(pd_worker, "release_blocks", lambda *a, **k: None)
-    worker = PDWorker(PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 10.0, 0.5, total_kv_heads=2), None)
+    worker = PDWorker(
+        PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 10.0, 0.5, total_kv_heads=2), None
+    )
     worker._transport = decode
     worker._local = object()  # registered (only its presence is checked on this path)
     remote, local = list(range(4, 12)), list(range(20, 28))  # 8 blocks, consecutive on both sides
-    job = ReadJob("r", "p-r", "prefill", "10.0.0.1", 1000, [remote], [local], lease_id="0" * 32,
-                  remote_ports=[1000])
+    job = ReadJob(
+        "r",
+        "p-r",
+        "prefill",
+        "10.0.0.1",
+        1000,
+        [remote],
+        [local],
+        lease_id="0" * 32,
+        remote_ports=[1000],
+    )
     try:
         worker.start_load_kv(PDConnectorMetadata(reads=[job]))
         deadline = time.monotonic() + 30
@@ -96,7 +115,12 @@ def test_contiguous_handover_counts_fewer_descriptors_than_regions(monkeypatch, 
             for j in range(regions):
                 n = int(g.block_bytes[j])
                 src = int(g.bases[j] + r_id * g.strides[j]) - base_p
-                dst = int(decode.layout.groups[0].bases[j] + l_id * decode.layout.groups[0].strides[j]) - base_d
-                assert torch.equal(d_raw[dst:dst + n], p_raw[src:src + n])
+                dst = (
+                    int(
+                        decode.layout.groups[0].bases[j] + l_id * decode.layout.groups[0].strides[j]
+                    )
+                    - base_d
+                )
+                assert torch.equal(d_raw[dst : dst + n], p_raw[src : src + n])
     finally:
         worker.shutdown()

@@ -23,7 +23,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from hybridkv.connector.pd_handshake import release_blocks
 from tests.freeze import freeze
 
@@ -41,7 +40,9 @@ time.sleep(300)
 
 def test_a_call_outlives_a_stalled_peer_within_its_own_bound():
     root = Path(__file__).resolve().parents[2]
-    srv = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True, cwd=root)
+    srv = subprocess.Popen(
+        [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True, cwd=root
+    )
     resume = threading.Timer(STALL_S, lambda: os.kill(srv.pid, signal.SIGCONT))
     try:
         port = int(srv.stdout.readline())

@@ -40,7 +40,9 @@ def test_agent_info_answers_while_eight_unknown_claims_are_pending(server):
         t.start()
     time.sleep(0.2)  # every claim sent and waiting for its lease
     t0 = time.monotonic()
-    info = request_agent_info(server.address, AgentInfoRequest("decode", 0, expected=None), 5.0, KEY)
+    info = request_agent_info(
+        server.address, AgentInfoRequest("decode", 0, expected=None), 5.0, KEY
+    )
     took = time.monotonic() - t0
     for t in claims:
         t.join(10.0)
@@ -52,23 +54,31 @@ def test_agent_info_answers_while_eight_unknown_claims_are_pending(server):
 def test_a_claim_waits_for_a_late_lease_without_a_thread(server, worker):
     """The lease reaches the worker 0.4 s after the claim: granted, while the claim held no
     handshake thread (a GetAgentInfo meanwhile is answered at once)."""
-    timer = threading.Timer(0.4, worker.start_load_kv,
-                            args=(PDConnectorMetadata(leases=[Lease("late", "f" * 32, 9.0)]),))
+    timer = threading.Timer(
+        0.4,
+        worker.start_load_kv,
+        args=(PDConnectorMetadata(leases=[Lease("late", "f" * 32, 9.0)]),),
+    )
     timer.start()
     assert 8.0 < claim_lease(server.address, "late", "f" * 32, 5.0, KEY) <= 9.0
     timer.join()
 
 
 def test_a_released_lease_is_not_claimed(server, worker):
-    worker.start_load_kv(PDConnectorMetadata(leases=[Lease("rel", "b" * 32, 30.0), Lease("early", "c" * 32, 30.0)]))
+    worker.start_load_kv(
+        PDConnectorMetadata(leases=[Lease("rel", "b" * 32, 30.0), Lease("early", "c" * 32, 30.0)])
+    )
     release_blocks(server.address, ["rel"], 5.0, KEY)  # the worker has not stepped since
     with pytest.raises(LeaseRefused, match="released the lease already"):
         claim_lease(server.address, "rel", "b" * 32, 5.0, KEY)
     assert worker.get_transfer_results().finished_sending == {"rel"}
     # a release that comes before the lease itself: the claim is refused once it arrives
     release_blocks(server.address, ["before"], 5.0, KEY)
-    threading.Timer(0.3, worker.start_load_kv,
-                    args=(PDConnectorMetadata(leases=[Lease("before", "d" * 32, 30.0)]),)).start()
+    threading.Timer(
+        0.3,
+        worker.start_load_kv,
+        args=(PDConnectorMetadata(leases=[Lease("before", "d" * 32, 30.0)]),),
+    ).start()
     with pytest.raises(LeaseRefused, match="released the lease already"):
         claim_lease(server.address, "before", "d" * 32, 5.0, KEY)
     assert claim_lease(server.address, "early", "c" * 32, 5.0, KEY) > 0  # the control
@@ -91,15 +101,25 @@ def test_calls_past_the_bound_are_refused_at_once_with_the_reason(worker):
     finally:
         pd_handshake.MAX_CONCURRENT_RPCS = old
     with server:
-        held = [threading.Thread(target=release_blocks, args=(server.address, [f"r{i}"], 10.0, KEY)) for i in range(2)]
+        held = [
+            threading.Thread(target=release_blocks, args=(server.address, [f"r{i}"], 10.0, KEY))
+            for i in range(2)
+        ]
         for t in held:
             t.start()
         time.sleep(0.3)
         t0 = time.monotonic()
         with pytest.raises(HandshakeError, match="RESOURCE_EXHAUSTED.*refuses more"):
-            request_agent_info(server.address, AgentInfoRequest("decode", 0, expected=None), 5.0, KEY)
+            request_agent_info(
+                server.address, AgentInfoRequest("decode", 0, expected=None), 5.0, KEY
+            )
         assert time.monotonic() - t0 < 1.0
         gate.set()
         for t in held:
             t.join(10.0)
-        assert request_agent_info(server.address, AgentInfoRequest("decode", 0, None), 5.0, KEY).tp_rank == 0
+        assert (
+            request_agent_info(
+                server.address, AgentInfoRequest("decode", 0, None), 5.0, KEY
+            ).tp_rank
+            == 0
+        )

@@ -10,7 +10,12 @@ import logging
 
 import pytest
 
-from hybridkv.connector.pd_handshake import AgentInfoRequest, HandshakeError, HandshakeServer, request_agent_info
+from hybridkv.connector.pd_handshake import (
+    AgentInfoRequest,
+    HandshakeError,
+    HandshakeServer,
+    request_agent_info,
+)
 from tests.unit.test_pd_params_auth import INFO, KEY
 
 
@@ -20,7 +25,11 @@ def test_fifty_refused_calls_from_one_peer_log_one_warning(vllm_caplog):
         for _ in range(50):
             with pytest.raises(HandshakeError, match="UNAUTHENTICATED"):
                 request_agent_info(server.address, AgentInfoRequest("decode", 0, None), 5.0, None)
-    lines = [r for r in vllm_caplog.records if "GetAgentInfo from" in r.getMessage() and "refused" in r.getMessage()]
+    lines = [
+        r
+        for r in vllm_caplog.records
+        if "GetAgentInfo from" in r.getMessage() and "refused" in r.getMessage()
+    ]
     assert len(lines) == 1  # before: 50, one per call
 
 

@@ -46,8 +46,11 @@ def captured(monkeypatch):
 def _replay(address: str, method: str, body: bytes, mac: str) -> grpc.StatusCode:
     with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as ch:
         try:
-            ch.unary_unary(f"/{SERVICE}/{method}", request_serializer=lambda b: b,
-                           response_deserializer=lambda b: b)(body, timeout=5, metadata=((MAC_METADATA, mac),))
+            ch.unary_unary(
+                f"/{SERVICE}/{method}",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )(body, timeout=5, metadata=((MAC_METADATA, mac),))
         except grpc.RpcError as e:
             return e.code()
     return grpc.StatusCode.OK
@@ -55,7 +58,9 @@ def _replay(address: str, method: str, body: bytes, mac: str) -> grpc.StatusCode
 
 def test_a_replayed_request_is_unauthenticated(server, worker, captured):
     worker.start_load_kv(PDConnectorMetadata(leases=[Lease("req-1", "a" * 32, 60.0)]))
-    info = request_agent_info(server.address, AgentInfoRequest("decode", 0, expected=None), 5.0, KEY)
+    info = request_agent_info(
+        server.address, AgentInfoRequest("decode", 0, expected=None), 5.0, KEY
+    )
     assert info.agent_metadata == b"nixl-meta"
     assert claim_lease(server.address, "req-1", "a" * 32, 5.0, KEY) > 0
     release_blocks(server.address, ["req-1"], 5.0, KEY)
@@ -68,13 +73,25 @@ def test_a_body_outside_the_window_is_refused_even_with_its_own_mac(server):
     import time
 
     for age in (-400.0, 400.0):
-        body = json.dumps({**AgentInfoRequest("decode", 0, expected=None).to_json(),
-                           "nonce": "0" * 32, "ts": time.time() + age}).encode()
-        assert _replay(server.address, "GetAgentInfo", body, request_mac(KEY, "GetAgentInfo", body)) \
+        body = json.dumps(
+            {
+                **AgentInfoRequest("decode", 0, expected=None).to_json(),
+                "nonce": "0" * 32,
+                "ts": time.time() + age,
+            }
+        ).encode()
+        assert (
+            _replay(server.address, "GetAgentInfo", body, request_mac(KEY, "GetAgentInfo", body))
             == grpc.StatusCode.UNAUTHENTICATED
+        )
     # the control: a fresh body with its MAC is answered once, then refused
-    body = json.dumps({**AgentInfoRequest("decode", 0, expected=None).to_json(),
-                       "nonce": "1" * 32, "ts": time.time()}).encode()
+    body = json.dumps(
+        {
+            **AgentInfoRequest("decode", 0, expected=None).to_json(),
+            "nonce": "1" * 32,
+            "ts": time.time(),
+        }
+    ).encode()
     mac = request_mac(KEY, "GetAgentInfo", body)
     assert _replay(server.address, "GetAgentInfo", body, mac) == grpc.StatusCode.OK
     assert _replay(server.address, "GetAgentInfo", body, mac) == grpc.StatusCode.UNAUTHENTICATED

@@ -47,8 +47,10 @@ def _request(req_id: str, prompt: list[int], params: dict) -> Request:
 
 def _prefill(model_dir, prompt: list[int]) -> dict:
     """The prefill leg through real schedule()/update_from_output: its kv_transfer_params."""
-    return prefill_leg(_scheduler(model_dir, "kv_producer"),
-                       _request("cmpl-prefill", prompt, {"do_remote_decode": True}))
+    return prefill_leg(
+        _scheduler(model_dir, "kv_producer"),
+        _request("cmpl-prefill", prompt, {"do_remote_decode": True}),
+    )
 
 
 def _prompt(n: int) -> list[int]:
@@ -72,11 +74,15 @@ def test_prefill_hands_over_the_window_before_the_boundary(model_dir, n):
 def _decode_offer(model_dir, prompt: list[int], params: dict) -> tuple[int, list]:
     """One decode schedule() step: (tokens the connector offered, its READ jobs)."""
     sched = _scheduler(model_dir, "kv_consumer")
-    req = _request("cmpl-decode", prompt, params | {"do_remote_prefill": True, "do_remote_decode": False})
+    req = _request(
+        "cmpl-decode", prompt, params | {"do_remote_prefill": True, "do_remote_decode": False}
+    )
     sched.add_request(req)
     out = sched.schedule()
-    return req.num_computed_tokens if req.request_id not in out.num_scheduled_tokens else 0, \
-        out.kv_connector_metadata.reads
+    return (
+        req.num_computed_tokens if req.request_id not in out.num_scheduled_tokens else 0,
+        out.kv_connector_metadata.reads,
+    )
 
 
 def test_decode_reads_the_window_block_it_resumes_from(model_dir):
@@ -85,7 +91,10 @@ def test_decode_reads_the_window_block_it_resumes_from(model_dir):
     offered, reads = _decode_offer(model_dir, prompt, params)
     assert offered == 768 and len(reads) == 1
     # SW: block 5 only (tokens 640..767 hold the window before 768); FA: blocks 0..5.
-    assert reads[0].remote_block_ids == [[params["remote_block_ids"][0][5]], list(params["remote_block_ids"][1][:6])]
+    assert reads[0].remote_block_ids == [
+        [params["remote_block_ids"][0][5]],
+        list(params["remote_block_ids"][1][:6]),
+    ]
     assert [len(g) for g in reads[0].local_block_ids] == [1, 6]
 
 
@@ -93,7 +102,9 @@ def test_decode_recomputes_when_the_window_block_is_missing(model_dir):
     """A prefill that trimmed to its last token's window (the old behaviour, or another
     build) lists block 5 as null: decode must not read around the gap."""
     prompt = _prompt(895)
-    sched = PDScheduler("e", False, 60.0, (), BS, group_block_sizes=(BS, BS), group_windows=(WINDOW, 0))
+    sched = PDScheduler(
+        "e", False, 60.0, (), BS, group_block_sizes=(BS, BS), group_windows=(WINDOW, 0)
+    )
     assert sched.missing_blocks(((0,) * 6 + (19,), tuple(range(1, 8))), 640, 768) == [(0, 5)]
     assert sched.missing_blocks(((0,) * 5 + (18, 19), tuple(range(1, 8))), 640, 768) == []
     params = _prefill(model_dir, prompt)
@@ -102,8 +113,12 @@ def test_decode_recomputes_when_the_window_block_is_missing(model_dir):
     # Re-sign is not possible from here (the MAC covers the ids), so check the decode hook
     # on the parsed value: a forged gap must be refused, not read around.
     conn = _scheduler(model_dir, "kv_consumer").connector._scheduler
-    req = _request("cmpl-gap", prompt, params | {"do_remote_prefill": True, "do_remote_decode": False})
+    req = _request(
+        "cmpl-gap", prompt, params | {"do_remote_prefill": True, "do_remote_decode": False}
+    )
     parsed = conn.params(req)
     assert isinstance(parsed, RemotePrefill) and parsed.block_ids[0][5]
-    conn._params[req.request_id] = dataclasses.replace(parsed, block_ids=(tuple(sw_ids), parsed.block_ids[1]))
+    conn._params[req.request_id] = dataclasses.replace(
+        parsed, block_ids=(tuple(sw_ids), parsed.block_ids[1])
+    )
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)

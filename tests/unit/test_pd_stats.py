@@ -38,18 +38,44 @@ def test_aggregate_sums_counters_and_concatenates_latencies_exactly() -> None:
     a.add("read_bytes", 1000)
     a.add("fail.TransferTimeout")
     a.add_latency("read", 0.5)
-    b = HybridPDStats(data={"reads": 2, "read_bytes": 234, "failed_reads": 1, "lat.read": [0.25, 1.0]})
+    b = HybridPDStats(
+        data={"reads": 2, "read_bytes": 234, "failed_reads": 1, "lat.read": [0.25, 1.0]}
+    )
     assert a.aggregate(b) is a
-    assert a.data == {"reads": 3, "read_bytes": 1234, "fail.TransferTimeout": 1, "failed_reads": 1,
-                      "lat.read": [0.5, 0.25, 1.0]}
-    assert b.data == {"reads": 2, "read_bytes": 234, "failed_reads": 1, "lat.read": [0.25, 1.0]}  # untouched
+    assert a.data == {
+        "reads": 3,
+        "read_bytes": 1234,
+        "fail.TransferTimeout": 1,
+        "failed_reads": 1,
+        "lat.read": [0.5, 0.25, 1.0],
+    }
+    assert b.data == {
+        "reads": 2,
+        "read_bytes": 234,
+        "failed_reads": 1,
+        "lat.read": [0.25, 1.0],
+    }  # untouched
 
 
 def test_reduce_reports_sums_percentiles_and_throughput_exactly() -> None:
-    s = HybridPDStats(data={"reads": 4, "read_bytes": 3_000_000_000, "read_seconds": 1.5,
-                            "fail.LeaseRefused": 1, "lat.read": [0.004, 0.001, 0.003, 0.002]})
-    assert s.reduce() == {"fail.LeaseRefused": 1, "read_bytes": 3_000_000_000, "read_seconds": 1.5, "reads": 4,
-                          "read_p50_ms": 3.0, "read_p99_ms": 4.0, "read_GBps": 2.0}
+    s = HybridPDStats(
+        data={
+            "reads": 4,
+            "read_bytes": 3_000_000_000,
+            "read_seconds": 1.5,
+            "fail.LeaseRefused": 1,
+            "lat.read": [0.004, 0.001, 0.003, 0.002],
+        }
+    )
+    assert s.reduce() == {
+        "fail.LeaseRefused": 1,
+        "read_bytes": 3_000_000_000,
+        "read_seconds": 1.5,
+        "reads": 4,
+        "read_p50_ms": 3.0,
+        "read_p99_ms": 4.0,
+        "read_GBps": 2.0,
+    }
 
 
 def test_empty_and_reset() -> None:
@@ -66,8 +92,9 @@ def test_the_connector_rebuilds_its_stats_and_its_prometheus_class() -> None:
     rebuilt = HybridPDConnector.build_kv_connector_stats({"reads": 2, "lat.read": [0.1]})
     assert isinstance(rebuilt, HybridPDStats) and rebuilt.data == {"reads": 2, "lat.read": [0.1]}
     assert HybridPDConnector.build_kv_connector_stats().data == {}
-    prom = HybridPDConnector.build_prom_metrics(VllmConfig(), _private_types(prometheus_client.CollectorRegistry()),
-                                                LABELS, {0: ["m", "0"]})
+    prom = HybridPDConnector.build_prom_metrics(
+        VllmConfig(), _private_types(prometheus_client.CollectorRegistry()), LABELS, {0: ["m", "0"]}
+    )
     assert isinstance(prom, HybridPDPromMetrics)
 
 
@@ -76,21 +103,40 @@ def _private_types(registry: prometheus_client.CollectorRegistry) -> dict:
     def scoped(cls):  # noqa: ANN001, ANN202 - register into a private registry
         return lambda *args, **kw: cls(*args, registry=registry, **kw)
 
-    return {t: scoped(t) for t in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    return {
+        t: scoped(t)
+        for t in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)
+    }
 
 
 def _samples(registry: prometheus_client.CollectorRegistry) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for metric in registry.collect() for s in metric.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for metric in registry.collect()
+        for s in metric.samples
+    }
 
 
 def test_prometheus_counters_causes_and_histogram_take_exact_values() -> None:
     """Shown to fail: the failures counter without its ``cause`` label value (a fixed label)."""
     registry = prometheus_client.CollectorRegistry()
-    prom = HybridPDPromMetrics(VllmConfig(), _private_types(registry), LABELS, {0: ["m", "0"], 1: ["m", "1"]})
-    prom.observe({"reads": 3, "read_blocks": 27, "read_bytes": 1234, "failed_reads": 2, "timed_out_reads": 1,
-                  "fail.TransferTimeout": 1, "fail.LeaseRefused": 1, "leases_expired": 0,
-                  "lat.read": [0.003, 0.2, 7.0]}, 0)
+    prom = HybridPDPromMetrics(
+        VllmConfig(), _private_types(registry), LABELS, {0: ["m", "0"], 1: ["m", "1"]}
+    )
+    prom.observe(
+        {
+            "reads": 3,
+            "read_blocks": 27,
+            "read_bytes": 1234,
+            "failed_reads": 2,
+            "timed_out_reads": 1,
+            "fail.TransferTimeout": 1,
+            "fail.LeaseRefused": 1,
+            "leases_expired": 0,
+            "lat.read": [0.003, 0.2, 7.0],
+        },
+        0,
+    )
     prom.observe({"reads": 1, "fail.TransferTimeout": 2, "lat.read": [0.5]}, 1)
     got = _samples(registry)
 
@@ -139,17 +185,33 @@ def test_under_multiconnector_the_stats_are_rebuilt_by_class_name_and_exported()
 
     register()
     rebuilt = MultiConnector.build_kv_connector_stats(
-        {"HybridPDConnector": {"reads": 2, "read_bytes": 10, "lat.read": [0.1, 0.2]},
-         "HybridStoreConnector": {"lookups": 1}})
+        {
+            "HybridPDConnector": {"reads": 2, "read_bytes": 10, "lat.read": [0.1, 0.2]},
+            "HybridStoreConnector": {"lookups": 1},
+        }
+    )
     pd = rebuilt.data["HybridPDConnector"]
-    assert isinstance(pd, HybridPDStats) and pd.data == {"reads": 2, "read_bytes": 10, "lat.read": [0.1, 0.2]}
-    config = VllmConfig(kv_transfer_config=KVTransferConfig(
-        kv_connector="MultiConnector", kv_role="kv_both",
-        kv_connector_extra_config={"connectors": [
-            {"kv_connector": "HybridStoreConnector", "kv_role": "kv_both"},
-            {"kv_connector": "HybridPDConnector", "kv_role": "kv_both"}]}))
+    assert isinstance(pd, HybridPDStats) and pd.data == {
+        "reads": 2,
+        "read_bytes": 10,
+        "lat.read": [0.1, 0.2],
+    }
+    config = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "connectors": [
+                    {"kv_connector": "HybridStoreConnector", "kv_role": "kv_both"},
+                    {"kv_connector": "HybridPDConnector", "kv_role": "kv_both"},
+                ]
+            },
+        )
+    )
     registry = prometheus_client.CollectorRegistry()
-    prom = MultiConnector.build_prom_metrics(config, _private_types(registry), LABELS, {0: ["m", "0"]})
+    prom = MultiConnector.build_prom_metrics(
+        config, _private_types(registry), LABELS, {0: ["m", "0"]}
+    )
     prom.observe(rebuilt.to_dict(), 0)
     got = _samples(registry)
     e0 = (("engine", "0"), ("model_name", "m"))  # sorted label items
@@ -191,10 +253,14 @@ class FakeTransport:
 def _worker(monkeypatch, transport: FakeTransport, claim=None) -> PDWorker:  # noqa: ANN001
     monkeypatch.setattr(PDWorker, "_peer", lambda self, job, rank: (f"FAKE-prefill-{rank}", None))
     monkeypatch.setattr(PDWorker, "_slices", lambda self, part, peer_layout, job: None)
-    monkeypatch.setattr(pd_worker, "claim_lease", claim or (lambda *a, **k: 10.0))  # FAKE side channel
+    monkeypatch.setattr(
+        pd_worker, "claim_lease", claim or (lambda *a, **k: 10.0)
+    )  # FAKE side channel
     monkeypatch.setattr(pd_worker, "release_blocks", lambda *a, **k: None)
     # decode TP1, 4 KV heads; the prefill instance runs TP2: two READs per request
-    worker = PDWorker(PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 1.0, 0.5, total_kv_heads=4), None)
+    worker = PDWorker(
+        PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 1.0, 0.5, total_kv_heads=4), None
+    )
     worker._transport = transport
     worker._local = object()  # registered (only its presence is checked on this path)
     return worker
@@ -202,8 +268,17 @@ def _worker(monkeypatch, transport: FakeTransport, claim=None) -> PDWorker:  # n
 
 def _job(req: str) -> ReadJob:
     # 3 blocks of group 0, 1 of group 1: read_blocks 4
-    return ReadJob(req, f"p-{req}", "prefill", "10.0.0.1", 1000, [[1, 2, 3], [7]], [[4, 5, 6], [8]],
-                   lease_id="0" * 32, remote_ports=[1000, 1001])
+    return ReadJob(
+        req,
+        f"p-{req}",
+        "prefill",
+        "10.0.0.1",
+        1000,
+        [[1, 2, 3], [7]],
+        [[4, 5, 6], [8]],
+        lease_id="0" * 32,
+        remote_ports=[1000, 1001],
+    )
 
 
 def _read(worker: PDWorker, *jobs: ReadJob) -> None:
@@ -229,9 +304,16 @@ def test_a_successful_read_counts_the_provenance_lines_numbers(monkeypatch, vllm
         assert stats is not None
         seconds = stats.data.pop("read_seconds")
         assert stats.data.pop("lat.read") == [seconds] and seconds > 0
-        assert stats.data == {"reads": 1, "read_blocks": 4, "read_bytes": 1234, "read_descriptors": 2,
-                              "read_regions": 6}
-        (line,) = [r.getMessage() for r in vllm_caplog.records if "hybridkv P/D: read " in r.getMessage()]
+        assert stats.data == {
+            "reads": 1,
+            "read_blocks": 4,
+            "read_bytes": 1234,
+            "read_descriptors": 2,
+            "read_regions": 6,
+        }
+        (line,) = [
+            r.getMessage() for r in vllm_caplog.records if "hybridkv P/D: read " in r.getMessage()
+        ]
         assert line.startswith("hybridkv P/D: read 4 blocks (1234 bytes) for ok "), line
         assert worker.take_stats() is None  # taken: the next interval starts empty
     finally:
@@ -272,9 +354,15 @@ def test_prefill_leases_count_issued_released_and_expired(monkeypatch) -> None:
     renewed lease (same request, still held) counted twice (leases 4: never ends as often)."""
     worker = PDWorker(PDWorkerSettings("prefill", 0, 1, "127.0.0.1", 0, 1.0, 1.0), None)
     try:
-        worker.start_load_kv(PDConnectorMetadata(leases=[Lease("read", "a" * 32, 60.0),
-                                                         Lease("never", "b" * 32, 0.05),
-                                                         Lease("kept", "c" * 32, 60.0)]))
+        worker.start_load_kv(
+            PDConnectorMetadata(
+                leases=[
+                    Lease("read", "a" * 32, 60.0),
+                    Lease("never", "b" * 32, 0.05),
+                    Lease("kept", "c" * 32, 60.0),
+                ]
+            )
+        )
         worker.start_load_kv(PDConnectorMetadata(leases=[Lease("kept", "d" * 32, 60.0)]))  # renewed
         worker._released_by_decode(["read"])
         time.sleep(0.1)

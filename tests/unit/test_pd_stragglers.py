@@ -23,7 +23,9 @@ class FakeRead:
     """A READ handle that is in flight for ``polls`` polls, then DONE (or failed); with a
     ``gate``, in flight until the gate is set (its polls count only from then)."""
 
-    def __init__(self, polls: int, fails: bool = False, gate: threading.Event | None = None) -> None:
+    def __init__(
+        self, polls: int, fails: bool = False, gate: threading.Event | None = None
+    ) -> None:
         self.polls, self.fails, self.released, self.gate = polls, fails, False, gate
 
     def poll(self) -> str:
@@ -77,7 +79,9 @@ def test_each_request_is_freed_once_all_its_reads_settled_and_not_before() -> No
         for req_id, handles in reads.items():
             drain.add(req_id, handles, blocks=4)
         assert _until(lambda: drain.pending() == 0, 10.0)
-        assert sorted(settled) == sorted(reads) and not seen_open  # once each, every READ settled first
+        assert (
+            sorted(settled) == sorted(reads) and not seen_open
+        )  # once each, every READ settled first
     finally:
         drain.stop()
 
@@ -85,15 +89,21 @@ def test_each_request_is_freed_once_all_its_reads_settled_and_not_before() -> No
 def test_a_read_stuck_for_good_is_reported_once_and_keeps_its_blocks(vllm_caplog) -> None:
     transport, settled = FakeTransport(), []
     stuck = FakeRead(10**9)
-    drain = StragglerDrain(transport.poll, transport.release, settled.append, warn_after_s=0.3, max_pause_s=0.05)
+    drain = StragglerDrain(
+        transport.poll, transport.release, settled.append, warn_after_s=0.3, max_pause_s=0.05
+    )
     try:
         with vllm_caplog.at_level(logging.WARNING, logger="vllm.hybridkv.connector.pd_stragglers"):
             drain.add("stuck", [stuck], blocks=7)
             drain.add("quick", [FakeRead(1)], blocks=2)
             assert _until(lambda: settled == ["quick"], 5.0), settled
             time.sleep(0.6)
-        warned = [r.getMessage() for r in vllm_caplog.records if "still in flight" in r.getMessage()]
-        assert len(warned) == 1 and "stuck" in warned[0] and "its 7 destination blocks" in warned[0], warned
+        warned = [
+            r.getMessage() for r in vllm_caplog.records if "still in flight" in r.getMessage()
+        ]
+        assert (
+            len(warned) == 1 and "stuck" in warned[0] and "its 7 destination blocks" in warned[0]
+        ), warned
         assert drain.pending() == 1 and settled == ["quick"] and not stuck.released
         stuck.polls = 0  # the peer is killed or resumes: the READ settles
         assert _until(lambda: settled == ["quick", "stuck"], 5.0) and stuck.released
@@ -109,13 +119,18 @@ def test_worker_keeps_timed_out_reads_blocks_until_they_settle_on_one_thread(mon
     # it the last ones, so 16 open at once was never seen (12-03, beside a CI run).
     gate = threading.Event()
     handles = {f"q{i}": FakeRead(5 + i % 5, gate=gate) for i in range(16)}
-    monkeypatch.setattr(PDWorker, "_read", lambda self, job: (False, [handles[job.req_id]]))  # FAKE read
+    monkeypatch.setattr(
+        PDWorker, "_read", lambda self, job: (False, [handles[job.req_id]])
+    )  # FAKE read
     worker = PDWorker(PDWorkerSettings("decode", 0, 1, "127.0.0.1", 0, 1.0, 1.0), None)
     worker._transport = FakeTransport()
     released: set[str] = set()
     before = set(_drain_threads())  # another test's drain may still be ending
     try:
-        jobs = [ReadJob(r, f"p-{r}", "prefill", "10.0.0.1", 1000, [[1]], [[2]], lease_id="0" * 32) for r in handles]
+        jobs = [
+            ReadJob(r, f"p-{r}", "prefill", "10.0.0.1", 1000, [[1]], [[2]], lease_id="0" * 32)
+            for r in handles
+        ]
         worker.start_load_kv(PDConnectorMetadata(reads=jobs))
         assert _until(lambda: worker.unsettled_reads() == 16, 5.0), worker.unsettled_reads()
         assert len(set(_drain_threads()) - before) == 1, [t.name for t in _drain_threads()]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from vllm.config import VllmConfig
@@ -52,10 +51,22 @@ POISON = 0xA5
 
 def _groups(heads: int) -> list[KVCacheGroupSpec]:
     return [
-        KVCacheGroupSpec(["sw.0", "sw.1"], SlidingWindowSpec(block_size=32, num_kv_heads=heads, head_size=64,
-                                                             dtype=torch.bfloat16, sliding_window=64)),
-        KVCacheGroupSpec(["fa.0", "fa.1"], FullAttentionSpec(block_size=32, num_kv_heads=heads, head_size=64,
-                                                             dtype=torch.bfloat16)),
+        KVCacheGroupSpec(
+            ["sw.0", "sw.1"],
+            SlidingWindowSpec(
+                block_size=32,
+                num_kv_heads=heads,
+                head_size=64,
+                dtype=torch.bfloat16,
+                sliding_window=64,
+            ),
+        ),
+        KVCacheGroupSpec(
+            ["fa.0", "fa.1"],
+            FullAttentionSpec(
+                block_size=32, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16
+            ),
+        ),
     ]
 
 
@@ -68,15 +79,22 @@ class Cache:
         page = 32 * heads * 128 * 2
         self.heads = heads
         self.config = get_kv_cache_config_from_groups(cfg, _groups(heads), 16 * page * 2)
-        self.caches = allocate_kv_cache(self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
+        self.caches = allocate_kv_cache(
+            self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout()
+        )
         self.layout = KVLayout.from_kv_caches(self.config, self.caches)
         first = next(iter(self.caches.values()))
         self.raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
         self.raw.fill_(POISON)
 
     def descriptor(self, tp: int) -> LayoutDescriptor:
-        return LayoutDescriptor.from_kv(self.layout, layout_rows(self.config), tp, kv_heads=[self.heads] * 2,
-                                        total_kv_heads=TOTAL_HEADS)
+        return LayoutDescriptor.from_kv(
+            self.layout,
+            layout_rows(self.config),
+            tp,
+            kv_heads=[self.heads] * 2,
+            total_kv_heads=TOTAL_HEADS,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +112,9 @@ def caches():
 
 def _apply(local: Cache, remote: Cache, remote_ids, local_ids, slices) -> None:
     """What a NIXL READ of these descriptor rows does, done with memmove in this process."""
-    l_rows, r_rows = read_descriptors(local.layout.groups, remote.layout.groups, remote_ids, local_ids, slices=slices)
+    l_rows, r_rows = read_descriptors(
+        local.layout.groups, remote.layout.groups, remote_ids, local_ids, slices=slices
+    )
     for (la, n, _), (ra, n2, _) in zip(l_rows.tolist(), r_rows.tolist(), strict=True):
         assert n == n2
         ctypes.memmove(int(la), int(ra), int(n))
@@ -103,8 +123,16 @@ def _apply(local: Cache, remote: Cache, remote_ids, local_ids, slices) -> None:
 def _spans(local: Cache, remote: Cache, part: RankRead):
     out = []
     for lg, rg in zip(local.layout.groups, remote.layout.groups, strict=True):
-        out.append(head_slices(lg.block_bytes, rg.block_bytes, region_rows(lg.block_bytes, lg.kernel_rows),
-                               local.heads, remote.heads, part))
+        out.append(
+            head_slices(
+                lg.block_bytes,
+                rg.block_bytes,
+                region_rows(lg.block_bytes, lg.kernel_rows),
+                local.heads,
+                remote.heads,
+                part,
+            )
+        )
     return out
 
 
@@ -132,7 +160,9 @@ def _expected_ok(local: Cache, source, heads_of) -> bool:  # noqa: ANN001
     return True
 
 
-def _p2_to_d1(full: Cache, ranks: list[Cache], plan: list[RankRead], sources: list[Cache], slicing=True) -> bool:
+def _p2_to_d1(
+    full: Cache, ranks: list[Cache], plan: list[RankRead], sources: list[Cache], slicing=True
+) -> bool:
     decode = Cache(TOTAL_HEADS)
     for part, src in zip(plan, sources, strict=True):
         _apply(decode, src, REMOTE_IDS, LOCAL_IDS, _spans(decode, src, part) if slicing else None)
@@ -174,8 +204,16 @@ def test_prefill_tp1_to_decode_tp2_takes_this_ranks_half(caches, rank):
     _apply(decode, full, REMOTE_IDS, LOCAL_IDS, _spans(decode, full, part))
     assert _expected_ok(decode, full, lambda name, r: full.caches[name][r, 2 * rank : 2 * rank + 2])
     wrong = Cache(TOTAL_HEADS // 2)  # planted: the other rank's half
-    _apply(wrong, full, REMOTE_IDS, LOCAL_IDS, _spans(wrong, full, replace(part, remote_head0=2 - 2 * rank)))
-    assert not _expected_ok(wrong, full, lambda name, r: full.caches[name][r, 2 * rank : 2 * rank + 2])
+    _apply(
+        wrong,
+        full,
+        REMOTE_IDS,
+        LOCAL_IDS,
+        _spans(wrong, full, replace(part, remote_head0=2 - 2 * rank)),
+    )
+    assert not _expected_ok(
+        wrong, full, lambda name, r: full.caches[name][r, 2 * rank : 2 * rank + 2]
+    )
 
 
 def test_handshake_accepts_attention_across_sizes_and_names_what_it_refuses(caches):
@@ -187,23 +225,44 @@ def test_handshake_accepts_attention_across_sizes_and_names_what_it_refuses(cach
     problems = [str(m) for m in find_mismatches(lbnhc, full.descriptor(1))]
     assert problems and all("kv_cache_layout" in p and "LBHNC" in p for p in problems), problems
     replicated = replace(full.descriptor(1), total_kv_heads=1)
-    assert any("total_kv_heads" in str(m) for m in find_mismatches(ranks[0].descriptor(2), replicated))
-    odd = [str(m) for m in find_mismatches(replace(ranks[0].descriptor(2), tp_size=3), full.descriptor(2))]
-    assert odd == ["prefill tp_size=3 but decode has 2: prefill tensor_parallel_size=3 and decode 2: one must "
-                   "divide the other (each decode rank's heads must come from whole prefill ranks, or lie inside "
-                   "one)"]
+    assert any(
+        "total_kv_heads" in str(m) for m in find_mismatches(ranks[0].descriptor(2), replicated)
+    )
+    odd = [
+        str(m)
+        for m in find_mismatches(replace(ranks[0].descriptor(2), tp_size=3), full.descriptor(2))
+    ]
+    assert odd == [
+        "prefill tp_size=3 but decode has 2: prefill tensor_parallel_size=3 and decode 2: one must "
+        "divide the other (each decode rank's heads must come from whole prefill ranks, or lie inside "
+        "one)"
+    ]
 
 
 def test_heterogeneous_problem_names_mamba_groups():
     assert heterogeneous_tp_problem(2, 2, (0,), 2) is None
     assert heterogeneous_tp_problem(2, 1, (), 4) is None
-    assert heterogeneous_tp_problem(2, 1, (0,), 4, None) is None  # GDN state, enabled: checked at the handshake
+    assert (
+        heterogeneous_tp_problem(2, 1, (0,), 4, None) is None
+    )  # GDN state, enabled: checked at the handshake
     msg = heterogeneous_tp_problem(2, 1, (0,), 4)  # the default: not enabled, and why
-    assert msg and "(groups [0]: re-slicing its GDN state between TP sizes is exact but off by default" in msg
-    assert "kv_connector_extra_config.allow_mamba_cross_tp=true on the decode instance" in msg  # the switch
+    assert (
+        msg
+        and "(groups [0]: re-slicing its GDN state between TP sizes is exact but off by default"
+        in msg
+    )
+    assert (
+        "kv_connector_extra_config.allow_mamba_cross_tp=true on the decode instance" in msg
+    )  # the switch
     assert "runs only in bfloat16" in msg and "--tensor-parallel-size" in msg
-    msg = heterogeneous_tp_problem(2, 1, (0,), 4, "mamba_type 'mamba2': only 'gdn_attn' state is re-sliced")
-    assert msg and "does not re-slice this model's Mamba/linear-attention state (groups [0]: mamba_type 'mamba2'" in msg
+    msg = heterogeneous_tp_problem(
+        2, 1, (0,), 4, "mamba_type 'mamba2': only 'gdn_attn' state is re-sliced"
+    )
+    assert (
+        msg
+        and "does not re-slice this model's Mamba/linear-attention state (groups [0]: mamba_type 'mamba2'"
+        in msg
+    )
     assert "--tensor-parallel-size" in msg
     assert heterogeneous_tp_problem(2, 2, (0,), 2, "not GDN") is None  # equal sizes copy whole
     assert "do not split evenly" in heterogeneous_tp_problem(4, 1, (), 2)
@@ -216,13 +275,23 @@ HASHES = [bytes([i]) * 32 for i in range(4)]
 
 
 def _params(ports: tuple[int, ...]) -> dict:
-    p = RemotePrefill(engine_id="p", request_id="r", host="127.0.0.1", port=ports[0],
-                      block_ids=((1, 2), (3, 4)), num_tokens=64, lease_id="a" * 32, ports=ports)
+    p = RemotePrefill(
+        engine_id="p",
+        request_id="r",
+        host="127.0.0.1",
+        port=ports[0],
+        block_ids=((1, 2), (3, 4)),
+        num_tokens=64,
+        lease_id="a" * 32,
+        ports=ports,
+    )
     return issue_remote_prefill(p, KEY, HASHES, 32)
 
 
 def _parse(raw: dict, tp: int = 1, mamba: tuple[int, ...] = (), **kw):
-    local = LocalLayout(True, True, (32, 32), 100, 32, tp_size=tp, mamba_group_ids=mamba, total_kv_heads=4, **kw)
+    local = LocalLayout(
+        True, True, (32, 32), 100, 32, tp_size=tp, mamba_group_ids=mamba, total_kv_heads=4, **kw
+    )
     return parse_kv_transfer_params(raw, PromptView(100, HASHES), local, KEY)
 
 
@@ -234,11 +303,22 @@ def test_remote_ports_are_signed_and_validated():
     assert isinstance(_parse(raw, tp=1), RemotePrefill)  # attention only: TP2 -> TP1 re-slices
     refused = _parse(raw, tp=1, mamba=(0,))
     assert isinstance(refused, Refused) and refused.field == "remote_ports"
-    assert "lists 2 prefill ranks" in str(refused) and "does not re-slice this model's Mamba" in str(refused)
-    assert "exact but off by default" in str(refused) and "allow_mamba_cross_tp=true" in str(refused)  # default
-    assert isinstance(_parse(raw, tp=1, mamba=(0,), mamba_problem=None), RemotePrefill)  # GDN: re-sliced
-    for bad, what in (([4000, True], "not a TCP port"), ([4000, 70000], "not a TCP port"), ("4000", "not a list"),
-                      ([4001, 4000], "rank 0's port"), ([], "not a list")):
+    assert "lists 2 prefill ranks" in str(
+        refused
+    ) and "does not re-slice this model's Mamba" in str(refused)
+    assert "exact but off by default" in str(refused) and "allow_mamba_cross_tp=true" in str(
+        refused
+    )  # default
+    assert isinstance(
+        _parse(raw, tp=1, mamba=(0,), mamba_problem=None), RemotePrefill
+    )  # GDN: re-sliced
+    for bad, what in (
+        ([4000, True], "not a TCP port"),
+        ([4000, 70000], "not a TCP port"),
+        ("4000", "not a list"),
+        ([4001, 4000], "rank 0's port"),
+        ([], "not a list"),
+    ):
         r = _parse({**raw, "remote_ports": bad}, tp=2)
         assert isinstance(r, Refused) and r.field == "remote_ports" and what in str(r), (bad, r)
     swapped = {**raw, "remote_ports": [4000, 4002]}  # another rank's port: the MAC covers the list

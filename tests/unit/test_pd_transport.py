@@ -101,7 +101,9 @@ def _groups(variant: str) -> list[KVCacheGroupSpec]:
     heads = 4 if variant == "kv_heads" else 2
     dtype = torch.float16 if variant == "dtype" else torch.bfloat16
     page = 32 * heads * (64 + 64) * 2
-    sw = SlidingWindowSpec(block_size=32, num_kv_heads=heads, head_size=64, dtype=dtype, sliding_window=64)
+    sw = SlidingWindowSpec(
+        block_size=32, num_kv_heads=heads, head_size=64, dtype=dtype, sliding_window=64
+    )
     fa = FullAttentionSpec(block_size=32, num_kv_heads=heads, head_size=64, dtype=dtype)
     mamba = MambaSpec(
         block_size=64,
@@ -125,11 +127,15 @@ def _groups(variant: str) -> list[KVCacheGroupSpec]:
 class KV:
     """One worker's KV cache built by vLLM's own allocation code, plus hybridkv's view of it."""
 
-    def __init__(self, variant: str = "base", nbytes: int = SMALL, seed: int | None = SEED, tp_size: int = 1):
+    def __init__(
+        self, variant: str = "base", nbytes: int = SMALL, seed: int | None = SEED, tp_size: int = 1
+    ):
         cfg = VllmConfig()
         cfg.cache_config.kv_cache_layout = "LBHNC"  # what the CPU attention backend resolves to
         self.config = get_kv_cache_config_from_groups(cfg, _groups(variant), nbytes)
-        self.caches = allocate_kv_cache(self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
+        self.caches = allocate_kv_cache(
+            self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout()
+        )
         self.layout = KVLayout.from_kv_caches(self.config, self.caches)
         assert len(self.layout.allocations) == 1, "vLLM's CPU KV cache is one allocation"
         base, size = self.layout.allocations[0]
@@ -191,7 +197,9 @@ def _prefill_main(conn, variant: str, nbytes: int, engine_id: str, tcp: bool) ->
     _forked()
     if tcp:
         os.environ["UCX_TLS"] = "tcp"
-    kv = KV(variant, nbytes=nbytes, seed=SEED if nbytes == SMALL else None)  # big: content not checked
+    kv = KV(
+        variant, nbytes=nbytes, seed=SEED if nbytes == SMALL else None
+    )  # big: content not checked
     transport = PDTransport(f"{engine_id}-rank0", kv.layout)
     info = AgentInfo(
         engine_id=engine_id,
@@ -219,9 +227,17 @@ def _prefill_main(conn, variant: str, nbytes: int, engine_id: str, tcp: bool) ->
 
 
 class Prefill:
-    def __init__(self, variant: str = "base", nbytes: int = SMALL, engine_id: str = "prefill", tcp: bool = False):
+    def __init__(
+        self,
+        variant: str = "base",
+        nbytes: int = SMALL,
+        engine_id: str = "prefill",
+        tcp: bool = False,
+    ):
         self.conn, child = mp.Pipe()
-        self.proc = _ctx().Process(target=_prefill_main, args=(child, variant, nbytes, engine_id, tcp), daemon=True)
+        self.proc = _ctx().Process(
+            target=_prefill_main, args=(child, variant, nbytes, engine_id, tcp), daemon=True
+        )
         self.proc.start()
         self.engine_id = engine_id
         if not self.conn.poll(JOIN_S):
@@ -250,7 +266,11 @@ class Prefill:
 def _handshake(kv: KV, prefill: Prefill, name: str) -> tuple[PDTransport, str]:
     transport = PDTransport(name, kv.layout)
     info = fetch_agent_info(
-        prefill.address, kv.descriptor(), engine_id="decode", tp_rank=0, timeout_s=10.0,
+        prefill.address,
+        kv.descriptor(),
+        engine_id="decode",
+        tp_rank=0,
+        timeout_s=10.0,
         prefill_engine_id=prefill.engine_id,
     )
     return transport, transport.add_peer(info.agent_metadata, info.layout.group_layouts())
@@ -327,7 +347,9 @@ def test_check_has_power_flipped_byte_on_prefill(prefill, decode, expected):
     try:
         kv.raw.fill_(POISON)
         transport.wait(transport.read_blocks(peer, REMOTE, LOCAL), WAIT_S)
-        with pytest.raises(AssertionError, match=r"group 2 block 88->66 layer 1: 1 of \d+ bytes differ"):
+        with pytest.raises(
+            AssertionError, match=r"group 2 block 88->66 layer 1: 1 of \d+ bytes differ"
+        ):
             assert_moved(expected, kv, REMOTE, LOCAL)
     finally:
         prefill.call("flip", 2, REMOTE[2][0], 1)
@@ -381,12 +403,18 @@ def handshake_server(expected):
 def test_handshake_returns_agent_and_prefill_addresses(handshake_server, expected):
     local = KV(seed=None)
     info = fetch_agent_info(
-        handshake_server.address, local.descriptor(), engine_id="d", tp_rank=0, prefill_engine_id="prefill-hs"
+        handshake_server.address,
+        local.descriptor(),
+        engine_id="d",
+        tp_rank=0,
+        prefill_engine_id="prefill-hs",
     )
     assert info.agent_metadata == b"\x00nixl-metadata-bytes\xff"
     assert info.agent_name == "prefill-hs-rank0" and info.version == HANDSHAKE_VERSION
     for mine, theirs in zip(expected.layout.groups, info.layout.group_layouts(), strict=True):
-        assert np.array_equal(mine.bases, theirs.bases) and np.array_equal(mine.strides, theirs.strides)
+        assert np.array_equal(mine.bases, theirs.bases) and np.array_equal(
+            mine.strides, theirs.strides
+        )
         assert np.array_equal(mine.block_bytes, theirs.block_bytes)
 
 
@@ -401,7 +429,9 @@ REFUSALS = {
 def test_handshake_refuses_incompatible_layout_on_decode(handshake_server, variant):
     local = KV(variant, seed=None).descriptor()
     # Decode-side check, on a real answer the server was not asked to vet.
-    info = request_agent_info(handshake_server.address, AgentInfoRequest("d", 0, expected=None), 5.0)
+    info = request_agent_info(
+        handshake_server.address, AgentInfoRequest("d", 0, expected=None), 5.0
+    )
     with pytest.raises(HandshakeError) as err:
         check_agent_info(info, local, address=handshake_server.address, tp_rank=0)
     assert REFUSALS[variant] in str(err.value)
@@ -420,12 +450,16 @@ def test_handshake_refuses_incompatible_layout_on_prefill(handshake_server, vari
 def test_handshake_refuses_tp_mismatch(handshake_server, expected):
     local = replace(expected.descriptor(), tp_size=2)
     # (the heads of attention groups could be re-sliced; this Mamba group's state is not described)
-    msg = (r"prefill group 2 state_splits=\[\] but decode has \[\]: MambaSpec state cannot be re-sliced between "
-           r"TP 1 and 2: a side did not describe how its Mamba state is split over ranks \(only GDN state is "
-           r"re-sliced\); start both instances with the same --tensor-parallel-size")
+    msg = (
+        r"prefill group 2 state_splits=\[\] but decode has \[\]: MambaSpec state cannot be re-sliced between "
+        r"TP 1 and 2: a side did not describe how its Mamba state is split over ranks \(only GDN state is "
+        r"re-sliced\); start both instances with the same --tensor-parallel-size"
+    )
     with pytest.raises(HandshakeError, match=msg):
         fetch_agent_info(handshake_server.address, local, engine_id="d", tp_rank=0)
-    info = request_agent_info(handshake_server.address, AgentInfoRequest("d", 0, expected=None), 5.0)
+    info = request_agent_info(
+        handshake_server.address, AgentInfoRequest("d", 0, expected=None), 5.0
+    )
     with pytest.raises(HandshakeError, match=msg):
         check_agent_info(info, local, address=handshake_server.address, tp_rank=0)
 
@@ -435,32 +469,64 @@ def test_handshake_refuses_version_mismatch_both_ways(handshake_server, expected
     fix = "install the same hybridkv version on both instances"
     # Prefill refuses a decode that speaks another version.
     with pytest.raises(HandshakeError) as err:
-        request_agent_info(handshake_server.address, AgentInfoRequest("d", 0, None, version=newer), 5.0)
-    assert f"prefill handshake version={HANDSHAKE_VERSION} but decode has {newer}: {fix}" in str(err.value)
+        request_agent_info(
+            handshake_server.address, AgentInfoRequest("d", 0, None, version=newer), 5.0
+        )
+    assert f"prefill handshake version={HANDSHAKE_VERSION} but decode has {newer}: {fix}" in str(
+        err.value
+    )
     assert "decode engine 'd' rank 0" in str(err.value)
     # Decode refuses a prefill that answers in another version.
     newer_info = AgentInfo("p2", 0, "p2-rank0", b"md", expected.descriptor(), version=newer)
     with HandshakeServer(newer_info) as newer_server:
-        info = request_agent_info(newer_server.address, AgentInfoRequest("d", 0, None, version=newer), 5.0)
+        info = request_agent_info(
+            newer_server.address, AgentInfoRequest("d", 0, None, version=newer), 5.0
+        )
         with pytest.raises(HandshakeError) as err:
             check_agent_info(info, expected.descriptor(), address=newer_server.address, tp_rank=0)
-        assert f"prefill handshake version={newer} but decode has {HANDSHAKE_VERSION}: {fix}" in str(err.value)
+        assert (
+            f"prefill handshake version={newer} but decode has {HANDSHAKE_VERSION}: {fix}"
+            in str(err.value)
+        )
         assert f"prefill engine 'p2' rank 0 at {newer_server.address}" in str(err.value)
-        with pytest.raises(HandshakeError, match=f"prefill handshake version={newer} but decode has {HANDSHAKE_VERSION}"):
+        with pytest.raises(
+            HandshakeError,
+            match=f"prefill handshake version={newer} but decode has {HANDSHAKE_VERSION}",
+        ):
             fetch_agent_info(newer_server.address, expected.descriptor(), engine_id="d", tp_rank=0)
 
 
 def test_handshake_refuses_wrong_engine_and_rank(handshake_server, expected):
-    with pytest.raises(HandshakeError, match="expected prefill engine 'other' but 'prefill-hs' answered"):
+    with pytest.raises(
+        HandshakeError, match="expected prefill engine 'other' but 'prefill-hs' answered"
+    ):
         fetch_agent_info(
-            handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=0, prefill_engine_id="other"
+            handshake_server.address,
+            expected.descriptor(),
+            engine_id="d",
+            tp_rank=0,
+            prefill_engine_id="other",
         )
-    with pytest.raises(HandshakeError, match="it asked for prefill rank 1 but this is prefill engine 'prefill-hs' rank 0"):
+    with pytest.raises(
+        HandshakeError,
+        match="it asked for prefill rank 1 but this is prefill engine 'prefill-hs' rank 0",
+    ):
         fetch_agent_info(handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=1)
     # decode rank 1 may ask for prefill rank 0 (TP sizes differ): the server checks the rank asked for
-    with pytest.raises(HandshakeError, match="it asked for prefill rank 1 but this is prefill engine 'prefill-hs' rank 0"):
-        fetch_agent_info(handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=0, prefill_rank=1)
-    info = fetch_agent_info(handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=1, prefill_rank=0)
+    with pytest.raises(
+        HandshakeError,
+        match="it asked for prefill rank 1 but this is prefill engine 'prefill-hs' rank 0",
+    ):
+        fetch_agent_info(
+            handshake_server.address,
+            expected.descriptor(),
+            engine_id="d",
+            tp_rank=0,
+            prefill_rank=1,
+        )
+    info = fetch_agent_info(
+        handshake_server.address, expected.descriptor(), engine_id="d", tp_rank=1, prefill_rank=0
+    )
     assert info.tp_rank == 0
 
 
@@ -476,7 +542,9 @@ def test_handshake_unreachable_peer_fails_within_timeout(expected):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(HandshakeError, match=f"P/D handshake with {closed}: unreachable .*check that the prefill"):
+    with pytest.raises(
+        HandshakeError, match=f"P/D handshake with {closed}: unreachable .*check that the prefill"
+    ):
         fetch_agent_info(closed, expected.descriptor(), engine_id="d", tp_rank=0, timeout_s=2.0)
     # A silent peer, 3 times: with the channel's connect timeout EQUAL to the call's deadline
     # (7f3bb9b) the two timers raced and a loaded box answered "unreachable" (CI of 956fce0;
@@ -486,8 +554,12 @@ def test_handshake_unreachable_peer_fails_within_timeout(expected):
             silent.bind(("127.0.0.1", 0))
             silent.listen()
             addr = f"127.0.0.1:{silent.getsockname()[1]}"
-            with pytest.raises(HandshakeError, match=f"P/D handshake with {addr}: no answer within 1 s"):
-                fetch_agent_info(addr, expected.descriptor(), engine_id="d", tp_rank=0, timeout_s=1.0)
+            with pytest.raises(
+                HandshakeError, match=f"P/D handshake with {addr}: no answer within 1 s"
+            ):
+                fetch_agent_info(
+                    addr, expected.descriptor(), engine_id="d", tp_rank=0, timeout_s=1.0
+                )
 
 
 # ----------------------------------------------------------------------------- dying / stuck peer
@@ -539,7 +611,9 @@ def _decode_vs_stalled_peer(conn, address: str, victim_pid: int) -> None:
     info = fetch_agent_info(address, kv.descriptor(), engine_id="d", tp_rank=0, timeout_s=10.0)
     peer = transport.add_peer(info.agent_metadata, info.layout.group_layouts())
     remote, local = _big_read(kv)
-    transport.wait(transport.read_blocks(peer, [[], [0], [], []], [[], [1], [], []]), WAIT_S)  # connected
+    transport.wait(
+        transport.read_blocks(peer, [[], [0], [], []], [[], [1], [], []]), WAIT_S
+    )  # connected
     # Stop first: over tcp a post can finish a whole READ inline, so stopping after it races.
     freeze(victim_pid)
     handle = transport.read_blocks(peer, remote, local)
@@ -582,7 +656,9 @@ def test_prefill_killed_mid_transfer_ends_in_error_not_hang():
     prefill = Prefill(nbytes=BIG, engine_id="prefill-kill")
     *done, failed, after = _run_decode_child(_decode_vs_killed_peer, prefill)
     assert all(o == "DONE" for o in done)
-    assert failed.startswith("TransferError: READ of ") and "from 'prefill-kill-rank0'" in failed, failed
+    assert failed.startswith("TransferError: READ of ") and "from 'prefill-kill-rank0'" in failed, (
+        failed
+    )
     assert "is the prefill instance alive?" in failed or "may have died" in failed, failed
     assert after.startswith("TransferError"), after
 
@@ -610,16 +686,26 @@ def test_release_reaches_the_prefill_worker_over_the_side_channel(expected):
     )
 
     got: list[list[str]] = []
-    info = AgentInfo(engine_id="prefill-engine", tp_rank=0, agent_name="p0", agent_metadata=b"meta",
-                     layout=expected.descriptor())
-    with HandshakeServer(info, on_release=lambda ids, reader, readers: got.append([ids, reader, readers])) as server:
+    info = AgentInfo(
+        engine_id="prefill-engine",
+        tp_rank=0,
+        agent_name="p0",
+        agent_metadata=b"meta",
+        layout=expected.descriptor(),
+    )
+    with HandshakeServer(
+        info, on_release=lambda ids, reader, readers: got.append([ids, reader, readers])
+    ) as server:
         release_blocks(server.address, ["req-1", "req-2"], timeout_s=5)
         release_blocks(server.address, ["req-4"], timeout_s=5, reader=1, readers=2)
         assert got == [[["req-1", "req-2"], 0, 1], [["req-4"], 1, 2]]
         with grpc.insecure_channel(server.address, options=_CHANNEL_OPTIONS) as ch:
             with pytest.raises(grpc.RpcError) as e:
-                ch.unary_unary(_FULL_RELEASE_METHOD, request_serializer=lambda b: b,
-                               response_deserializer=lambda b: b)(b'{"request_ids": 3}', timeout=5)
+                ch.unary_unary(
+                    _FULL_RELEASE_METHOD,
+                    request_serializer=lambda b: b,
+                    response_deserializer=lambda b: b,
+                )(b'{"request_ids": 3}', timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(HandshakeError, match="release on"):
         release_blocks(server.address, ["req-3"], timeout_s=2)
@@ -677,8 +763,14 @@ def test_vram_spaces_travel_in_the_handshake_and_fill_the_dev_columns():
         del g["mem_type"], g["dev"]
     assert LayoutDescriptor.from_json(js).memory_spaces() == (HOST,) * 4
     ids = [[1], [2], [3], [4]]
-    local, remote = read_descriptors(kv.layout.groups, kv.layout.groups, ids, ids,
-                                     local_devs=[0, 1, 0, 1], remote_devs=[p.dev for p in peer])
+    local, remote = read_descriptors(
+        kv.layout.groups,
+        kv.layout.groups,
+        ids,
+        ids,
+        local_devs=[0, 1, 0, 1],
+        remote_devs=[p.dev for p in peer],
+    )
     per_group_rows = [len(g.block_bytes) for g in kv.layout.groups]
     want_local = np.repeat([0, 1, 0, 1], per_group_rows)
     assert local[:, 2].tolist() == want_local.tolist()

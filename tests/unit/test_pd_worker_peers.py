@@ -65,7 +65,9 @@ def test_a_stalled_peer_delays_only_its_own_requests(monkeypatch):
 
 
 def test_control_one_shared_read_thread_would_fail_it(monkeypatch):
-    monkeypatch.setattr(pd_worker, "MAX_PEER_THREADS", 0)  # planted: every peer on the overflow thread
+    monkeypatch.setattr(
+        pd_worker, "MAX_PEER_THREADS", 0
+    )  # planted: every peer on the overflow thread
     assert _stalled_peer_run(monkeypatch) == (False, True)
 
 
@@ -92,7 +94,10 @@ def test_releases_of_unknown_leases_are_bounded():
         for i in range(ENDED_LEASES_KEPT + 100):
             worker._released_by_decode([f"forged-{i}"])
         assert len(worker._decode_released) == ENDED_LEASES_KEPT
-        assert "forged-0" not in worker._decode_released and f"forged-{ENDED_LEASES_KEPT + 99}" in worker._decode_released
+        assert (
+            "forged-0" not in worker._decode_released
+            and f"forged-{ENDED_LEASES_KEPT + 99}" in worker._decode_released
+        )
     finally:
         worker.stop_reads(join_s=5)
 
@@ -107,9 +112,13 @@ def test_a_lease_read_by_two_decode_ranks_grants_each_once_and_frees_after_both(
             worker._claim("r1", "l" * 32, reader=0, readers=2)
         assert worker._claim("r1", "l" * 32, reader=1, readers=2) > 0
         with pytest.raises(LeaseRefused, match="claimed already"):
-            worker._claim("r1", "l" * 32, reader=2, readers=2)  # a third reader of a two-reader lease
+            worker._claim(
+                "r1", "l" * 32, reader=2, readers=2
+            )  # a third reader of a two-reader lease
         worker._released_by_decode(["r1"], reader=0, readers=2)
-        assert worker.get_transfer_results().finished_sending == set()  # rank 1 may still be reading
+        assert (
+            worker.get_transfer_results().finished_sending == set()
+        )  # rank 1 may still be reading
         worker._released_by_decode(["r1"], reader=1, readers=2)
         assert worker.get_transfer_results().finished_sending == {"r1"}
     finally:
@@ -191,8 +200,11 @@ def test_peers_looked_up_added_and_forgotten_by_many_read_threads_at_once(monkey
 
     monkeypatch.setattr(pd_worker, "MAX_PEERS", 2)
     layout = SimpleNamespace(group_layouts=lambda: (), memory_spaces=lambda: ())
-    monkeypatch.setattr(pd_worker, "fetch_agent_info",
-                        lambda address, *a, **k: SimpleNamespace(agent_metadata=address, layout=layout))
+    monkeypatch.setattr(
+        pd_worker,
+        "fetch_agent_info",
+        lambda address, *a, **k: SimpleNamespace(agent_metadata=address, layout=layout),
+    )
 
     class Transport(_FakeTransport):
         def add_peer(self, metadata, groups, spaces):  # noqa: ANN001

@@ -9,20 +9,30 @@ SIGKILLs the prefill instance mid-READ).
 from __future__ import annotations
 
 import pytest
-from fastapi import Request  # module level: FastAPI resolves the test servers' string annotations here
+from fastapi import (
+    Request,
+)  # module level: FastAPI resolves the test servers' string annotations here
 
 from hybridkv.cli.proxy import decode_request, prefill_request
 from tests.freeze import freeze
 
 
 def test_prefill_leg_is_one_token_without_streaming_and_marks_remote_decode():
-    body = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True,
-            "stream_options": {"include_usage": True}, "min_tokens": 3}
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 3,
+    }
     p = prefill_request(body)
     assert p["max_tokens"] == 1 and p["stream"] is False
     assert "stream_options" not in p and "min_tokens" not in p
     assert p["kv_transfer_params"]["do_remote_decode"] is True
-    assert body["max_tokens"] == 50 and "kv_transfer_params" not in body  # the user's request is untouched
+    assert (
+        body["max_tokens"] == 50 and "kv_transfer_params" not in body
+    )  # the user's request is untouched
 
 
 def test_decode_leg_carries_the_prefill_answer_and_refuses_a_missing_one():
@@ -76,9 +86,12 @@ class _Instance:
                 while gate is not None and not gate.is_set():
                     await asyncio.sleep(0.01)
                 answer = {"choices": [{"text": "ok"}]}
-                if params is not None and body.get("kv_transfer_params", {}).get("do_remote_decode"):
+                if params is not None and body.get("kv_transfer_params", {}).get(
+                    "do_remote_decode"
+                ):
                     answer["kv_transfer_params"] = params
                 if body.get("stream"):
+
                     async def chunks():
                         yield b"data: {}\n\n"
                         yield b"data: [DONE]\n\n"
@@ -86,7 +99,9 @@ class _Instance:
                     return StreamingResponse(chunks(), media_type="text/event-stream")
                 return JSONResponse(status_code=status, content=answer)
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         for _ in range(500):
@@ -112,10 +127,17 @@ def _dead_url() -> str:
 
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_host": "127.0.0.1"}
-USER = {"model": "m", "prompt": "hi", "max_tokens": 7, "kv_transfer_params": {"remote_host": "10.9.9.9"}}
+USER = {
+    "model": "m",
+    "prompt": "hi",
+    "max_tokens": 7,
+    "kv_transfer_params": {"remote_host": "10.9.9.9"},
+}
 
 
-@pytest.mark.parametrize("prefill_fault", ["unreachable", "answers 500", "answers without kv_transfer_params"])
+@pytest.mark.parametrize(
+    "prefill_fault", ["unreachable", "answers 500", "answers without kv_transfer_params"]
+)
 def test_no_prefill_instance_serves_the_request_so_decode_computes_it_alone(prefill_fault):
     """A dead or broken prefill instance costs TTFT, not the request: decode gets the user's
     request alone (max_tokens kept, a client's own kv_transfer_params dropped), the answer
@@ -126,15 +148,26 @@ def test_no_prefill_instance_serves_the_request_so_decode_computes_it_alone(pref
     from hybridkv.cli.proxy import build_app
 
     decode = _Instance()
-    prefill = None if prefill_fault == "unreachable" else _Instance(
-        status=500 if prefill_fault == "answers 500" else 200, params=None)
+    prefill = (
+        None
+        if prefill_fault == "unreachable"
+        else _Instance(status=500 if prefill_fault == "answers 500" else 200, params=None)
+    )
     try:
-        client = TestClient(build_app([prefill.url if prefill else _dead_url()], [decode.url], timeout_s=5))
+        client = TestClient(
+            build_app([prefill.url if prefill else _dead_url()], [decode.url], timeout_s=5)
+        )
         r = client.post("/v1/completions", json=USER)
         assert r.status_code == 200 and r.json() == {"choices": [{"text": "ok"}]}
         assert r.headers["x-hybridkv-pd-fallback"] == "prefill-unavailable"
-        assert decode.bodies == [{"model": "m", "prompt": "hi", "max_tokens": 7,
-                                  "request_id": decode.bodies[0]["request_id"]}]  # the proxy's own id
+        assert decode.bodies == [
+            {
+                "model": "m",
+                "prompt": "hi",
+                "max_tokens": 7,
+                "request_id": decode.bodies[0]["request_id"],
+            }
+        ]  # the proxy's own id
         assert "hybridkv_proxy_decode_only_fallbacks_total 1" in client.get("/metrics").text
         assert "hybridkv_proxy_prefill_errors_total 1" in client.get("/metrics").text
     finally:
@@ -151,7 +184,9 @@ def test_a_dead_prefill_instance_is_skipped_for_the_next_one():
 
     decode, prefill = _Instance(), _Instance(params=PARAMS)
     try:
-        with TestClient(build_app([_dead_url(), prefill.url], [decode.url], timeout_s=5)) as client:  # one event loop
+        with TestClient(
+            build_app([_dead_url(), prefill.url], [decode.url], timeout_s=5)
+        ) as client:  # one event loop
             for _ in range(2):  # whichever the round-robin starts with
                 r = client.post("/v1/completions", json=USER)
                 assert r.status_code == 200 and "x-hybridkv-pd-fallback" not in r.headers
@@ -212,15 +247,22 @@ def test_decode_only_requests_past_the_bound_are_answered_503_with_retry_after(s
 
     gate = threading.Event()
     decode = _Instance(gate=gate)
-    proxy = _Instance(app=build_app([_dead_url()], [decode.url], timeout_s=10, max_decode_only=1,
-                                    retry_after_s=2.5))
+    proxy = _Instance(
+        app=build_app(
+            [_dead_url()], [decode.url], timeout_s=10, max_decode_only=1, retry_after_s=2.5
+        )
+    )
     try:
         first: dict = {}
 
         def send_first() -> None:
             with httpx.Client(timeout=10) as c:
                 r = c.post(proxy.url + "/v1/completions", json=USER | {"stream": stream})
-                first.update(status=r.status_code, text=r.text, fallback=r.headers.get("x-hybridkv-pd-fallback"))
+                first.update(
+                    status=r.status_code,
+                    text=r.text,
+                    fallback=r.headers.get("x-hybridkv-pd-fallback"),
+                )
 
         t = threading.Thread(target=send_first)
         t.start()
@@ -228,13 +270,19 @@ def test_decode_only_requests_past_the_bound_are_answered_503_with_retry_after(s
         assert _metric(proxy.url, "hybridkv_proxy_decode_only_in_flight") == 1
         r = httpx.post(proxy.url + "/v1/completions", json=USER | {"stream": stream}, timeout=10)
         assert r.status_code == 503 and r.headers["retry-after"] == "3"
-        assert "already compute 1 requests alone (--max-decode-only)" in r.json()["error"]["message"]
+        assert (
+            "already compute 1 requests alone (--max-decode-only)" in r.json()["error"]["message"]
+        )
         assert len(decode.bodies) == 1  # the rejected one never reached decode
         assert _metric(proxy.url, "hybridkv_proxy_decode_only_rejected_total") == 1
         gate.set()
         t.join(timeout=10)
         assert first["status"] == 200 and first["fallback"] == "prefill-unavailable"
-        assert ("[DONE]" in first["text"]) if stream else (first["text"] == '{"choices":[{"text":"ok"}]}')
+        assert (
+            ("[DONE]" in first["text"])
+            if stream
+            else (first["text"] == '{"choices":[{"text":"ok"}]}')
+        )
         _until(lambda: _metric(proxy.url, "hybridkv_proxy_decode_only_in_flight") == 0)
         r = httpx.post(proxy.url + "/v1/completions", json=USER | {"stream": stream}, timeout=10)
         assert r.status_code == 200 and len(decode.bodies) == 2
@@ -258,12 +306,21 @@ def test_a_decode_only_request_past_the_bound_waits_for_a_slot():
 
     gate = threading.Event()
     decode = _Instance(gate=gate)
-    proxy = _Instance(app=build_app([_dead_url()], [decode.url], timeout_s=10, max_decode_only=1,
-                                    decode_only_wait_s=5.0))
+    proxy = _Instance(
+        app=build_app(
+            [_dead_url()], [decode.url], timeout_s=10, max_decode_only=1, decode_only_wait_s=5.0
+        )
+    )
     try:
         answers: list[int] = []
-        threads = [threading.Thread(target=lambda: answers.append(
-            httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10).status_code)) for _ in range(2)]
+        threads = [
+            threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10).status_code
+                )
+            )
+            for _ in range(2)
+        ]
         threads[0].start()
         _until(lambda: len(decode.bodies) == 1)
         threads[1].start()
@@ -280,10 +337,15 @@ def test_a_decode_only_request_past_the_bound_waits_for_a_slot():
         decode.close()
     gate.clear()
     decode = _Instance(gate=gate)
-    proxy = _Instance(app=build_app([_dead_url()], [decode.url], timeout_s=10, max_decode_only=1,
-                                    decode_only_wait_s=0.3))
+    proxy = _Instance(
+        app=build_app(
+            [_dead_url()], [decode.url], timeout_s=10, max_decode_only=1, decode_only_wait_s=0.3
+        )
+    )
     try:
-        t = threading.Thread(target=lambda: httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10))
+        t = threading.Thread(
+            target=lambda: httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10)
+        )
         t.start()
         _until(lambda: len(decode.bodies) == 1)
         start = time.monotonic()
@@ -310,8 +372,14 @@ def test_requests_prefill_serves_are_not_bounded_by_the_decode_only_limit():
     proxy = _Instance(app=build_app([prefill.url], [decode.url], timeout_s=10, max_decode_only=1))
     try:
         answers: list[int] = []
-        threads = [threading.Thread(target=lambda: answers.append(
-            httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10).status_code)) for _ in range(3)]
+        threads = [
+            threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(proxy.url + "/v1/completions", json=USER, timeout=10).status_code
+                )
+            )
+            for _ in range(3)
+        ]
         for t in threads:
             t.start()
         _until(lambda: len(decode.bodies) == 3)
@@ -400,11 +468,20 @@ def test_a_decode_connection_dropped_before_the_answer_is_sent_once_more(stream)
 
     from hybridkv.cli.proxy import build_app
 
-    body = (b'data: {"choices":[{"text":"ok"}]}\n\n' if stream
-            else _json.dumps({"choices": [{"text": "ok"}]}).encode())
+    body = (
+        b'data: {"choices":[{"text":"ok"}]}\n\n'
+        if stream
+        else _json.dumps({"choices": [{"text": "ok"}]}).encode()
+    )
     ctype = b"text/event-stream" if stream else b"application/json"
-    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\ncontent-length: "
-              + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+    answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: "
+        + ctype
+        + b"\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\nconnection: close\r\n\r\n"
+        + body
+    )
     prefill, decode = _Instance(params=PARAMS), _HangUp(hang_ups=1, answer=answer)
     try:
         app = build_app([prefill.url], [decode.url], timeout_s=5)
@@ -452,14 +529,30 @@ def stalled_proxy_answers(connections: int = 8, proxy_args: tuple[str, ...] = ()
 
     prefill, decode = _Instance(params=PARAMS), _Instance()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli.main", "proxy", "--prefill", prefill.url,
-                             "--decode", decode.url, "--port", str(port), *proxy_args],
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hybridkv.cli.main",
+            "proxy",
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--port",
+            str(port),
+            *proxy_args,
+        ],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     body, headers = json.dumps(USER).encode(), {"content-type": "application/json"}
     conns = []
     try:
         _until(lambda: _port_open(port), timeout_s=60)
-        conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(connections)]
+        conns = [
+            http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(connections)
+        ]
         for c in conns:
             c.request("POST", "/v1/completions", body=body, headers=headers)
             first = c.getresponse()

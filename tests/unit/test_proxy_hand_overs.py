@@ -43,13 +43,19 @@ def test_a_batch_of_prompts_with_n_2_is_one_read_hand_over_per_prompt_and_sample
     # every lease the prefill issued was handed to decode, once
     assert len(prefill.leases) == 6 and sorted(decode.read) == sorted(prefill.leases)
     # (the legs run concurrently: in any order)
-    assert sorted((b["prompt"] for b in prefill.bodies), key=repr) == sorted((p for p in prompts for _ in range(2)), key=repr)
+    assert sorted((b["prompt"] for b in prefill.bodies), key=repr) == sorted(
+        (p for p in prompts for _ in range(2)), key=repr
+    )
     assert [b["n"] for b in prefill.bodies + decode.bodies] == [1] * 12
     got = r.json()
     assert [c["index"] for c in got["choices"]] == list(range(6))
     assert [c["text"] for c in got["choices"]] == [f"{p}|seed={s}" for p in prompts for s in (7, 8)]
     tokens = sum(len(p) for p in prompts)
-    assert got["usage"] == {"prompt_tokens": tokens, "completion_tokens": 6, "total_tokens": tokens + 6}
+    assert got["usage"] == {
+        "prompt_tokens": tokens,
+        "completion_tokens": 6,
+        "total_tokens": tokens + 6,
+    }
 
 
 def test_one_prompt_of_token_ids_is_not_split(pair):
@@ -62,12 +68,18 @@ def test_one_prompt_of_token_ids_is_not_split(pair):
 
 def test_chat_with_n_3_is_three_hand_overs_seeded_as_vllm_seeds_its_children(pair):
     prefill, decode, url = pair
-    r = _post(url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 1},
-              path="/v1/chat/completions")
+    r = _post(
+        url,
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 1},
+        path="/v1/chat/completions",
+    )
     assert r.status_code == 200, r.text
     assert sorted(decode.read) == sorted(prefill.leases) and len(prefill.leases) == 3
     assert [(c["index"], c["message"]["content"]) for c in r.json()["choices"]] == [
-        (0, "chat|seed=1"), (1, "chat|seed=2"), (2, "chat|seed=3")]
+        (0, "chat|seed=1"),
+        (1, "chat|seed=2"),
+        (2, "chat|seed=3"),
+    ]
 
 
 def test_a_streamed_batch_is_refused_with_400_naming_the_field_and_the_fix(pair):
@@ -102,11 +114,17 @@ def test_a_client_request_id_never_reaches_the_engines(pair):
     r = _post(url, {"model": "m", "prompt": ["a", "b"], "request_id": client_id})
     assert r.status_code == 200, r.text
     sent = [b.get("request_id") for b in prefill.bodies + decode.bodies]
-    assert client_id not in sent and all(isinstance(i, str) and 0 < len(i) <= 64 for i in sent), sent
+    assert client_id not in sent and all(isinstance(i, str) and 0 < len(i) <= 64 for i in sent), (
+        sent
+    )
     # the same id on both legs of one hand-over, another for the next
-    assert sorted(b["request_id"] for b in prefill.bodies) == sorted(b["request_id"] for b in decode.bodies)
+    assert sorted(b["request_id"] for b in prefill.bodies) == sorted(
+        b["request_id"] for b in decode.bodies
+    )
     assert len(set(b["request_id"] for b in prefill.bodies)) == 2
-    assert all(b["kv_transfer_params"]["remote_request_id"] == b["request_id"] for b in decode.bodies)
+    assert all(
+        b["kv_transfer_params"]["remote_request_id"] == b["request_id"] for b in decode.bodies
+    )
 
 
 def test_a_client_request_id_is_replaced_on_the_decode_only_path_too():

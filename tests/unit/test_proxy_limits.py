@@ -37,21 +37,32 @@ def test_every_limit_has_a_finite_default():
     a = p.parse_args(BASE)
     assert a.max_body_bytes == 16 * 2**20 and a.max_concurrent == 256 and a.max_connections == 256
     assert a.max_hand_overs == 32
-    assert a.connect_timeout_s == 5.0 and a.prefill_read_timeout_s == 120.0 and a.read_timeout_s == 600.0
+    assert (
+        a.connect_timeout_s == 5.0
+        and a.prefill_read_timeout_s == 120.0
+        and a.read_timeout_s == 600.0
+    )
     assert a.write_timeout_s == 30.0 and a.pool_timeout_s == 30.0
     assert a.max_decode_only == 8 and a.decode_only_wait_s == 30.0
-    for bad in (["--max-body-bytes", "0"], ["--connect-timeout-s", "0"], ["--max-concurrent", "-1"]):
+    for bad in (
+        ["--max-body-bytes", "0"],
+        ["--connect-timeout-s", "0"],
+        ["--max-concurrent", "-1"],
+    ):
         with pytest.raises(SystemExit):
             p.parse_args([*BASE, *bad])
 
 
-@pytest.mark.parametrize("raw,cause", [
-    ((200, b"<html>oops</html>", "text/html"), "not JSON"),
-    ((200, b"[1, 2]", "application/json"), "a JSON list"),
-    ((200, b'{"choices": []}', "application/json"), "no kv_transfer_params"),
-    ((200, b'{"kv_transfer_params": "abc"}', "application/json"), "no kv_transfer_params"),
-    ((500, b"not json at all", "text/plain"), "answered 500"),
-])
+@pytest.mark.parametrize(
+    "raw,cause",
+    [
+        ((200, b"<html>oops</html>", "text/html"), "not JSON"),
+        ((200, b"[1, 2]", "application/json"), "a JSON list"),
+        ((200, b'{"choices": []}', "application/json"), "no kv_transfer_params"),
+        ((200, b'{"kv_transfer_params": "abc"}', "application/json"), "no kv_transfer_params"),
+        ((500, b"not json at all", "text/plain"), "answered 500"),
+    ],
+)
 @pytest.mark.parametrize("fallback", [True, False])
 def test_a_malformed_prefill_answer_is_the_fallback_or_a_502_naming_the_cause(raw, cause, fallback):
     prefill, decode = FakeVllm("prefill", raw=raw), FakeVllm("decode")
@@ -64,7 +75,10 @@ def test_a_malformed_prefill_answer_is_the_fallback_or_a_502_naming_the_cause(ra
             assert len(decode.bodies) == 1 and "kv_transfer_params" not in decode.bodies[0]
         else:
             assert r.status_code == 502, r.text
-            assert cause in r.json()["error"]["message"] and prefill.url in r.json()["error"]["message"]
+            assert (
+                cause in r.json()["error"]["message"]
+                and prefill.url in r.json()["error"]["message"]
+            )
             assert decode.bodies == []
     finally:
         proxy.close()
@@ -82,7 +96,10 @@ def test_a_decode_answer_that_is_not_json_is_a_502_naming_decode(stream):
             assert r.status_code == 200 and r.text == "<html>"
         else:
             assert r.status_code == 502, r.text
-            assert f"decode instance {decode.url} answered 200 with a body that is not JSON" in r.json()["error"]["message"]
+            assert (
+                f"decode instance {decode.url} answered 200 with a body that is not JSON"
+                in r.json()["error"]["message"]
+            )
     finally:
         proxy.close()
         prefill.close()
@@ -112,8 +129,14 @@ def test_requests_past_the_concurrency_bound_are_answered_503_with_retry_after()
     prefill, decode = FakeVllm("prefill"), FakeVllm("decode", gate=gate)
     proxy = Server(build_app([prefill.url], [decode.url], max_concurrent=2, retry_after_s=2))
     try:
-        threads = [threading.Thread(target=httpx.post, args=(proxy.url + "/v1/completions",),
-                                    kwargs={"json": USER, "timeout": 20}) for _ in range(2)]
+        threads = [
+            threading.Thread(
+                target=httpx.post,
+                args=(proxy.url + "/v1/completions",),
+                kwargs={"json": USER, "timeout": 20},
+            )
+            for _ in range(2)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
@@ -137,7 +160,9 @@ def test_requests_past_the_concurrency_bound_are_answered_503_with_retry_after()
 
 def test_a_silent_prefill_falls_back_after_the_prefill_read_timeout_not_the_decode_one():
     silent, decode = Silent(), FakeVllm("decode")
-    proxy = Server(build_app([silent.url], [decode.url], prefill_read_timeout_s=0.5, read_timeout_s=600))
+    proxy = Server(
+        build_app([silent.url], [decode.url], prefill_read_timeout_s=0.5, read_timeout_s=600)
+    )
     try:
         start = time.monotonic()
         r = httpx.post(proxy.url + "/v1/completions", json=USER, timeout=30)
@@ -154,8 +179,11 @@ def test_a_full_connection_pool_is_a_502_after_the_pool_timeout():
     prefill, decode = FakeVllm("prefill"), FakeVllm("decode", gate=gate)
     proxy = Server(build_app([prefill.url], [decode.url], max_connections=1, pool_timeout_s=0.5))
     try:
-        t = threading.Thread(target=httpx.post, args=(proxy.url + "/v1/completions",),
-                             kwargs={"json": USER, "timeout": 20})
+        t = threading.Thread(
+            target=httpx.post,
+            args=(proxy.url + "/v1/completions",),
+            kwargs={"json": USER, "timeout": 20},
+        )
         t.start()
         deadline = time.monotonic() + 10
         while not decode.bodies:
@@ -175,8 +203,10 @@ def test_a_full_connection_pool_is_a_502_after_the_pool_timeout():
         decode.close()
 
 
-@pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 2},
-                                   {"use_beam_search": True, "n": 2}])
+@pytest.mark.parametrize(
+    "extra",
+    [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 2}, {"use_beam_search": True, "n": 2}],
+)
 def test_requests_that_cannot_use_a_hand_over_go_to_decode_alone(extra):
     """vLLM reads no cached or transferred KV for a request that wants its prompt's logprobs
     (``prompt_logprobs``, or ``echo`` with ``logprobs``): decode computes the prompt and its
@@ -203,7 +233,9 @@ def test_echo_without_logprobs_is_handed_over_and_the_prefill_leg_computes_no_lo
     prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
     proxy = Server(build_app([prefill.url], [decode.url]))
     try:
-        r = httpx.post(proxy.url + "/v1/completions", json=USER | {"echo": True, "top_logprobs": 3}, timeout=20)
+        r = httpx.post(
+            proxy.url + "/v1/completions", json=USER | {"echo": True, "top_logprobs": 3}, timeout=20
+        )
         assert r.status_code == 200 and decode.read == prefill.leases == ["lease-0"]
         assert not {"echo", "logprobs", "top_logprobs", "prompt_logprobs"} & set(prefill.bodies[0])
         assert decode.bodies[0]["echo"] is True

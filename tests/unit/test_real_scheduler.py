@@ -45,19 +45,32 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from hybridkv.connector.store_connector import HybridStoreConnector
 from hybridkv.connector.store_metadata import StoreConnectorMetadata, StoreWorkerMetadata
-from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store import vllm_compat
+from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from tests.unit.harness import Geometry, fa, mamba, sw
 
 UNIT = 16
-WINDOW = Geometry(specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096)
-TWO_DENSE = Geometry(specs=[fa(16), fa(32), mamba(32)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096)
+WINDOW = Geometry(
+    specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096
+)
+TWO_DENSE = Geometry(
+    specs=[fa(16), fa(32), mamba(32)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096
+)
 PROMPT = random.Random(7).choices(range(3, 30000), k=1000)
 _TINY_LLAMA = {  # a tiny local config.json: vLLM needs a ModelConfig, no hub is reachable
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "head_dim": 32, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -67,27 +80,54 @@ def store(tmp_path_factory):
     init_none_hash(sha256)
     model_dir = tmp_path_factory.mktemp("tiny-llama")
     (model_dir / "config.json").write_text(json.dumps(_TINY_LLAMA))
-    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=64 << 20) as holder:
+    with (
+        EmbeddedMaster() as master,
+        MooncakeBackend(master.address, global_segment_size=64 << 20) as holder,
+    ):
         buf = np.zeros(64, dtype=np.uint8)
         holder.register(int(buf.ctypes.data), buf.nbytes)
         yield master.address, holder, buf, model_dir
 
 
-def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, policy: str = "fail",
-               role: str = "kv_both", **extra: object) -> Scheduler:
+def _scheduler(
+    geo: Geometry,
+    master_address: str,
+    model_dir,
+    namespace: str,
+    policy: str = "fail",
+    role: str = "kv_both",
+    **extra: object,
+) -> Scheduler:
     """What ``EngineCore`` builds in the scheduler process, minus the workers (``role``: the
     connector's ``kv_role``; ``extra``: more ``kv_connector_extra_config`` keys)."""
     vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                                 enforce_eager=True, max_model_len=geo.max_model_len),
-        cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, mamba_cache_mode="align"),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
-                                         max_model_len=geo.max_model_len, is_encoder_decoder=False),
+        model_config=ModelConfig(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=geo.max_model_len,
+        ),
+        cache_config=CacheConfig(
+            block_size=16, enable_prefix_caching=True, mamba_cache_mode="align"
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=2048,
+            max_num_seqs=8,
+            max_model_len=geo.max_model_len,
+            is_encoder_decoder=False,
+        ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="HybridStoreConnector", kv_role=role,
-            kv_connector_module_path="hybridkv.connector.store_connector", kv_load_failure_policy=policy,
-            kv_connector_extra_config={"master_address": master_address, "namespace": namespace,
-                                       "lookup_cache_s": 0, **extra},
+            kv_connector="HybridStoreConnector",
+            kv_role=role,
+            kv_connector_module_path="hybridkv.connector.store_connector",
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config={
+                "master_address": master_address,
+                "namespace": namespace,
+                "lookup_cache_s": 0,
+                **extra,
+            },
         ),
     )
     kv_cache_config = geo.kv_cache_config()
@@ -108,8 +148,13 @@ def _scheduler(geo: Geometry, master_address: str, model_dir, namespace: str, po
 
 
 def _request(req_id: str, prompt: list[int] = PROMPT) -> Request:
-    return Request(req_id, list(prompt), SamplingParams(max_tokens=1), None,
-                   block_hasher=get_request_block_hasher(UNIT, sha256))
+    return Request(
+        req_id,
+        list(prompt),
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(UNIT, sha256),
+    )
 
 
 def _fill_store(sched: Scheduler, store, upto: int) -> None:
@@ -117,9 +162,14 @@ def _fill_store(sched: Scheduler, store, upto: int) -> None:
     _, holder, buf, _ = store
     schema = sched.connector._scheduler._schema
     hashes = _request("probe").block_hashes
-    keys = [schema.key(g, bytes(hashes[t // UNIT - 1]))
-            for g in range(len(sched.kv_cache_config.kv_cache_groups)) for t in range(UNIT, upto + 1, UNIT)]
-    assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(keys)
+    keys = [
+        schema.key(g, bytes(hashes[t // UNIT - 1]))
+        for g in range(len(sched.kv_cache_config.kv_cache_groups))
+        for t in range(UNIT, upto + 1, UNIT)
+    ]
+    assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(
+        keys
+    )
 
 
 def _put_keys(sched: Scheduler, store, keys) -> None:
@@ -127,31 +177,49 @@ def _put_keys(sched: Scheduler, store, keys) -> None:
     _, holder, buf, _ = store
     schema = sched.connector._scheduler._schema
     names = [schema.key(g, bytes(h)) for g, h in keys]
-    assert holder.put_from(names, [int(buf.ctypes.data)] * len(names), [64] * len(names)) == [0] * len(names)
+    assert holder.put_from(names, [int(buf.ctypes.data)] * len(names), [64] * len(names)) == [
+        0
+    ] * len(names)
 
 
-def _worker_reply(out, finished_recving=(), loads=(), saves=(), sampled=None, saves_failed=False,
-                  failed_recving=()) -> ModelRunnerOutput:
+def _worker_reply(
+    out,
+    finished_recving=(),
+    loads=(),
+    saves=(),
+    sampled=None,
+    saves_failed=False,
+    failed_recving=(),
+) -> ModelRunnerOutput:
     """What the workers would report for this step (no forward: only connector acks)."""
     req_ids = list(out.num_scheduled_tokens)
-    meta = StoreWorkerMetadata(finished_saves=Counter({s.job_id: 1 for s in saves}),
-                               released_loads=Counter({j.load_id: 1 for j in loads}),
-                               failed_saves=Counter({s.job_id: 1 for s in saves} if saves_failed else {}))
+    meta = StoreWorkerMetadata(
+        finished_saves=Counter({s.job_id: 1 for s in saves}),
+        released_loads=Counter({j.load_id: 1 for j in loads}),
+        failed_saves=Counter({s.job_id: 1 for s in saves} if saves_failed else {}),
+    )
     return vllm_compat.model_runner_output(
         req_ids,
         sampled_token_ids=[list(sampled.get(r, [])) if sampled else [] for r in req_ids],
-        kv_connector_output=KVConnectorOutput(finished_recving=set(finished_recving),
-                                              failed_recving=set(failed_recving), kv_connector_worker_meta=meta),
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=set(finished_recving),
+            failed_recving=set(failed_recving),
+            kv_connector_worker_meta=meta,
+        ),
     )
 
 
-def _expected_job(sched: Scheduler, req: Request, positions: list[list[int]]) -> list[tuple[int, bytes, int]]:
+def _expected_job(
+    sched: Scheduler, req: Request, positions: list[list[int]]
+) -> list[tuple[int, bytes, int]]:
     """(group, key hash, block id) for block ``i`` of each group: its last hash unit's hash."""
     table = sched.kv_cache_manager.get_blocks(req.request_id).get_block_ids()
     out = []
     for gid, idxs in enumerate(positions):
         bs = sched.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
-        out += [(gid, bytes(req.block_hashes[(i + 1) * bs // UNIT - 1]), table[gid][i]) for i in idxs]
+        out += [
+            (gid, bytes(req.block_hashes[(i + 1) * bs // UNIT - 1]), table[gid][i]) for i in idxs
+        ]
     return sorted(out)
 
 
@@ -164,21 +232,29 @@ def _admit(sched: Scheduler, req: Request):
     jobs = [j for j in meta.loads if j.req_id == req.request_id]
     assert len(jobs) == 1 and jobs[0].refused is None, jobs
     job = jobs[0]
-    got = sorted(zip(job.blocks.group_ids, (bytes(h) for h in job.blocks.hashes), job.blocks.block_ids))
+    got = sorted(
+        zip(job.blocks.group_ids, (bytes(h) for h in job.blocks.hashes), job.blocks.block_ids)
+    )
     return out, job, got
 
 
 def _finish_load_and_resume(sched: Scheduler, req: Request, out, job, hit: int) -> None:
     """The workers report the load done; the next step must resume the prefill AT the hit."""
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert req.request_id not in out.num_scheduled_tokens  # an async load computes nothing this step
-    sched.update_from_output(out, _worker_reply(out, finished_recving={req.request_id}, loads=[job]))
+    assert (
+        req.request_id not in out.num_scheduled_tokens
+    )  # an async load computes nothing this step
+    sched.update_from_output(
+        out, _worker_reply(out, finished_recving={req.request_id}, loads=[job])
+    )
     nxt = sched.schedule()
     assert req.status == RequestStatus.RUNNING
     new = [r for r in nxt.scheduled_new_reqs if r.req_id == req.request_id]
     assert len(new) == 1 and new[0].num_computed_tokens == hit
     assert nxt.num_scheduled_tokens[req.request_id] > 0
-    assert not sched.connector._scheduler._load_pins, "the load's pins must be released by the worker ack"
+    assert not sched.connector._scheduler._load_pins, (
+        "the load's pins must be released by the worker ack"
+    )
 
 
 @pytest.mark.parametrize("geo_name", ["window", "two_dense"])
@@ -202,8 +278,13 @@ def test_store_hit_through_a_real_scheduler_step(store, geo_name):
     _finish_load_and_resume(sched, req, out, job, 512)
 
 
-def _run_to_completion(sched: Scheduler, req: Request, saves_failed: bool = False,
-                       jobs: list | None = None, ack: bool = True) -> set[tuple[int, bytes]]:
+def _run_to_completion(
+    sched: Scheduler,
+    req: Request,
+    saves_failed: bool = False,
+    jobs: list | None = None,
+    ack: bool = True,
+) -> set[tuple[int, bytes]]:
     """Prefill ``req`` step by step as the engine would (workers ack every save, as
     failed with ``saves_failed``; none with ``ack=False``: a store that does not answer),
     then finish it; returns the keys its saves offered (``jobs``: gets its save jobs).
@@ -217,12 +298,22 @@ def _run_to_completion(sched: Scheduler, req: Request, saves_failed: bool = Fals
             offered |= {(g, bytes(h)) for g, h in zip(job.blocks.group_ids, job.blocks.hashes)}
         if jobs is not None:
             jobs += meta.saves
-        loads = [j for j in meta.loads if j.req_id == req.request_id and j.blocks and j.refused is None]
+        loads = [
+            j for j in meta.loads if j.req_id == req.request_id and j.blocks and j.refused is None
+        ]
         n = out.num_scheduled_tokens.get(req.request_id, 0)
         done = req.num_computed_tokens >= req.num_tokens  # schedule() already advanced it
-        sched.update_from_output(out, _worker_reply(out, saves=meta.saves if ack else (), saves_failed=saves_failed,
-                                                    sampled={req.request_id: [5]} if done and n else None,
-                                                    finished_recving={req.request_id} if loads else (), loads=loads))
+        sched.update_from_output(
+            out,
+            _worker_reply(
+                out,
+                saves=meta.saves if ack else (),
+                saves_failed=saves_failed,
+                sampled={req.request_id: [5]} if done and n else None,
+                finished_recving={req.request_id} if loads else (),
+                loads=loads,
+            ),
+        )
         if req.is_finished():
             return offered
     raise AssertionError("prefill did not finish in 50 steps")
@@ -285,7 +376,12 @@ def test_saves_a_silent_store_holds_pin_at_most_their_share_of_the_cache(store):
     next request saves in full. Planted (no budget): the pool fills with pinned blocks
     and the third request never gets blocks ("prefill did not finish") -- the engine
     stall the CI soak found after a store node was killed."""
-    geo = Geometry(specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=UNIT, num_blocks=300, max_model_len=4096)
+    geo = Geometry(
+        specs=[fa(16), sw(16, 64), mamba(64)],
+        hash_block_size=UNIT,
+        num_blocks=300,
+        max_model_len=4096,
+    )
     sched = _scheduler(geo, store[0], store[3], "pin-budget", max_pinned_save_fraction=0.5)
     conn = sched.connector._scheduler
     counted: Counter = Counter()
@@ -309,15 +405,24 @@ def test_saves_a_silent_store_holds_pin_at_most_their_share_of_the_cache(store):
     assert sum(len(p) for p in conn._pins.values()) == conn._pinned_save_blocks == first + 5 <= 150
     assert counted == {"skipped_saves": 4 * first, "pin_budget_skipped_jobs": 4}
     assert len(conn._recent) == first + 5, "the skipped jobs' keys must be offered again"
-    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=StoreWorkerMetadata(
-        finished_saves=Counter({job_id: 1 for job_id in conn._pins}))))
+    conn.update_connector_output(
+        KVConnectorOutput(
+            kv_connector_worker_meta=StoreWorkerMetadata(
+                finished_saves=Counter({job_id: 1 for job_id in conn._pins})
+            )
+        )
+    )
     assert conn._pins == {} and conn._save_keys == {} and conn._pinned_save_blocks == 0
     jobs = []
-    _run_to_completion(sched, _request("pin-after", random.Random(200).choices(range(3, 30000), k=1000)), jobs=jobs)
+    _run_to_completion(
+        sched, _request("pin-after", random.Random(200).choices(range(3, 30000), k=1000)), jobs=jobs
+    )
     assert [len(j.blocks) for j in jobs] == [first, 1]
 
 
-@pytest.mark.parametrize("load_fails, policy", [(False, "recompute"), (True, "recompute"), (True, "fail")])
+@pytest.mark.parametrize(
+    "load_fails, policy", [(False, "recompute"), (True, "recompute"), (True, "fail")]
+)
 def test_blocks_whose_load_failed_are_saved_again(store, load_fails, policy):
     """The store holds what this instance saved (keys 'saved recently'); a later load of
     them fails (corrupt object refused and removed, node gone): the request recomputes
@@ -334,8 +439,10 @@ def test_blocks_whose_load_failed_are_saved_again(store, load_fails, policy):
     loaded = {(g, h) for g, h, _ in got} & offered
     assert len(loaded) >= 32, "the load must read blocks the first prefill saved"
     failed = {req.request_id} if load_fails else set()
-    sched.update_from_output(out, _worker_reply(out, finished_recving={req.request_id}, loads=[job],
-                                                failed_recving=failed))
+    sched.update_from_output(
+        out,
+        _worker_reply(out, finished_recving={req.request_id}, loads=[job], failed_recving=failed),
+    )
     if policy == "fail":
         assert req.is_finished() and not loaded & set(sched.connector._scheduler._recent)
         assert not sched.connector._scheduler._load_keys
@@ -347,13 +454,21 @@ def test_blocks_whose_load_failed_are_saved_again(store, load_fails, policy):
             again |= {(g, bytes(h)) for g, h in zip(j.blocks.group_ids, j.blocks.hashes)}
         n = out.num_scheduled_tokens.get(req.request_id, 0)
         done = req.num_computed_tokens >= req.num_tokens
-        sched.update_from_output(out, _worker_reply(out, saves=out.kv_connector_metadata.saves,
-                                                    sampled={req.request_id: [5]} if done and n else None))
+        sched.update_from_output(
+            out,
+            _worker_reply(
+                out,
+                saves=out.kv_connector_metadata.saves,
+                sampled={req.request_id: [5]} if done and n else None,
+            ),
+        )
         if req.is_finished():
             break
     assert req.is_finished()
     if load_fails:
-        assert loaded <= again, f"{len(loaded - again)} recomputed blocks were not offered for saving again"
+        assert loaded <= again, (
+            f"{len(loaded - again)} recomputed blocks were not offered for saving again"
+        )
     else:
         assert not again & loaded
     assert not sched.connector._scheduler._load_keys
@@ -363,9 +478,14 @@ def _fill_for(sched: Scheduler, store, req: Request, upto: int) -> None:
     """The store holds every group's object of ``req``'s prefix at every hash unit up to ``upto``."""
     _, holder, buf, _ = store
     schema = sched.connector._scheduler._schema
-    keys = [schema.key(g, bytes(req.block_hashes[t // UNIT - 1]))
-            for g in range(len(sched.kv_cache_config.kv_cache_groups)) for t in range(UNIT, upto + 1, UNIT)]
-    assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(keys)
+    keys = [
+        schema.key(g, bytes(req.block_hashes[t // UNIT - 1]))
+        for g in range(len(sched.kv_cache_config.kv_cache_groups))
+        for t in range(UNIT, upto + 1, UNIT)
+    ]
+    assert holder.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(
+        keys
+    )
 
 
 @pytest.mark.parametrize("num_blocks", [48, 56, 64, 72])
@@ -375,10 +495,14 @@ def test_loads_failing_together_do_not_stall_the_engine(store, num_blocks):
     request in kv_holding_waiting, and stops at the first request that cannot allocate
     (its whole prompt must fit). Nothing runs: unless the first failed request steps
     aside, the others never give their blocks back (the soak's 120 s stall)."""
-    geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=num_blocks, max_model_len=4096)
+    geo = Geometry(
+        specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=num_blocks, max_model_len=4096
+    )
     sched = _scheduler(geo, store[0], store[3], f"stall-{num_blocks}", policy="recompute")
-    reqs = [_request(f"stall-{num_blocks}-{i}", random.Random(1000 + i).choices(range(3, 30000), k=300))
-            for i in range(6)]
+    reqs = [
+        _request(f"stall-{num_blocks}-{i}", random.Random(1000 + i).choices(range(3, 30000), k=300))
+        for i in range(6)
+    ]
     for r in reqs:
         _fill_for(sched, store, r, 288)
         sched.add_request(r)
@@ -387,21 +511,28 @@ def test_loads_failing_together_do_not_stall_the_engine(store, num_blocks):
     assert len(loading) >= 2, "the test needs several loads in flight at once"
     jobs = out.kv_connector_metadata.loads
     ids = {r.request_id for r in loading}
-    sched.update_from_output(out, _worker_reply(out, finished_recving=ids, loads=jobs, failed_recving=ids))
+    sched.update_from_output(
+        out, _worker_reply(out, finished_recving=ids, loads=jobs, failed_recving=ids)
+    )
     out = sched.schedule()
     # This very step: every failed load gave its blocks back (each stepped aside once).
     assert [r.status for r in loading] == [RequestStatus.WAITING] * len(loading)
-    assert not any(any(g) for r in loading for g in sched.kv_cache_manager.get_block_ids(r.request_id))
+    assert not any(
+        any(g) for r in loading for g in sched.kv_cache_manager.get_block_ids(r.request_id)
+    )
     assert sched.connector.get_kv_connector_stats().data["failed_load_deferrals"] == len(loading)
     for _ in range(40):
         if out.num_scheduled_tokens:
             break
         loads = out.kv_connector_metadata.loads  # later admissions' loads: these succeed
-        sched.update_from_output(out, _worker_reply(out, finished_recving={j.req_id for j in loads}, loads=loads))
+        sched.update_from_output(
+            out, _worker_reply(out, finished_recving={j.req_id for j in loads}, loads=loads)
+        )
         out = sched.schedule()
     assert out.num_scheduled_tokens, (
         f"engine stalled: free {sched.kv_cache_manager.block_pool.get_num_free_blocks()}, "
-        f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in reqs]}")
+        f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in reqs]}"
+    )
 
 
 def test_after_another_connectors_failed_load_the_store_offers_nothing_and_does_not_defer(store):
@@ -412,17 +543,25 @@ def test_after_another_connectors_failed_load_the_store_offers_nothing_and_does_
     (the P/D scheduler defers its own failures): it answers 0 at once. A request whose load
     did not fail still gets the store's hit. The lookup cache (60 s here) holds the hit from
     before the failure: it must not answer for the failed request."""
-    geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096)
-    sched = _scheduler(geo, store[0], store[3], "foreign-fail", policy="recompute", lookup_cache_s=60)
+    geo = Geometry(
+        specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096
+    )
+    sched = _scheduler(
+        geo, store[0], store[3], "foreign-fail", policy="recompute", lookup_cache_s=60
+    )
     conn = sched.connector._scheduler
     req = _request("foreign-fail-0", random.Random(77).choices(range(3, 30000), k=300))
     other = _request("foreign-fail-1", random.Random(78).choices(range(3, 30000), k=300))
     for r in (req, other):
         _fill_for(sched, store, r, 288)
         conn.on_new_request(r)
-    assert conn.get_num_new_matched_tokens(req, 0) == (288, True)  # asked before the P/D READ failed
-    conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
-                                                   failed_recving={req.request_id}))
+    assert conn.get_num_new_matched_tokens(req, 0) == (
+        288,
+        True,
+    )  # asked before the P/D READ failed
+    conn.update_connector_output(
+        KVConnectorOutput(finished_recving={req.request_id}, failed_recving={req.request_id})
+    )
     assert conn._failed_loads.load_failed(req.request_id)
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # an answer, not a deferral (None)
     assert conn._failed_loads.deferrals == 0
@@ -443,21 +582,29 @@ def test_a_new_master_epoch_offers_every_saved_block_again(store):
     client = conn._client
     first = _run_to_completion(sched, _request("epoch-a"))
     assert first and first <= set(conn._recent)
-    second = _run_to_completion(sched, _request("epoch-b", random.Random(8).choices(range(3, 30000), k=1000)))
+    second = _run_to_completion(
+        sched, _request("epoch-b", random.Random(8).choices(range(3, 30000), k=1000))
+    )
     assert first | second <= set(conn._recent)  # control: nothing dropped without a new epoch
     dropped: Counter = Counter()
     take = conn.take_stats  # vLLM's scheduler takes the stats each step: count what it takes
 
     def take_and_count():
         stats = take()
-        dropped.update({k: v for k, v in (stats.data if stats else {}).items() if k == "recent_saves_dropped"})
+        dropped.update(
+            {k: v for k, v in (stats.data if stats else {}).items() if k == "recent_saves_dropped"}
+        )
         return stats
 
     conn.take_stats = take_and_count
     epoch = client.check_master_epoch()
     assert client.remove(client._marker, force=True) == 0  # what a master restart does to it
-    assert client.check_master_epoch() > epoch  # (the session's epoch monitor may be the one that saw it)
-    third = _run_to_completion(sched, _request("epoch-c", random.Random(9).choices(range(3, 30000), k=1000)))
+    assert (
+        client.check_master_epoch() > epoch
+    )  # (the session's epoch monitor may be the one that saw it)
+    third = _run_to_completion(
+        sched, _request("epoch-c", random.Random(9).choices(range(3, 30000), k=1000))
+    )
     assert not (first | second) & set(conn._recent) and third <= set(conn._recent)
     conn.take_stats()
     assert dropped == {"recent_saves_dropped": 1}

@@ -76,12 +76,16 @@ GAP = Geometry(
 )
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "store/mirror.py save_mask under retention interval 0 keeps the Mamba state at the "
-    "replay boundary 64 only; vLLM's local cache also keeps the state at 128 (block 7, "
-    "block_hash_num_tokens 128). Not from the manager's own prompt checkpoint, as first "
-    "thought: the coordinator sets drop_eagle_checkpoint_block=True on every Mamba manager "
-    "under use_eagle, so that is 64 too. Which rule keeps 128 is not identified yet"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "store/mirror.py save_mask under retention interval 0 keeps the Mamba state at the "
+        "replay boundary 64 only; vLLM's local cache also keeps the state at 128 (block 7, "
+        "block_hash_num_tokens 128). Not from the manager's own prompt checkpoint, as first "
+        "thought: the coordinator sets drop_eagle_checkpoint_block=True on every Mamba manager "
+        "under use_eagle, so that is 64 too. Which rule keeps 128 is not identified yet"
+    ),
+)
 def test_retention_with_one_flagged_eagle_group_keeps_the_prompt_checkpoint():
     tokens = [random.Random(1).randrange(50) for _ in range(160)]
     mirror = _mirror(GAP)

@@ -53,7 +53,7 @@ def test_a_squatter_answering_health_is_not_taken_for_the_server():
 def test_the_servers_own_listener_in_a_child_process_is_healthy():
     port = free_port()
     # sh runs python as a child (not exec'd): the listener belongs to a descendant of proc
-    server = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c \'{_HEALTH}\' {port}; true'])
+    server = subprocess.Popen(["sh", "-c", f"\"{sys.executable}\" -c '{_HEALTH}' {port}; true"])
     try:
         assert wait_healthy(f"http://127.0.0.1:{port}", server, 30) is None
     finally:

@@ -13,7 +13,11 @@ from bench.soak import SoakConfig, _store_config, main, pd_configs, store_extra
 
 def test_items_parse_as_json_values_or_strings() -> None:
     assert store_extra(["malloc_trim_interval_s=10", "read_wait_nice=0", "x=abc", "y=1.5"]) == {
-        "malloc_trim_interval_s": 10, "read_wait_nice": 0, "x": "abc", "y": 1.5}
+        "malloc_trim_interval_s": 10,
+        "read_wait_nice": 0,
+        "x": "abc",
+        "y": 1.5,
+    }
     assert store_extra([]) == {}
 
 
@@ -35,8 +39,11 @@ def test_every_store_child_gets_the_options(tmp_path: pathlib.Path) -> None:
     assert alone["kv_connector_extra_config"]["malloc_trim_interval_s"] == 10
     prefill, decode = pd_configs(cfg, "127.0.0.1:1", logs, "recompute")
     for multi in (prefill, decode):
-        stores = [c for c in multi["kv_connector_extra_config"]["connectors"]
-                  if c["kv_connector"] == "HybridStoreConnector"]
+        stores = [
+            c
+            for c in multi["kv_connector_extra_config"]["connectors"]
+            if c["kv_connector"] == "HybridStoreConnector"
+        ]
         assert [c["kv_connector_extra_config"]["malloc_trim_interval_s"] for c in stores] == [10]
     # Without the option the config is what it was (no key added).
     plain = _store_config(SoakConfig(), "127.0.0.1:1", logs[0], "recompute", "256MiB")

@@ -41,8 +41,14 @@ def clean_env(monkeypatch):
 
 
 def _child_bound(env: dict[str, str]) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=60,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 

@@ -81,7 +81,9 @@ def test_concurrent_callers_at_the_end_of_a_window_admit_exactly_one_probe() -> 
     assert sorted(got) == [(False, 0.0)] * 15 + [(True, True)]
 
 
-def test_calls_in_flight_when_the_master_died_do_not_stretch_the_window_or_free_the_probe_slot() -> None:
+def test_calls_in_flight_when_the_master_died_do_not_stretch_the_window_or_free_the_probe_slot() -> (
+    None
+):
     """A dying master fails every call in flight together (each ~4.4 s later): only the first
     opens the circuit; the stragglers' failures neither double the window nor let a second
     probe through while the probe runs."""
@@ -119,8 +121,13 @@ def test_killed_master_one_probe_per_window_windows_double_restart_closes_it() -
     (a call after the first window's length is still refused). The master restarted on its port:
     the next probe answers and the circuit closes."""
     m = EmbeddedMaster(default_kv_lease_ttl_ms=1000)
-    b = MooncakeBackend(m.address, global_segment_size=16 << 20, local_buffer_size=4 << 20,
-                        timeout_s=10.0, retry_after_s=1.0)
+    b = MooncakeBackend(
+        m.address,
+        global_segment_size=16 << 20,
+        local_buffer_size=4 << 20,
+        timeout_s=10.0,
+        retry_after_s=1.0,
+    )
     try:
         buf = np.arange(4096, dtype=np.uint8)
         b.register(buf.ctypes.data, buf.nbytes)

@@ -17,7 +17,12 @@ def test_defaults_and_sizes():
     cfg = StoreConnectorConfig.from_extra_config({})
     assert cfg.master_address is None and cfg.global_segment_size == 512 << 20
     assert cfg.max_pinned_save_fraction == 0.5
-    assert StoreConnectorConfig.from_extra_config({"max_pinned_save_fraction": 1}).max_pinned_save_fraction == 1.0
+    assert (
+        StoreConnectorConfig.from_extra_config(
+            {"max_pinned_save_fraction": 1}
+        ).max_pinned_save_fraction
+        == 1.0
+    )
     assert parse_size("x", "512MiB") == 512 << 20
     assert parse_size("x", "2GB") == 2 << 30
     assert parse_size("x", 4096) == 4096
@@ -40,7 +45,10 @@ def test_defaults_and_sizes():
         ({"malloc_trim_interval_s": -1}, "malloc_trim_interval_s=-1: expected seconds >= 0"),
         ({"malloc_trim_interval_s": "10"}, "malloc_trim_interval_s='10': expected seconds >= 0"),
         ({"max_batch_blocks": -1}, "max_batch_blocks=-1"),
-        ({"max_pinned_save_fraction": 0}, "max_pinned_save_fraction=0: expected a share of the KV cache in (0, 1]"),
+        (
+            {"max_pinned_save_fraction": 0},
+            "max_pinned_save_fraction=0: expected a share of the KV cache in (0, 1]",
+        ),
         ({"max_pinned_save_fraction": 1.5}, "max_pinned_save_fraction=1.5"),
         ({"max_pinned_save_fraction": True}, "max_pinned_save_fraction=True"),
         ({"namespace": 3}, "namespace=3"),
@@ -63,9 +71,16 @@ def test_block_regions_cover_exactly_each_layers_block():
     cfg = _config([fa(16, heads=2), mamba(32)])
     buf = torch.zeros(1 << 16, dtype=torch.int8)
     # Two attention layers [B, 2, bs, heads*dim] bf16 and two Mamba pages, views of one buffer.
-    att = [buf[i * 6 * 512 : (i + 1) * 6 * 512].view(torch.bfloat16).view(6, 2, 16, 8) for i in range(2)]
-    mam = [buf[8192 + i * 6 * 1000 : 8192 + (i + 1) * 6 * 1000].view(6, 1, 1, 1000) for i in range(2)]
-    layout = KVLayout.from_kv_caches(cfg, {"layer0a": att[0], "layer0b": att[1], "layer1a": mam[0], "layer1b": mam[1]})
+    att = [
+        buf[i * 6 * 512 : (i + 1) * 6 * 512].view(torch.bfloat16).view(6, 2, 16, 8)
+        for i in range(2)
+    ]
+    mam = [
+        buf[8192 + i * 6 * 1000 : 8192 + (i + 1) * 6 * 1000].view(6, 1, 1, 1000) for i in range(2)
+    ]
+    layout = KVLayout.from_kv_caches(
+        cfg, {"layer0a": att[0], "layer0b": att[1], "layer1a": mam[0], "layer1b": mam[1]}
+    )
     assert layout.allocations == ((buf.data_ptr(), buf.numel()),)
     addrs, sizes = layout.groups[0].regions([3, 1])
     assert addrs[0] == [att[0][3].data_ptr(), att[1][3].data_ptr()]
@@ -76,7 +91,9 @@ def test_block_regions_cover_exactly_each_layers_block():
 
 def test_non_contiguous_blocks_are_refused_with_the_layout_named():
     cfg = _config([fa(16)])
-    t = torch.zeros(2, 6, 16, 8, dtype=torch.bfloat16).transpose(0, 1)  # K/V outermost: block not contiguous
+    t = torch.zeros(2, 6, 16, 8, dtype=torch.bfloat16).transpose(
+        0, 1
+    )  # K/V outermost: block not contiguous
     with pytest.raises(LayoutError, match="one block is not contiguous"):
         KVLayout.from_kv_caches(cfg, {"layer0a": t, "layer0b": t})
 
@@ -133,13 +150,19 @@ def test_latencies_aggregate_as_lists_and_reach_prometheus_histograms():
     def scoped(cls):  # noqa: ANN001, ANN202 - register into a private registry
         return lambda *args, **kw: cls(*args, registry=registry, **kw)
 
-    types = {prometheus_client.Gauge: scoped(prometheus_client.Gauge),
-             prometheus_client.Counter: scoped(prometheus_client.Counter),
-             prometheus_client.Histogram: scoped(prometheus_client.Histogram)}
+    types = {
+        prometheus_client.Gauge: scoped(prometheus_client.Gauge),
+        prometheus_client.Counter: scoped(prometheus_client.Counter),
+        prometheus_client.Histogram: scoped(prometheus_client.Histogram),
+    }
     from vllm.config import VllmConfig
 
     prom = HybridStorePromMetrics(VllmConfig(), types, ["engine"], {0: ["0"]})
     prom.observe(merged.data, 0)
-    count = registry.get_sample_value("vllm:hybridkv_store_load_latency_seconds_count", {"engine": "0"})
-    slow = registry.get_sample_value("vllm:hybridkv_store_load_latency_seconds_bucket", {"engine": "0", "le": "0.25"})
+    count = registry.get_sample_value(
+        "vllm:hybridkv_store_load_latency_seconds_count", {"engine": "0"}
+    )
+    slow = registry.get_sample_value(
+        "vllm:hybridkv_store_load_latency_seconds_bucket", {"engine": "0", "le": "0.25"}
+    )
     assert count == 4 and slow == 3  # the 0.5 s call sits above the 0.25 s bucket

@@ -30,7 +30,10 @@ SW_GROUP = 1
 
 @pytest.fixture()
 def store():
-    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=64 << 20) as client:
+    with (
+        EmbeddedMaster() as master,
+        MooncakeBackend(master.address, global_segment_size=64 << 20) as client,
+    ):
         buf = np.zeros(64, dtype=np.uint8)
         client.register(int(buf.ctypes.data), buf.nbytes)
         yield client, buf
@@ -38,7 +41,9 @@ def store():
 
 def _put(client, schema: KeySchema, buf, keys) -> None:  # noqa: ANN001
     names = [schema.key(g, h) for g, h in keys]
-    assert client.put_from(names, [int(buf.ctypes.data)] * len(names), [64] * len(names)) == [0] * len(names)
+    assert client.put_from(names, [int(buf.ctypes.data)] * len(names), [64] * len(names)) == [
+        0
+    ] * len(names)
 
 
 def _local_with_window_tail_evicted(tokens: list[int]):

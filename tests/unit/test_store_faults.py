@@ -82,13 +82,20 @@ def holders() -> Iterator[list[Holder]]:
             h.proc.wait(timeout=10)
 
 
-def start_holder(master: EmbeddedMaster, objects: dict[str, bytes], started: list[Holder]) -> Holder:
+def start_holder(
+    master: EmbeddedMaster, objects: dict[str, bytes], started: list[Holder]
+) -> Holder:
     fd, path = tempfile.mkstemp(prefix="hybridkv-holder-", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
         pickle.dump(objects, f)
     env = dict(os.environ, GLOG_minloglevel="2")
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address, path], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, master.address, path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     holder = Holder(proc, "")
     started.append(holder)
     try:
@@ -111,16 +118,28 @@ def master() -> Iterator[EmbeddedMaster]:
 class Rig:
     """A StoreWorker over a one-group host KV cache (block b = bytes of ``kv[b]``)."""
 
-    def __init__(self, master: EmbeddedMaster, timeout_s: float, limits: WorkerLimits, max_stuck: int) -> None:
+    def __init__(
+        self, master: EmbeddedMaster, timeout_s: float, limits: WorkerLimits, max_stuck: int
+    ) -> None:
         self.timeout_s = timeout_s
-        self.client = MooncakeBackend(master.address, global_segment_size=0, local_buffer_size=4 << 20,
-                                      timeout_s=timeout_s, max_stuck_calls=max_stuck)
+        self.client = MooncakeBackend(
+            master.address,
+            global_segment_size=0,
+            local_buffer_size=4 << 20,
+            timeout_s=timeout_s,
+            max_stuck_calls=max_stuck,
+        )
         g = torch.Generator().manual_seed(14)
         self.kv = torch.randn(NUM_BLOCKS, 2, 16, 64, generator=g).to(torch.bfloat16)
         spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-        kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-        cfg = StoreConnectorConfig(master_address=master.address, timeout_s=timeout_s, max_batch_blocks=4)
+        kvc = KVCacheConfig(
+            num_blocks=NUM_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        )
+        cfg = StoreConnectorConfig(
+            master_address=master.address, timeout_s=timeout_s, max_batch_blocks=4
+        )
         self.worker = StoreWorker(cfg, kvc, SCHEMA, self.client, limits)
         self.worker.register_kv_caches({"l0": self.kv})
         self.stats: dict = {}
@@ -132,15 +151,24 @@ class Rig:
         return self.kv[block].view(torch.int16).numpy().tobytes()
 
     def sealed(self, tag: str, blocks: list[int]) -> dict[str, bytes]:
-        return {SCHEMA.key(0, _hash(tag, b)): seal(SCHEMA.key(0, _hash(tag, b)), self.payload(b), format_code=self.worker.format_code) for b in blocks}
+        return {
+            SCHEMA.key(0, _hash(tag, b)): seal(
+                SCHEMA.key(0, _hash(tag, b)), self.payload(b), format_code=self.worker.format_code
+            )
+            for b in blocks
+        }
 
-    def load_job(self, req: str, tag: str, src_blocks: list[int], dst_blocks: list[int], load_id: int) -> LoadJob:
+    def load_job(
+        self, req: str, tag: str, src_blocks: list[int], dst_blocks: list[int], load_id: int
+    ) -> LoadJob:
         batch = BlockBatch()
         for s, d in zip(src_blocks, dst_blocks):
             batch.add(0, _hash(tag, s), d)
         return LoadJob(req, batch, load_id=load_id)
 
-    def wait_loads(self, reqs: set[str], t0: float, bound_s: float) -> dict[str, tuple[bool, float]]:
+    def wait_loads(
+        self, reqs: set[str], t0: float, bound_s: float
+    ) -> dict[str, tuple[bool, float]]:
         """req -> (loaded ok, seconds from t0 until the worker reported it)."""
         out: dict[str, tuple[bool, float]] = {}
         while set(out) != reqs and time.monotonic() - t0 < bound_s:
@@ -197,18 +225,24 @@ def test_load_from_sigstopped_owner_is_bounded_and_trips_the_stuck_gate(master, 
         hung.stop()
         rig.kv[8:10] = 0
         t0 = time.monotonic()
-        rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("A", "hung", [1, 2], [8, 9], 11)]))
+        rig.worker.start_load_kv(
+            StoreConnectorMetadata(loads=[rig.load_job("A", "hung", [1, 2], [8, 9], 11)])
+        )
         res = rig.wait_loads({"A"}, t0, 10.0)
         assert res["A"][0] is False
         assert res["A"][1] <= 2 * t + SLACK_S, res
         rig.poll()
         # The backend's bounded call ran (the old private timeout thread left stuck_calls at 0).
         assert rig.client.stuck_calls == 1
-        assert rig.stats["fail.load_hkv_call_timeout"] == 2 and rig.stats["rank_failed_loads"] == 1  # (blocks)
+        assert (
+            rig.stats["fail.load_hkv_call_timeout"] == 2 and rig.stats["rank_failed_loads"] == 1
+        )  # (blocks)
         assert 11 not in rig.saw_released  # the abandoned read may still write blocks 8-9
         # The stuck client is detected on the data path: the next load is refused at once.
         t1 = time.monotonic()
-        rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("B", "hung", [1], [10], 12)]))
+        rig.worker.start_load_kv(
+            StoreConnectorMetadata(loads=[rig.load_job("B", "hung", [1], [10], 12)])
+        )
         res = rig.wait_loads({"B"}, t1, 10.0)
         assert res["B"][0] is False and res["B"][1] <= 0.25 + SLACK_S, res
         rig.poll()
@@ -233,10 +267,14 @@ def test_one_request_against_a_hung_node_does_not_delay_another(master, holders)
         t0 = time.monotonic()
         # One step hands over both loads, the hung one FIRST (a serial load thread would
         # make B wait the whole timeout behind A).
-        rig.worker.start_load_kv(StoreConnectorMetadata(loads=[
-            rig.load_job("A", "slow", [1, 2, 3], [7, 8, 9], 21),
-            rig.load_job("B", "fine", [4, 5, 6], [10, 11, 12], 22),
-        ]))
+        rig.worker.start_load_kv(
+            StoreConnectorMetadata(
+                loads=[
+                    rig.load_job("A", "slow", [1, 2, 3], [7, 8, 9], 21),
+                    rig.load_job("B", "fine", [4, 5, 6], [10, 11, 12], 22),
+                ]
+            )
+        )
         res = rig.wait_loads({"A", "B"}, t0, 20.0)
         assert res["B"][0] is True and res["B"][1] < t / 2, res
         assert res["A"][0] is False and t - 0.05 <= res["A"][1] <= 2 * t + SLACK_S, res
@@ -265,12 +303,20 @@ def test_synchronous_saves_share_one_budget_per_step(master, holders) -> None:
         elapsed = time.monotonic() - t0
         assert budget - 0.05 <= elapsed <= budget + SLACK_S, elapsed
         rig.poll()
-        assert rig.stats["fail.save_hkv_call_timeout"] == 2  # job 1: 2.0 s, job 2: the 0.5 s left (1 block each)
+        assert (
+            rig.stats["fail.save_hkv_call_timeout"] == 2
+        )  # job 1: 2.0 s, job 2: the 0.5 s left (1 block each)
         assert rig.stats["fail.save_step_budget"] == 1 and rig.stats["skipped_saves"] == 1
-        assert rig.saw_acks == {102: 1}  # skipped: unpinned at once; the others when their calls end
-        assert rig.saw_failed == {102: 1}  # ... and reported not written (the scheduler offers it again)
+        assert rig.saw_acks == {
+            102: 1
+        }  # skipped: unpinned at once; the others when their calls end
+        assert rig.saw_failed == {
+            102: 1
+        }  # ... and reported not written (the scheduler offers it again)
         hung.cont()
-        assert _wait(lambda: (rig.poll(), rig.saw_acks == {100: 1, 101: 1, 102: 1})[1], 40.0), rig.saw_acks
+        assert _wait(lambda: (rig.poll(), rig.saw_acks == {100: 1, 101: 1, 102: 1})[1], 40.0), (
+            rig.saw_acks
+        )
         assert rig.saw_failed == {100: 1, 101: 1, 102: 1}  # timed out, timed out, skipped
     finally:
         rig.close(holders)
@@ -290,20 +336,28 @@ def test_full_save_queue_skips_and_counts(master, holders) -> None:
             return SaveJob(job_id, batch)
 
         t0 = time.monotonic()
-        rig.worker.wait_for_save(StoreConnectorMetadata(saves=[job(1, [1, 2]), job(2, [3, 4]), job(3, [5])]))
+        rig.worker.wait_for_save(
+            StoreConnectorMetadata(saves=[job(1, [1, 2]), job(2, [3, 4]), job(3, [5])])
+        )
         assert time.monotonic() - t0 < 0.25  # asynchronous: the forward pass never waits
         rig.poll()
         # 2 + 2 > 3: job 2 skipped (unpinned now); job 3 fits beside job 1.
         assert rig.stats["skipped_saves"] == 2 and rig.stats["fail.save_queue_full"] == 2
         assert rig.saw_acks == {2: 1} and rig.saw_failed == {2: 1}
         hung.cont()
-        assert _wait(lambda: (rig.poll(), rig.saw_acks == {1: 1, 2: 1, 3: 1})[1], 40.0), rig.saw_acks
-        before = rig.stats.get("saved_blocks", 0)  # jobs 1 and 3: written if the owner resumed in time
+        assert _wait(lambda: (rig.poll(), rig.saw_acks == {1: 1, 2: 1, 3: 1})[1], 40.0), (
+            rig.saw_acks
+        )
+        before = rig.stats.get(
+            "saved_blocks", 0
+        )  # jobs 1 and 3: written if the owner resumed in time
         # Room again once the queue drained: a new job is written, not skipped, even one
         # larger than the whole bound (a long prompt must not be refused for ever).
         rig.worker.wait_for_save(StoreConnectorMetadata(saves=[job(4, [6, 7, 8, 9, 10])]))
         assert _wait(lambda: (rig.poll(), 4 in rig.saw_acks)[1], 10.0)
-        assert rig.stats["skipped_saves"] == 2 and rig.stats["saved_blocks"] - before == 5, rig.stats
+        assert rig.stats["skipped_saves"] == 2 and rig.stats["saved_blocks"] - before == 5, (
+            rig.stats
+        )
         assert 4 not in rig.saw_failed and 2 in rig.saw_failed  # written: not offered again
     finally:
         rig.close(holders)
@@ -347,7 +401,9 @@ def test_snapshot_save_of_a_block_being_written_stores_a_verifiable_object(maste
         assert rig.stats["saved_blocks"] == 4 and rig.stats["snapshot_blocks"] == 4
         rig.kv[dst] = 0
         t0 = time.monotonic()
-        rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("S", "tail1", src, dst, 31)]))
+        rig.worker.start_load_kv(
+            StoreConnectorMetadata(loads=[rig.load_job("S", "tail1", src, dst, 31)])
+        )
         assert rig.wait_loads({"S"}, t0, 10.0)["S"][0] is True  # every object verified
         assert torch.equal(rig.kv[dst, 0].view(torch.int16), keys_before.view(torch.int16))
         rig.poll()
@@ -356,7 +412,9 @@ def test_snapshot_save_of_a_block_being_written_stores_a_verifiable_object(maste
         # version of the live bytes and another is stored, so the objects fail verification.
         _save_while_writing(rig, src, snapshot=False, job_id=2)
         t0 = time.monotonic()
-        rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("Z", "tail2", src, dst, 32)]))
+        rig.worker.start_load_kv(
+            StoreConnectorMetadata(loads=[rig.load_job("Z", "tail2", src, dst, 32)])
+        )
         assert rig.wait_loads({"Z"}, t0, 10.0)["Z"][0] is False
         rig.poll()
         assert rig.stats["fail.load_corrupt_object"] == 1  # (the first bad object stops the load)
@@ -364,7 +422,9 @@ def test_snapshot_save_of_a_block_being_written_stores_a_verifiable_object(maste
         rig.close(holders)
 
 
-def test_a_call_stuck_on_one_node_leaves_lookups_alone_a_hung_master_refuses_all(master, holders) -> None:
+def test_a_call_stuck_on_one_node_leaves_lookups_alone_a_hung_master_refuses_all(
+    master, holders
+) -> None:
     """Which stuck calls refuse which: a hung segment owner sticks only data calls (the
     master still answers lookups), a hung master sticks metadata calls and then every call
     must fail fast, whatever ``max_stuck_calls`` the data path tolerates."""
@@ -372,8 +432,13 @@ def test_a_call_stuck_on_one_node_leaves_lookups_alone_a_hung_master_refuses_all
 
     from hybridkv.store.mooncake_backend import CALL_TIMEOUT, CLIENT_STUCK, StoreError
 
-    client = MooncakeBackend(master.address, global_segment_size=0, local_buffer_size=4 << 20,
-                             timeout_s=1.0, max_stuck_calls=4)
+    client = MooncakeBackend(
+        master.address,
+        global_segment_size=0,
+        local_buffer_size=4 << 20,
+        timeout_s=1.0,
+        max_stuck_calls=4,
+    )
     buf = np.zeros(8192, dtype=np.uint8)
     client.register(buf.ctypes.data, buf.nbytes)
     node = start_holder(master, {"faults/on-node": b"x" * 4096}, holders)
@@ -393,9 +458,11 @@ def test_a_call_stuck_on_one_node_leaves_lookups_alone_a_hung_master_refuses_all
                 client.exists(["faults/on-node"], timeout_s=0.5)
             assert ei.value.code == CALL_TIMEOUT
             t0 = time.monotonic()
-            for call in (lambda: client.get_into(["faults/on-node"], [buf.ctypes.data], [4096]),
-                         lambda: client.put_from(["faults/new"], [buf.ctypes.data], [4096]),
-                         lambda: client.exists(["faults/on-node"])):
+            for call in (
+                lambda: client.get_into(["faults/on-node"], [buf.ctypes.data], [4096]),
+                lambda: client.put_from(["faults/new"], [buf.ctypes.data], [4096]),
+                lambda: client.exists(["faults/on-node"]),
+            ):
                 with pytest.raises(StoreError) as ei:
                     call()
                 assert ei.value.code == CLIENT_STUCK
@@ -429,7 +496,9 @@ def _stall_bound(rig: Rig) -> float:
     return bound
 
 
-def test_abandoned_load_from_a_hung_owner_releases_its_blocks_within_the_bound(master, holders) -> None:
+def test_abandoned_load_from_a_hung_owner_releases_its_blocks_within_the_bound(
+    master, holders
+) -> None:
     t = 1.0
     rig = Rig(master, t, WorkerLimits(load_deadline_s=t), max_stuck=1)
     try:
@@ -439,11 +508,15 @@ def test_abandoned_load_from_a_hung_owner_releases_its_blocks_within_the_bound(m
         # a FIRST contact with an owner that never answers blocks in Mooncake's P2P handshake
         # (SocketHandShakePlugin::exchangeMetadata, measured > 40 s; no MC_* setting bounds it).
         t0 = time.monotonic()
-        rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("W", "hung", [3], [7], 40)]))
+        rig.worker.start_load_kv(
+            StoreConnectorMetadata(loads=[rig.load_job("W", "hung", [3], [7], 40)])
+        )
         assert rig.wait_loads({"W"}, t0, 10.0)["W"][0] is True
         hung.stop()  # stays stopped until the end of the test
         t0 = time.monotonic()
-        rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("A", "hung", [1, 2], [8, 9], 41)]))
+        rig.worker.start_load_kv(
+            StoreConnectorMetadata(loads=[rig.load_job("A", "hung", [1, 2], [8, 9], 41)])
+        )
         res = rig.wait_loads({"A"}, t0, 10.0)
         assert res["A"][0] is False and res["A"][1] <= t + SLACK_S, res
         assert _wait(lambda: (rig.poll(), 41 in rig.saw_released)[1], t + bound + 2 * SLACK_S)
@@ -454,14 +527,19 @@ def test_abandoned_load_from_a_hung_owner_releases_its_blocks_within_the_bound(m
         assert rig.stats["fail.load_hkv_call_timeout"] == 2 and rig.stats["rank_failed_loads"] == 1
         # The stuck gate healed by itself: the next call is admitted (and bounded again).
         t1 = time.monotonic()
-        rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("B", "hung", [1], [10], 42)]))
+        rig.worker.start_load_kv(
+            StoreConnectorMetadata(loads=[rig.load_job("B", "hung", [1], [10], 42)])
+        )
         res = rig.wait_loads({"B"}, t1, 10.0)
         assert res["B"][0] is False and res["B"][1] <= t + SLACK_S, res
         rig.poll()
         # B was admitted (not refused as CLIENT_STUCK) and failed within the bound: on the dropped
         # connection Mooncake answers TRANSFER_FAIL at once, or the call times out again.
         assert "fail.load_hkv_client_stuck" not in rig.stats
-        assert rig.stats.get("fail.load_transfer_fail", 0) + rig.stats["fail.load_hkv_call_timeout"] == 2 + 1, rig.stats
+        assert (
+            rig.stats.get("fail.load_transfer_fail", 0) + rig.stats["fail.load_hkv_call_timeout"]
+            == 2 + 1
+        ), rig.stats
         assert rig.stats["loaded_blocks"] == 1  # the warm-up only
     finally:
         rig.close(holders)
@@ -477,7 +555,9 @@ def test_hung_master_costs_a_load_and_a_save_at_most_the_bound(master, holders) 
         bound = _stall_bound(rig)
         start_holder(master, rig.sealed("m", [1, 2, 3]), holders)
         t0 = time.monotonic()  # the connection to the owner is up (see the test above)
-        rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("W", "m", [3], [12], 50)]))
+        rig.worker.start_load_kv(
+            StoreConnectorMetadata(loads=[rig.load_job("W", "m", [3], [12], 50)])
+        )
         assert rig.wait_loads({"W"}, t0, 10.0)["W"][0] is True
         save = BlockBatch()
         for b in (4, 5):
@@ -485,13 +565,17 @@ def test_hung_master_costs_a_load_and_a_save_at_most_the_bound(master, holders) 
         freeze(master.pid)
         try:
             t0 = time.monotonic()
-            rig.worker.start_load_kv(StoreConnectorMetadata(loads=[rig.load_job("L", "m", [1, 2, 3], [9, 10, 11], 51)]))
+            rig.worker.start_load_kv(
+                StoreConnectorMetadata(loads=[rig.load_job("L", "m", [1, 2, 3], [9, 10, 11], 51)])
+            )
             rig.worker.wait_for_save(StoreConnectorMetadata(saves=[SaveJob(52, save)]))
             assert time.monotonic() - t0 < 0.25  # the forward pass never waits
             res = rig.wait_loads({"L"}, t0, 10.0)
             assert res["L"][0] is False and res["L"][1] <= t + SLACK_S, res
-            done = _wait(lambda: (rig.poll(), 51 in rig.saw_released and 52 in rig.saw_acks)[1],
-                         t + bound + 2 * SLACK_S)
+            done = _wait(
+                lambda: (rig.poll(), 51 in rig.saw_released and 52 in rig.saw_acks)[1],
+                t + bound + 2 * SLACK_S,
+            )
             elapsed = time.monotonic() - t0
             assert done, (rig.saw_released, rig.saw_acks, elapsed)
             assert elapsed <= t + bound + 2 * SLACK_S, elapsed

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
+from hybridkv.connector.block_layout import KVLayout
 from hybridkv.connector.store_config import StoreConnectorConfig
 from hybridkv.connector.store_metadata import BlockBatch, LoadJob, SaveJob, StoreConnectorMetadata
-from hybridkv.connector.block_layout import KVLayout
 from hybridkv.connector.store_worker import StoreWorker, layout_format_code
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import MooncakeBackend
@@ -33,9 +33,14 @@ class _Worker:
     def __init__(self, master, kernel: int, seed: int) -> None:
         self.cache = Cache(Case("LBHNC", [(["fa.0", "fa.1"], fa(64, 2, 8))], [kernel]))
         gen = torch.Generator().manual_seed(seed)
-        self.cache.raw.copy_(torch.randint(0, 255, self.cache.raw.shape, generator=gen, dtype=torch.uint8)
-                             .view(self.cache.raw.dtype))
-        self.client = MooncakeBackend(master.address, global_segment_size=0, local_buffer_size=4 << 20)
+        self.cache.raw.copy_(
+            torch.randint(0, 255, self.cache.raw.shape, generator=gen, dtype=torch.uint8).view(
+                self.cache.raw.dtype
+            )
+        )
+        self.client = MooncakeBackend(
+            master.address, global_segment_size=0, local_buffer_size=4 << 20
+        )
         cfg = StoreConnectorConfig(master_address=master.address)
         self.worker = StoreWorker(cfg, self.cache.config, SCHEMA, self.client)
         self.worker.register_kv_caches(self.cache.caches)
@@ -84,12 +89,16 @@ def test_a_block_of_another_kernel_split_is_refused_not_loaded(workers):
     same = workers(64, 3)
     ok, stats = same.load("same-reader", 7)
     assert ok and stats.get("loaded_blocks") == 1, stats
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(same.block(7), unsplit.block(3)))
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(same.block(7), unsplit.block(3))
+    )
 
 
 def test_where_the_split_does_not_reorder_bytes_the_codes_agree():
     """LBNHC puts tokens outside heads: a split block has the same byte order as an unsplit one
     (``block_format`` says so), so engines with either split share objects; under LBHNC not."""
+
     def code(layout: str, kernel: int) -> int:
         c = Cache(Case(layout, [(["fa.0", "fa.1"], fa(64, 2, 8))], [kernel]))
         return layout_format_code(KVLayout.from_kv_caches(c.config, c.caches))

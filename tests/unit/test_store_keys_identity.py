@@ -17,7 +17,7 @@ import pytest
 import torch
 from vllm.config import VllmConfig
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from hybridkv.connector.block_layout import layout_rows
 from hybridkv.connector.store_keys import store_key_schema
@@ -47,28 +47,47 @@ def test_model_path(model_dir, tmp_path):
 
 
 def test_revision(model_dir):
-    assert _prefix(tiny_vllm_config(model_dir, revision="r1")) != _prefix(tiny_vllm_config(model_dir, revision="r2"))
+    assert _prefix(tiny_vllm_config(model_dir, revision="r1")) != _prefix(
+        tiny_vllm_config(model_dir, revision="r2")
+    )
 
 
 def test_code_revision(model_dir):
-    assert _prefix(tiny_vllm_config(model_dir, code_revision="c1")) != _prefix(tiny_vllm_config(model_dir, code_revision="c2"))
+    assert _prefix(tiny_vllm_config(model_dir, code_revision="c1")) != _prefix(
+        tiny_vllm_config(model_dir, code_revision="c2")
+    )
 
 
 def test_model_dtype(model_dir):
-    assert _prefix(tiny_vllm_config(model_dir)) != _prefix(tiny_vllm_config(model_dir, dtype="float16"))
+    assert _prefix(tiny_vllm_config(model_dir)) != _prefix(
+        tiny_vllm_config(model_dir, dtype="float16")
+    )
 
 
 def test_quantization(model_dir):
-    assert _prefix(tiny_vllm_config(model_dir)) != _prefix(tiny_vllm_config(model_dir, quantization="fp8"))
+    assert _prefix(tiny_vllm_config(model_dir)) != _prefix(
+        tiny_vllm_config(model_dir, quantization="fp8")
+    )
 
 
-@pytest.mark.parametrize(("a", "b"), [("fp8", "fp8_e5m2"), ("fp8_e4m3", "fp8_e5m2"), ("fp8", "fp8_e4m3")])
+@pytest.mark.parametrize(
+    ("a", "b"), [("fp8", "fp8_e5m2"), ("fp8_e4m3", "fp8_e5m2"), ("fp8", "fp8_e4m3")]
+)
 def test_kv_cache_dtype_fp8_variants(model_dir, a, b):
     """All three store uint8 pages of one size: the layout rows cannot tell them apart."""
-    va, vb = tiny_vllm_config(model_dir, cache={"cache_dtype": a}), tiny_vllm_config(model_dir, cache={"cache_dtype": b})
-    specs = [FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32,
-                               dtype=kv_cache_dtype_str_to_dtype(v.cache_config.cache_dtype, v.model_config))
-             for v in (va, vb)]
+    va, vb = (
+        tiny_vllm_config(model_dir, cache={"cache_dtype": a}),
+        tiny_vllm_config(model_dir, cache={"cache_dtype": b}),
+    )
+    specs = [
+        FullAttentionSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=32,
+            dtype=kv_cache_dtype_str_to_dtype(v.cache_config.cache_dtype, v.model_config),
+        )
+        for v in (va, vb)
+    ]
     ka, kb = _kvc(specs[0]), _kvc(specs[1])
     assert specs[0].dtype == specs[1].dtype == torch.uint8
     assert layout_rows(ka) == layout_rows(kb)
@@ -77,23 +96,33 @@ def test_kv_cache_dtype_fp8_variants(model_dir, a, b):
 
 def test_kv_cache_dtype_skip_layers(model_dir):
     assert _prefix(tiny_vllm_config(model_dir, cache={"cache_dtype": "fp8"})) != _prefix(
-        tiny_vllm_config(model_dir, cache={"cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["0"]}))
+        tiny_vllm_config(
+            model_dir, cache={"cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["0"]}
+        )
+    )
 
 
 def test_kv_scales_scheme_of_the_checkpoint(tmp_path):
     """Same path, same revision, the checkpoint's kv_cache_scheme says per-tensor vs per-head k/v scales."""
     prefixes = []
     for strategy in ("tensor", "attn_head"):
-        quant = {"quant_method": "fp8", "activation_scheme": "static", "kv_cache_scheme": {**_KV_SCHEME,
-                                                                                          "strategy": strategy}}
-        (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "quantization_config": quant}))
+        quant = {
+            "quant_method": "fp8",
+            "activation_scheme": "static",
+            "kv_cache_scheme": {**_KV_SCHEME, "strategy": strategy},
+        }
+        (tmp_path / "config.json").write_text(
+            json.dumps({**TINY_LLAMA, "quantization_config": quant})
+        )
         prefixes.append(_prefix(tiny_vllm_config(tmp_path, cache={"cache_dtype": "fp8"})))
     assert prefixes[0] != prefixes[1]
 
 
 def test_rope_scaling_override(model_dir):
     plain = tiny_vllm_config(model_dir)
-    scaled = tiny_vllm_config(model_dir, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    scaled = tiny_vllm_config(
+        model_dir, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    )
     assert layout_rows(_kvc()) == layout_rows(_kvc())
     assert _prefix(plain) != _prefix(scaled)
 
@@ -131,7 +160,8 @@ def test_page_size(model_dir):
 
 def test_mamba_state_dtype(model_dir):
     assert _prefix(tiny_vllm_config(model_dir, cache={"mamba_cache_dtype": "float32"})) != _prefix(
-        tiny_vllm_config(model_dir, cache={"mamba_cache_dtype": "float16"}))
+        tiny_vllm_config(model_dir, cache={"mamba_cache_dtype": "float16"})
+    )
 
 
 def test_deployment_secret(model_dir, tmp_path, monkeypatch):
@@ -147,16 +177,25 @@ def test_deployment_secret(model_dir, tmp_path, monkeypatch):
     v = tiny_vllm_config(model_dir)
 
     def prefix(cfg: StoreConnectorConfig) -> str:
-        return store_key_schema(v, _kvc(), namespace="team", tenant=StoreSecret.load(cfg).tenant).prefix
+        return store_key_schema(
+            v, _kvc(), namespace="team", tenant=StoreSecret.load(cfg).tenant
+        ).prefix
 
     a, b = write_secret_file(tmp_path / "a"), write_secret_file(tmp_path / "b")
-    with_a, with_b = StoreConnectorConfig(auth_secret_file=str(a)), StoreConnectorConfig(auth_secret_file=str(b))
+    with_a, with_b = (
+        StoreConnectorConfig(auth_secret_file=str(a)),
+        StoreConnectorConfig(auth_secret_file=str(b)),
+    )
     none = StoreConnectorConfig()
     assert StoreSecret.load(none).tenant == ""
     assert prefix(none) == store_key_schema(v, _kvc(), namespace="team").prefix
     assert prefix(with_a) == prefix(StoreConnectorConfig(auth_secret_file=str(a)))
     assert len({prefix(none), prefix(with_a), prefix(with_b)}) == 3
     tenant = StoreSecret.load(with_a).tenant
-    assert len(tenant) == 16 and tenant not in a.read_bytes().hex() and tenant.encode() not in a.read_bytes()
+    assert (
+        len(tenant) == 16
+        and tenant not in a.read_bytes().hex()
+        and tenant.encode() not in a.read_bytes()
+    )
     monkeypatch.setenv(SECRET_FILE_ENV, str(a))  # the env var names the same secret: same keys
     assert prefix(none) == prefix(with_a)

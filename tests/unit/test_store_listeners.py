@@ -51,20 +51,31 @@ def listening(pid: int) -> set[tuple[str, int]]:
     """(ip, port) of every listening TCP socket and bound unconnected UDP socket of ``pid``."""
     out = set()
     for c in psutil.Process(pid).net_connections(kind="inet"):
-        if c.laddr and (c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)):
+        if c.laddr and (
+            c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)
+        ):
             out.add((c.laddr.ip, c.laddr.port))
     return out
 
 
 def components(log: str) -> dict[int, str]:
     """Port -> the Mooncake component that opened it, from the client's log."""
-    named = {int(p): "P2P handshake" for p in re.findall(r"P2P handshake, listening on \S+:(\d+)", log)}
-    named |= {int(p): "TCP transport (data)" for p in re.findall(r"TcpTransport: listen on port (\d+)", log)}
+    named = {
+        int(p): "P2P handshake" for p in re.findall(r"P2P handshake, listening on \S+:(\d+)", log)
+    }
+    named |= {
+        int(p): "TCP transport (data)"
+        for p in re.findall(r"TcpTransport: listen on port (\d+)", log)
+    }
     return named
 
 
 def offenders(found: set[tuple[str, int]], names: dict[int, str]) -> list[str]:
-    return sorted(f"{names.get(port, 'unknown listener')} on {ip}:{port}" for ip, port in found if ip not in LOOPBACK)
+    return sorted(
+        f"{names.get(port, 'unknown listener')} on {ip}:{port}"
+        for ip, port in found
+        if ip not in LOOPBACK
+    )
 
 
 def non_loopback_addresses() -> list[str]:
@@ -74,7 +85,10 @@ def non_loopback_addresses() -> list[str]:
         for a in addrs:
             if a.family in (socket.AF_INET, socket.AF_INET6):
                 ip = a.address.split("%")[0]
-                if not ipaddress.ip_address(ip).is_loopback and not ipaddress.ip_address(ip).is_link_local:
+                if (
+                    not ipaddress.ip_address(ip).is_loopback
+                    and not ipaddress.ip_address(ip).is_link_local
+                ):
                     out.append(ip)
     return out
 
@@ -100,7 +114,10 @@ class Owner:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _OWNER, master.address, mode],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
         )
         line = self.proc.stdout.readline().split() if self.proc.stdout else []
         assert line[:1] == ["ready"], f"owner did not start: {line}\n{self.log()[-3000:]}"
@@ -130,7 +147,9 @@ def _round_trip(client: MooncakeBackend) -> None:
     assert dst.raw == src.raw
 
 
-def test_every_store_client_listener_is_on_the_configured_host(master: EmbeddedMaster, tmp_path: Path) -> None:
+def test_every_store_client_listener_is_on_the_configured_host(
+    master: EmbeddedMaster, tmp_path: Path
+) -> None:
     """The segment owner (child), the reading client (this process) and the master: every
     listening socket on loopback, each offender named; the two Mooncake listeners exist (the
     listing sees them) and refuse connections on the host's other addresses; transfers between
@@ -148,14 +167,23 @@ def test_every_store_client_listener_is_on_the_configured_host(master: EmbeddedM
         names = components(owner.log())
         print("\nsegment owner listens on:", sorted(owned), names)
         print("reading client listens on:", sorted(mine))
-        assert sorted(names.values()) == ["P2P handshake", "TCP transport (data)"], owner.log()[-3000:]
-        assert {port for _, port in owned} == set(names), f"listing {owned} misses or adds to {names}"
+        assert sorted(names.values()) == ["P2P handshake", "TCP transport (data)"], owner.log()[
+            -3000:
+        ]
+        assert {port for _, port in owned} == set(names), (
+            f"listing {owned} misses or adds to {names}"
+        )
         assert offenders(owned, names) == [], "segment owner reachable from other hosts"
         assert len(mine) == 2 and offenders(mine, {}) == [], f"reading client: {sorted(mine)}"
         assert owner.pinned is True
         at_master = listening(master.pid)
         assert {master.rpc_port, master.metrics_port} <= {port for _, port in at_master}, at_master
-        assert offenders(at_master, {master.rpc_port: "master RPC", master.metrics_port: "master metrics"}) == []
+        assert (
+            offenders(
+                at_master, {master.rpc_port: "master RPC", master.metrics_port: "master metrics"}
+            )
+            == []
+        )
         for ip in non_loopback_addresses():
             for port in names:
                 assert not reachable(ip, port), f"{names[port]} port {port} answers on {ip}"
@@ -163,7 +191,9 @@ def test_every_store_client_listener_is_on_the_configured_host(master: EmbeddedM
         owner.stop()
 
 
-def test_without_the_pin_mooncake_listens_on_all_interfaces(master: EmbeddedMaster, tmp_path: Path) -> None:
+def test_without_the_pin_mooncake_listens_on_all_interfaces(
+    master: EmbeddedMaster, tmp_path: Path
+) -> None:
     """Control, and the fact the pin exists for: Mooncake 0.3.13 alone binds its handshake to
     0.0.0.0 (findAvailableTcpPort, transfer_metadata_plugin.cpp) and its data listener to [::]
     (TcpContext, tcp_transport_session_impl.h), whatever local_hostname says. If this fails
@@ -175,8 +205,10 @@ def test_without_the_pin_mooncake_listens_on_all_interfaces(master: EmbeddedMast
     finally:
         owner.stop()
     assert owner.pinned is False
-    assert sorted((names[port], ip) for ip, port in owned) == [("P2P handshake", "0.0.0.0"),
-                                                               ("TCP transport (data)", "::")]
+    assert sorted((names[port], ip) for ip, port in owned) == [
+        ("P2P handshake", "0.0.0.0"),
+        ("TCP transport (data)", "::"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -190,12 +222,17 @@ def test_without_the_pin_mooncake_listens_on_all_interfaces(master: EmbeddedMast
         ("localhost", "localhost", "127.0.0.1", "::ffff:127.0.0.1"),
     ],
 )
-def test_the_address_each_wildcard_bind_becomes(local_hostname: str, host: str, v4: str, v6: str) -> None:
+def test_the_address_each_wildcard_bind_becomes(
+    local_hostname: str, host: str, v4: str, v6: str
+) -> None:
     """IPv4 wildcard -> the host's IPv4 address; IPv6 wildcard -> the IPv4-mapped host (still dual
     stack, so the IPv4 connections peers make are accepted), or the host itself when it is IPv6."""
     assert _host_of(local_hostname) == host
     got4, got6 = _listen_addresses(host)
-    assert (socket.inet_ntop(socket.AF_INET, got4), socket.inet_ntop(socket.AF_INET6, got6)) == (v4, v6)
+    assert (socket.inet_ntop(socket.AF_INET, got4), socket.inet_ntop(socket.AF_INET6, got6)) == (
+        v4,
+        v6,
+    )
 
 
 def test_a_read_only_got_page_is_written_and_left_read_only() -> None:
@@ -208,7 +245,14 @@ def test_a_read_only_got_page_is_written_and_left_read_only() -> None:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     page = libc.mmap(None, mmap.PAGESIZE, 1, 0x22, -1, 0)  # PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS
     assert page not in (None, ctypes.c_void_p(-1).value)
 
@@ -229,7 +273,9 @@ def test_a_read_only_got_page_is_written_and_left_read_only() -> None:
         libc.munmap(page, mmap.PAGESIZE)
 
 
-def test_a_name_that_resolves_to_loopback_here_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_name_that_resolves_to_loopback_here_is_warned_about(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Debian-style hosts files map the machine's own name to 127.0.1.1: listeners would bind
     loopback while remote peers reach the name at the real address. Resolution is faked (named
     so): which names resolve where depends on the machine's hosts file."""
@@ -258,4 +304,5 @@ def test_a_name_that_resolves_to_loopback_here_is_warned_about(monkeypatch: pyte
         mb.logger.logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == [
         "hybridkv: local_hostname 'node7' resolves to 127.0.1.1 here, so Mooncake's listeners bind loopback "
-        "and peers on other hosts cannot reach them; set local_hostname to the IP address peers use"]
+        "and peers on other hosts cannot reach them; set local_hostname to the IP address peers use"
+    ]

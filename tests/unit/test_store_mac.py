@@ -59,14 +59,19 @@ def test_planted_object_without_the_mac_is_refused_and_removed(store, rigs, secr
     rigs.append(rig)
     h, key = _key("planted")
     poison = bytes(np.random.default_rng(1).integers(0, 256, len(rig.payload(0)), dtype=np.uint8))
-    assert planter.put_bytes(key, seal(key, poison, format_code=rig.worker.format_code)) == 0  # a correct XXH3 trailer
+    assert (
+        planter.put_bytes(key, seal(key, poison, format_code=rig.worker.format_code)) == 0
+    )  # a correct XXH3 trailer
     before = rig.kv[3].clone()
     assert planter.exists([key]) == [True]
     assert rig.load("A", [h], [3]) is False
     assert rig.stats.get("fail.load_unauthenticated_object") == 1, rig.stats
     assert rig.stats.get("removed_objects") == 1, rig.stats
     assert planter.exists([key]) == [False]  # not offered to the next lookup
-    assert rig.kv[3].view(torch.int16).numpy().tobytes() in (poison, before.view(torch.int16).numpy().tobytes())
+    assert rig.kv[3].view(torch.int16).numpy().tobytes() in (
+        poison,
+        before.view(torch.int16).numpy().tobytes(),
+    )
 
 
 def test_object_with_the_mac_loads_byte_for_byte(store, rigs, secret_file):
@@ -75,7 +80,12 @@ def test_object_with_the_mac_loads_byte_for_byte(store, rigs, secret_file):
     rigs.append(rig)
     h, key = _key("good")
     payload = rig.payload(5)
-    assert planter.put_bytes(key, seal(key, payload, ObjectMac(_secret(secret_file)), rig.worker.format_code)) == 0
+    assert (
+        planter.put_bytes(
+            key, seal(key, payload, ObjectMac(_secret(secret_file)), rig.worker.format_code)
+        )
+        == 0
+    )
     rig.kv[2] = 0
     assert rig.load("B", [h], [2]) is True
     assert rig.kv[2].view(torch.int16).numpy().tobytes() == payload
@@ -88,7 +98,9 @@ def test_flipped_byte_in_a_maced_object_is_refused_and_removed(store, rigs, secr
     rig = _rig(master, str(secret_file))
     rigs.append(rig)
     h, key = _key("flip")
-    obj = bytearray(seal(key, rig.payload(1), ObjectMac(_secret(secret_file)), rig.worker.format_code))
+    obj = bytearray(
+        seal(key, rig.payload(1), ObjectMac(_secret(secret_file)), rig.worker.format_code)
+    )
     obj[where] ^= 0x04
     assert planter.put_bytes(key, bytes(obj)) == 0
     assert rig.load("C", [h], [4]) is False
@@ -102,7 +114,13 @@ def test_the_mac_binds_the_key(store, rigs, secret_file):
     rig = _rig(master, str(secret_file))
     rigs.append(rig)
     (h, key), (_, other) = _key("victim"), _key("source")
-    assert planter.put_bytes(key, seal(other, rig.payload(1), ObjectMac(_secret(secret_file)), rig.worker.format_code)) == 0
+    assert (
+        planter.put_bytes(
+            key,
+            seal(other, rig.payload(1), ObjectMac(_secret(secret_file)), rig.worker.format_code),
+        )
+        == 0
+    )
     assert rig.load("D", [h], [4]) is False
     assert rig.stats.get("fail.load_corrupt_object") == 1, rig.stats
 
@@ -118,9 +136,11 @@ def test_saved_objects_carry_the_mac_and_a_reader_without_the_secret_neither_tru
     obj = planter.get_bytes(key)
     payload = writer.payload(6)
     assert obj is not None and obj[: len(payload)] == payload
-    trailer = obj[len(payload):]
+    trailer = obj[len(payload) :]
     assert trailer[5] == TAG_BLAKE3_KEYED_64
-    assert int.from_bytes(trailer[8:], "little") == checksum_bytes(key, payload, ObjectMac(_secret(secret_file)))
+    assert int.from_bytes(trailer[8:], "little") == checksum_bytes(
+        key, payload, ObjectMac(_secret(secret_file))
+    )
     assert int.from_bytes(trailer[8:], "little") != checksum_bytes(key, payload)  # not the XXH3
     assert plain.load("E", [h], [0]) is False
     assert plain.stats.get("fail.load_format_mismatch") == 1, plain.stats
@@ -147,13 +167,17 @@ def test_secret_from_the_environment_is_the_p_d_one(store, rigs, secret_file, mo
     rig = _rig(master, "")
     rigs.append(rig)
     h, key = _key("env")
-    assert planter.put_bytes(key, seal(key, rig.payload(2), format_code=rig.worker.format_code)) == 0
+    assert (
+        planter.put_bytes(key, seal(key, rig.payload(2), format_code=rig.worker.format_code)) == 0
+    )
     assert rig.load("H", [h], [3]) is False
     assert rig.stats.get("fail.load_unauthenticated_object") == 1, rig.stats
 
 
 def test_config_key_is_validated(tmp_path):
-    assert StoreConnectorConfig.from_extra_config({"auth_secret_file": "/x"}).auth_secret_file == "/x"
+    assert (
+        StoreConnectorConfig.from_extra_config({"auth_secret_file": "/x"}).auth_secret_file == "/x"
+    )
     with pytest.raises(ConfigError, match="auth_secret_file"):
         StoreConnectorConfig.from_extra_config({"auth_secret_file": 5})
     short = tmp_path / "short"
@@ -186,11 +210,26 @@ def test_keys_and_mac_come_from_one_read_of_the_secret(tmp_path, monkeypatch):
     assert secret.tenant == StoreSecret.load(cfg).tenant and len(secret.tenant) == 16
     pd_auth.write_secret_file(path)  # the file changes after the connector read it
     reads.clear()
-    kvc = KVCacheConfig(num_blocks=2, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16))])
+    kvc = KVCacheConfig(
+        num_blocks=2,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["l0"],
+                FullAttentionSpec(
+                    block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+                ),
+            )
+        ],
+    )
     worker = StoreWorker(cfg, kvc, SCHEMA, client=None, secret=secret)  # type: ignore[arg-type]
     assert reads == []
     body = b"x" * 64
     assert worker._mac.of_bytes("k", body) == secret.object_mac().of_bytes("k", body)
-    assert worker._mac.of_bytes("k", body) != StoreSecret.load(cfg).object_mac().of_bytes("k", body)  # the new file's secret
-    assert StoreSecret.load(StoreConnectorConfig()).tenant == "" and StoreSecret(None).object_mac() is None
+    assert worker._mac.of_bytes("k", body) != StoreSecret.load(cfg).object_mac().of_bytes(
+        "k", body
+    )  # the new file's secret
+    assert (
+        StoreSecret.load(StoreConnectorConfig()).tenant == ""
+        and StoreSecret(None).object_mac() is None
+    )

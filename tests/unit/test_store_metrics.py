@@ -23,8 +23,13 @@ def test_re_asks_and_the_diverged_pre_lookup_count_one_lookup() -> None:
     ledger.admitted("r", 512, {0: 512})
     assert stats.data == {"lookups": 1, "query_tokens": 1000}  # the hit waits for its load
     ledger.load_done("r", ok=True)
-    assert stats.data == {"lookups": 1, "query_tokens": 1000, "lookup_hits": 1, "hit_tokens": 512,
-                          "hit_tokens.g0": 512}
+    assert stats.data == {
+        "lookups": 1,
+        "query_tokens": 1000,
+        "lookup_hits": 1,
+        "hit_tokens": 512,
+        "hit_tokens.g0": 512,
+    }
     assert len(ledger) == 0
 
 
@@ -65,7 +70,9 @@ def test_a_finished_request_leaves_nothing_and_state_is_bounded() -> None:
     for i in range(5):
         ledger.offered(f"g{i}", 10, 5)
         ledger.admitted(f"g{i}", 5)
-    assert len(ledger) == 3  # offers: q4 (q0-q3 dropped, g* admitted); grants: g3, g4 (oldest dropped)
+    assert (
+        len(ledger) == 3
+    )  # offers: q4 (q0-q3 dropped, g* admitted); grants: g3, g4 (oldest dropped)
     assert stats.data == {"lookups": 5, "query_tokens": 50}
 
 

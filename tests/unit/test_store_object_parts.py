@@ -26,7 +26,8 @@ class BlockOutermostRig(tr.Rig):
         whole = torch.randn(tr.NUM_BLOCKS, tr.LAYERS, 2, 16, 64, generator=g).to(torch.bfloat16)
         real = tr.StoreWorker.register_kv_caches
         tr.StoreWorker.register_kv_caches = lambda self, kv: real(  # type: ignore[method-assign]
-            self, {n: whole[:, i] for i, n in enumerate(kv)})
+            self, {n: whole[:, i] for i, n in enumerate(kv)}
+        )
         try:
             super().__init__(master)
         finally:
@@ -41,7 +42,9 @@ def master() -> Iterator[EmbeddedMaster]:
 
 
 @pytest.mark.parametrize(("rig_class", "parts"), [(BlockOutermostRig, 1), (tr.Rig, tr.LAYERS)])
-def test_an_object_moves_in_its_layouts_parts(master: EmbeddedMaster, rig_class: type, parts: int) -> None:
+def test_an_object_moves_in_its_layouts_parts(
+    master: EmbeddedMaster, rig_class: type, parts: int
+) -> None:
     rig = rig_class(master)
     try:
         rig.save("parts", 1)

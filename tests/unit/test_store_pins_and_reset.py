@@ -19,7 +19,9 @@ import random
 from tests.unit.harness import Geometry, fa, mamba, sw
 from tests.unit.test_real_scheduler import UNIT, _request, _run_to_completion, _scheduler, store  # noqa: F401
 
-GEO = Geometry(specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096)
+GEO = Geometry(
+    specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096
+)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -51,8 +53,10 @@ def test_pending_block_frees_only_when_a_pin_alone_holds_a_block(store):
     conn = sched.connector._scheduler
     assert conn._pins
     assert not sched.connector.has_pending_block_frees()
-    sched.finish_requests(req.request_id, __import__("vllm.v1.request", fromlist=["RequestStatus"])
-                          .RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(
+        req.request_id,
+        __import__("vllm.v1.request", fromlist=["RequestStatus"]).RequestStatus.FINISHED_ABORTED,
+    )
     assert sched.connector.has_pending_block_frees()
     assert sched.connector.has_pending_push_work()
 
@@ -65,7 +69,9 @@ def test_reset_means_nothing_stored_before_is_loaded_again(store):
     new keys are served again."""
     from tests.unit.test_real_scheduler import _fill_for
 
-    geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096)
+    geo = Geometry(
+        specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096
+    )
     sched = _scheduler(geo, store[0], store[3], "reset-generation", policy="recompute")
     conn = sched.connector._scheduler
     prompt = random.Random(81).choices(range(3, 30000), k=300)
@@ -78,14 +84,18 @@ def test_reset_means_nothing_stored_before_is_loaded_again(store):
     planned = sched.schedule().kv_connector_metadata.saves
     assert planned and {j.blocks.generation for j in planned} == {0}
 
-    assert sched.reset_connector_cache() is True  # vLLM's call for reset_prefix_cache(reset_connector=True)
+    assert (
+        sched.reset_connector_cache() is True
+    )  # vLLM's call for reset_prefix_cache(reset_connector=True)
     after = _request("reset-after", prompt)
     conn.on_new_request(after)
     assert conn.get_num_new_matched_tokens(after, 0) == (0, False)
     assert {j.blocks.generation for j in planned} == {0}
     sched.add_request(_request("reset-new", _prompt(83)))
     out = sched.schedule()
-    assert out.kv_connector_metadata.saves and {j.blocks.generation for j in out.kv_connector_metadata.saves} == {1}
+    assert out.kv_connector_metadata.saves and {
+        j.blocks.generation for j in out.kv_connector_metadata.saves
+    } == {1}
     _fill_for(sched, store, after, 288)  # the new generation's objects, as its workers save them
     again = _request("reset-again", prompt)
     conn.on_new_request(again)
@@ -102,7 +112,9 @@ def test_a_refused_load_with_no_blocks_still_owes_its_deferral(store):
 
     from tests.unit.test_real_scheduler import _fill_for
 
-    geo = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096)
+    geo = Geometry(
+        specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=200, max_model_len=4096
+    )
     sched = _scheduler(geo, store[0], store[3], "refused-empty", policy="recompute")
     conn = sched.connector._scheduler
     req = _request("refused-empty-0", random.Random(79).choices(range(3, 30000), k=300))
@@ -113,7 +125,8 @@ def test_a_refused_load_with_no_blocks_still_owes_its_deferral(store):
     conn.update_state_after_alloc(req, KVCacheBlocks(tuple([null] * 18 for _ in range(2))), 288)
     (job,) = conn._loads
     assert job.refused == "no block allocated for group 0 position 0" and not job.blocks
-    conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id},
-                                                   failed_recving={req.request_id}))
+    conn.update_connector_output(
+        KVConnectorOutput(finished_recving={req.request_id}, failed_recving={req.request_id})
+    )
     assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)

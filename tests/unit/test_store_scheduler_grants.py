@@ -25,7 +25,9 @@ from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from tests.unit.harness import Geometry, fa, make_request, mamba, sw
 
-GEO = Geometry(specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=16, num_blocks=600, max_model_len=4096)
+GEO = Geometry(
+    specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=16, num_blocks=600, max_model_len=4096
+)
 TOKENS = random.Random(5).choices(range(3, 30000), k=1000)
 # vLLM's own answer for the deepest state a 1000-token prompt can hit (hash unit 16): 992.
 OFFER = get_mamba_prefill_checkpoint_position(len(TOKENS), 16, False)
@@ -35,7 +37,10 @@ OFFER = get_mamba_prefill_checkpoint_position(len(TOKENS), 16, False)
 def stored():
     """A scheduler bound to a real manager, and a store holding every object of TOKENS."""
     init_none_hash(sha256)
-    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=64 << 20) as client:
+    with (
+        EmbeddedMaster() as master,
+        MooncakeBackend(master.address, global_segment_size=64 << 20) as client,
+    ):
         schema = KeySchema.create("grants", "bf16", [{"g": 3}])
         manager = GEO.manager()
         sched = StoreScheduler(StoreConnectorConfig(lookup_cache_s=0), schema, client, world_size=1)
@@ -45,9 +50,14 @@ def stored():
         req = make_request(GEO, TOKENS)
         # Every object a lookup may probe, except the Mamba state at token 528.
         missing = (2, req.block_hashes[528 // 16 - 1])
-        keys = [schema.key(g, h) for g, h in sched._mirror.probe_keys(req.block_hashes, req.num_tokens - 1, 0)
-                if (g, h) != missing]
-        assert client.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [0] * len(keys)
+        keys = [
+            schema.key(g, h)
+            for g, h in sched._mirror.probe_keys(req.block_hashes, req.num_tokens - 1, 0)
+            if (g, h) != missing
+        ]
+        assert client.put_from(keys, [int(buf.ctypes.data)] * len(keys), [64] * len(keys)) == [
+            0
+        ] * len(keys)
         yield sched, manager
 
 
@@ -57,7 +67,9 @@ def _admit(sched: StoreScheduler, manager, granted: int):
     offered, load_async = sched.get_num_new_matched_tokens(req, 0)
     n_jobs = len(sched._loads)
     if granted:  # an async load: nothing to compute this step
-        blocks = manager.allocate_slots(req, 0, num_external_computed_tokens=granted, delay_cache_blocks=True)
+        blocks = manager.allocate_slots(
+            req, 0, num_external_computed_tokens=granted, delay_cache_blocks=True
+        )
     else:  # not chosen: the request prefills normally
         blocks = manager.allocate_slots(req, 256)
     assert blocks is not None
@@ -97,7 +109,9 @@ def test_granted_fewer_at_a_checkpoint_loads_state_at_the_granted_boundary(store
 
 def test_granted_fewer_where_no_state_exists_is_refused_not_guessed(stored):
     sched, manager = stored
-    _, _, job = _admit(sched, manager, granted=528)  # a full-attention boundary, no Mamba state at 528
+    _, _, job = _admit(
+        sched, manager, granted=528
+    )  # a full-attention boundary, no Mamba state at 528
     assert job is not None and job.refused is not None and "528" in job.refused
     assert not job.blocks
 
@@ -121,8 +135,12 @@ def test_a_local_dense_prefix_is_extended_with_state_from_the_store(stored):
     fa_positions = [idx for idx, _ in plan.hit.blocks[0]]
     assert fa_positions == list(range(OFFER // 16))  # the local ones are skipped at load time
     local = set(req.block_hashes[: 512 // 16])
-    assert not any(g == 0 and h in local for g, h in plan.found), "the local dense prefix was probed"
+    assert not any(g == 0 and h in local for g, h in plan.found), (
+        "the local dense prefix was probed"
+    )
     # One Mamba state, keyed by the hash unit ending at the new end (in its 64-token block).
-    assert [(idx, h) for idx, (_, h) in plan.hit.blocks[2]] == [((OFFER - 1) // 64, req.block_hashes[OFFER // 16 - 1])]
+    assert [(idx, h) for idx, (_, h) in plan.hit.blocks[2]] == [
+        ((OFFER - 1) // 64, req.block_hashes[OFFER // 16 - 1])
+    ]
     assert all(idx >= (OFFER - 64) // 16 for idx, _ in plan.hit.blocks[1])  # window tail only
     sched._recent_lookups.clear()

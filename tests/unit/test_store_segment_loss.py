@@ -40,8 +40,14 @@ from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.mirror import KeyAnswers, _GroupAnswers
 from hybridkv.store.mooncake_backend import MooncakeBackend
 from hybridkv.store.session import release_all
-from tests.unit.test_real_scheduler import WINDOW, _TINY_LLAMA, _request, _run_to_completion, _scheduler
 from tests.freeze import freeze
+from tests.unit.test_real_scheduler import (
+    _TINY_LLAMA,
+    WINDOW,
+    _request,
+    _run_to_completion,
+    _scheduler,
+)
 
 CLIENT_TTL_S = 2  # the master's --client_ttl: how long a silent client keeps its segment
 
@@ -74,7 +80,9 @@ def tiny_model(tmp_path):
 
 
 def test_keys_of_a_dropped_segment_are_saved_again(tiny_model):
-    with EmbeddedMaster(default_kv_lease_ttl_ms=1000, extra_args=[f"--client_ttl={CLIENT_TTL_S}"]) as master:
+    with EmbeddedMaster(
+        default_kv_lease_ttl_ms=1000, extra_args=[f"--client_ttl={CLIENT_TTL_S}"]
+    ) as master:
         # The segment that keeps the scheduler's epoch marker: the only one when the scheduler starts.
         keeper = MooncakeBackend(master.address, global_segment_size=16 << 20, timeout_s=5.0)
         node = None
@@ -86,8 +94,12 @@ def test_keys_of_a_dropped_segment_are_saved_again(tiny_model):
             marker_at = _segment_of(client, client._marker)  # the keeper's: the only segment yet
 
             # The segment that will be dropped, holding what the workers wrote.
-            node = subprocess.Popen([sys.executable, "-c", _NODE, master.address], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            node = subprocess.Popen(
+                [sys.executable, "-c", _NODE, master.address],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
             node_segment = node.stdout.readline().decode().strip()
             assert node_segment.startswith("127.0.0.1:"), node_segment
 
@@ -98,8 +110,9 @@ def test_keys_of_a_dropped_segment_are_saved_again(tiny_model):
             buf = np.zeros(64, dtype=np.uint8)
             cfg = ReplicateConfig()
             cfg.preferred_segment = node_segment
-            assert keeper._store.batch_put_from(names, [int(buf.ctypes.data)] * len(names), [64] * len(names),
-                                                cfg) == [0] * len(names)
+            assert keeper._store.batch_put_from(
+                names, [int(buf.ctypes.data)] * len(names), [64] * len(names), cfg
+            ) == [0] * len(names)
             placed = Counter(_segment_of(keeper, n) for n in names)
             assert len(placed) == 1 and marker_at not in placed, (placed, marker_at)
             assert all(keeper.exists(names))
@@ -112,15 +125,19 @@ def test_keys_of_a_dropped_segment_are_saved_again(tiny_model):
                     time.sleep(0.2)
             finally:
                 os.kill(node.pid, signal.SIGCONT)
-            assert not any(keeper.exists(names)), "the master did not drop the stopped node's segment"
+            assert not any(keeper.exists(names)), (
+                "the master did not drop the stopped node's segment"
+            )
             # What the epoch check sees: the marker is still there, no restart to notice.
             assert client.exists([client._marker]) == [True]
             assert client.check_master_epoch() == 0
 
             assert sched.kv_cache_manager.reset_prefix_cache()
             again = _run_to_completion(sched, _request("segment-loss-b"))
-            assert again == first, (f"{len(first - again)} of {len(first)} lost blocks were recomputed "
-                                    "but not offered for saving again")
+            assert again == first, (
+                f"{len(first - again)} of {len(first)} lost blocks were recomputed "
+                "but not offered for saving again"
+            )
         finally:
             release_all()  # the scheduler's shared client, before its master goes
             if node is not None:
@@ -137,7 +154,10 @@ def test_keys_of_a_dropped_segment_are_saved_again(tiny_model):
 def _scheduler_on_a_fresh_master(tiny_model, tag: str):  # noqa: ANN001, ANN202
     """(the store scheduler, a request of its prompt) on a master of its own that holds one
     segment; the store clients are released after."""
-    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=16 << 20) as _holder:
+    with (
+        EmbeddedMaster() as master,
+        MooncakeBackend(master.address, global_segment_size=16 << 20) as _holder,
+    ):
         try:
             sched = _scheduler(WINDOW, master.address, tiny_model, tag)
             yield sched.connector._scheduler, _request(tag)
@@ -176,7 +196,11 @@ def test_a_loss_forgets_from_the_earliest_lost_position_on(tiny_model):
     with _scheduler_on_a_fresh_master(tiny_model, "first-lost") as (conn, req):
         h = [bytes(x) for x in req.block_hashes]
         other = (0, b"x" * 32)  # another prompt's key
-        before, lost, after = [(0, h[3]), (0, h[4]), (2, h[3])], (0, h[5]), [(0, h[6]), (1, h[40]), (2, h[7])]
+        before, lost, after = (
+            [(0, h[3]), (0, h[4]), (2, h[3])],
+            (0, h[5]),
+            [(0, h[6]), (1, h[40]), (2, h[7])],
+        )
         conn._recent.update(dict.fromkeys([*before, lost, *after, other]))
         dense = _GroupAnswers({h[3]: True, h[4]: True, h[5]: False, h[6]: True})
         conn._forget_missing(req, KeyAnswers([dense, {}, {}]))
@@ -204,7 +228,10 @@ def test_a_key_two_saves_write_is_in_flight_until_both_end(tiny_model):
         absent = KeyAnswers([_GroupAnswers({key[1]: False}), {}, {}])
         for job, forgotten in ((7, False), (8, True)):
             conn.update_connector_output(
-                KVConnectorOutput(kv_connector_worker_meta=StoreWorkerMetadata(finished_saves=Counter({job: 1}))))
+                KVConnectorOutput(
+                    kv_connector_worker_meta=StoreWorkerMetadata(finished_saves=Counter({job: 1}))
+                )
+            )
             conn._forget_missing(req, absent)
             assert (key not in conn._recent) == forgotten, f"after job {job} ended"
         assert not conn._save_keys and not conn._in_flight

@@ -46,8 +46,11 @@ def tp2(monkeypatch):
     """test_real_scheduler's helpers at tensor_parallel_size 2: its VllmConfig gets the
     parallel config, and every worker reply is two workers' (each report counted twice:
     a save job or a load is done only when both ranks say so)."""
-    monkeypatch.setattr(real_scheduler, "VllmConfig",
-                        partial(VllmConfig, parallel_config=ParallelConfig(tensor_parallel_size=2)))
+    monkeypatch.setattr(
+        real_scheduler,
+        "VllmConfig",
+        partial(VllmConfig, parallel_config=ParallelConfig(tensor_parallel_size=2)),
+    )
     one_worker = real_scheduler._worker_reply
 
     def two_workers(*args, **kwargs):
@@ -60,7 +63,10 @@ def tp2(monkeypatch):
 
 
 def test_a_block_only_rank_1_lost_is_absent_forgotten_and_saved_again(tp2, tiny_model):  # noqa: F811
-    with EmbeddedMaster() as master, MooncakeBackend(master.address, global_segment_size=64 << 20) as holder:
+    with (
+        EmbeddedMaster() as master,
+        MooncakeBackend(master.address, global_segment_size=64 << 20) as holder,
+    ):
         try:
             sched = _scheduler(WINDOW, master.address, tiny_model, "tp2-loss", policy="recompute")
             conn = sched.connector._scheduler
@@ -70,7 +76,9 @@ def test_a_block_only_rank_1_lost_is_absent_forgotten_and_saved_again(tp2, tiny_
             buf = np.zeros(64, dtype=np.uint8)
             holder.register(int(buf.ctypes.data), buf.nbytes)
             names = conn._rank_keys.names(sorted(first))  # what the two workers' saves wrote
-            assert holder.put_from(names, [int(buf.ctypes.data)] * len(names), [64] * len(names)) == [0] * len(names)
+            assert holder.put_from(
+                names, [int(buf.ctypes.data)] * len(names), [64] * len(names)
+            ) == [0] * len(names)
 
             req = _request("tp2-loss-b")
             unit_of = {bytes(h): i for i, h in enumerate(req.block_hashes)}
@@ -79,11 +87,15 @@ def test_a_block_only_rank_1_lost_is_absent_forgotten_and_saved_again(tp2, tiny_
             rank0, rank1 = conn._rank_keys.names([lost])
             assert holder.remove(rank1, force=True) == 0
             assert holder.exists([rank0, rank1]) == [True, False]
-            assert conn._exists([lost]) == [False], "a block with one rank's object lost must read absent"
+            assert conn._exists([lost]) == [False], (
+                "a block with one rank's object lost must read absent"
+            )
 
             assert sched.kv_cache_manager.reset_prefix_cache()
             hit, _ = conn.get_num_new_matched_tokens(req, 0)
-            assert hit < LOST_END - WINDOW.scheduler_block_size, hit  # the hit ends before the lost block
+            assert hit < LOST_END - WINDOW.scheduler_block_size, (
+                hit
+            )  # the hit ends before the lost block
             before = {k for k in first if unit_of[k[1]] < LOST_END // UNIT - 1}
             assert lost not in conn._recent, "the lookup must forget the block rank 1 lost"
             assert before <= set(conn._recent), "keys before the loss were found present: kept"
@@ -92,6 +104,8 @@ def test_a_block_only_rank_1_lost_is_absent_forgotten_and_saved_again(tp2, tiny_
             # that far: sparse tails and states), none before it (still stored, both ranks).
             assert lost in again
             assert again == first - before, (len(again), len(first - before))
-            assert {k for k in before if unit_of[k[1]] * UNIT >= hit}, "nothing recomputed before the loss"
+            assert {k for k in before if unit_of[k[1]] * UNIT >= hit}, (
+                "nothing recomputed before the loss"
+            )
         finally:
             release_all()

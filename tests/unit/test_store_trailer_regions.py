@@ -39,10 +39,16 @@ class Rig:
         self.client = MooncakeBackend(master.address, global_segment_size=32 << 20, timeout_s=10)
         g = torch.Generator().manual_seed(16)
         self.names = [f"l{i}" for i in range(LAYERS)]
-        self.kv = {n: torch.randn(NUM_BLOCKS, 2, 16, 64, generator=g).to(torch.bfloat16) for n in self.names}
+        self.kv = {
+            n: torch.randn(NUM_BLOCKS, 2, 16, 64, generator=g).to(torch.bfloat16)
+            for n in self.names
+        }
         spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-        kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(self.names, spec)])
+        kvc = KVCacheConfig(
+            num_blocks=NUM_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(self.names, spec)],
+        )
         cfg = StoreConnectorConfig(master_address=master.address, timeout_s=10, max_batch_blocks=4)
         self.worker = StoreWorker(cfg, kvc, SCHEMA, self.client)
         self.worker.register_kv_caches(self.kv)
@@ -113,7 +119,9 @@ def test_an_intact_three_layer_object_loads_every_byte(rig: Rig) -> None:
 
 @pytest.mark.parametrize("layer", range(LAYERS))
 @pytest.mark.parametrize("where", ["first", "last"])
-def test_a_flip_in_any_layers_region_is_refused_as_corrupt(rig: Rig, layer: int, where: str) -> None:
+def test_a_flip_in_any_layers_region_is_refused_as_corrupt(
+    rig: Rig, layer: int, where: str
+) -> None:
     tag = f"flip-{layer}-{where}"
     rig.save(tag, 2)
     key = SCHEMA.key(0, _hash(tag))

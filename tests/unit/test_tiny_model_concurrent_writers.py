@@ -22,7 +22,9 @@ def test_a_writer_waits_for_the_lock_holder_then_writes_a_complete_model(tmp_pat
     done = threading.Event()
     with open(tmp_path / ".gemma3-s3.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another process is writing this model
-        writer = threading.Thread(target=lambda: (write_tiny_model("gemma3", out, seed=3), done.set()), daemon=True)
+        writer = threading.Thread(
+            target=lambda: (write_tiny_model("gemma3", out, seed=3), done.set()), daemon=True
+        )
         writer.start()
         assert not done.wait(3.0), "a writer went ahead while another held the model's lock"
         assert not (out / "model.safetensors").exists()

@@ -54,7 +54,9 @@ def _spec(cls, block_size):
 
 
 def _geometry(spec_cls) -> tuple[Geometry, GroupGeometry]:
-    geo = Geometry(specs=[fa(16), _spec(spec_cls, 32), mamba(32)], hash_block_size=16, num_blocks=200)
+    geo = Geometry(
+        specs=[fa(16), _spec(spec_cls, 32), mamba(32)], hash_block_size=16, num_blocks=200
+    )
     return geo, GroupGeometry.from_kv_cache_manager(geo.manager())
 
 

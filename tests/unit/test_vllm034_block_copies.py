@@ -22,8 +22,13 @@ def _shared_page_layers() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A state view and an attention view of the same pages, in an allocation that holds more
     than these pages (the CPU engine puts several layers in one): vLLM cannot copy the whole
     allocation's rows, it copies views."""
-    whole = torch.randint(0, 255, (2 * NUM_BLOCKS * PAGE,), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(1))
+    whole = torch.randint(
+        0,
+        255,
+        (2 * NUM_BLOCKS * PAGE,),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(1),
+    )
     buf = whole[: NUM_BLOCKS * PAGE]
     state = buf.as_strided((NUM_BLOCKS, 1, 1, STATE), (PAGE, STATE, STATE, 1))
     attn = buf.view(torch.bfloat16).view(NUM_BLOCKS, 2, 16, 64)

@@ -21,16 +21,32 @@ DEVICES = ("cuda", "cpu")
 
 
 def _config(name: str, role: str, device: str) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector=name, kv_role=role, kv_buffer_device=device,
-                            kv_connector_module_path="hybridkv.connector")
+    return KVTransferConfig(
+        kv_connector=name,
+        kv_role=role,
+        kv_buffer_device=device,
+        kv_connector_module_path="hybridkv.connector",
+    )
 
 
 def _multi(role: str, device: str, *children: str) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="MultiConnector", kv_role=role, kv_buffer_device=device,
-                            kv_connector_extra_config={"connectors": [
-                                {"kv_connector": c, "kv_role": role, "kv_connector_module_path": "hybridkv.connector"}
-                                if c.startswith("Hybrid") else {"kv_connector": c, "kv_role": role}
-                                for c in children]})
+    return KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role=role,
+        kv_buffer_device=device,
+        kv_connector_extra_config={
+            "connectors": [
+                {
+                    "kv_connector": c,
+                    "kv_role": role,
+                    "kv_connector_module_path": "hybridkv.connector",
+                }
+                if c.startswith("Hybrid")
+                else {"kv_connector": c, "kv_role": role}
+                for c in children
+            ]
+        },
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -46,7 +62,9 @@ def test_kv_cache_access_per_connector(role, device):
 
     pd = KVConnectorFactory.kv_cache_access(_config("HybridPDConnector", role, device))
     st = KVConnectorFactory.kv_cache_access(_config("HybridStoreConnector", role, device))
-    both = KVConnectorFactory.kv_cache_access(_multi(role, device, "HybridPDConnector", "HybridStoreConnector"))
+    both = KVConnectorFactory.kv_cache_access(
+        _multi(role, device, "HybridPDConnector", "HybridStoreConnector")
+    )
     assert pd == KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
     assert st == KVCacheAccess.REGISTERS
     assert both == KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC

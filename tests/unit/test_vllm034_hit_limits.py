@@ -28,17 +28,26 @@ from tests.unit.test_real_scheduler import (  # noqa: F401  (store: a fixture)
 
 # Full attention + a sliding window: hybridkv's dense-reference lookup replaces vLLM's, and every
 # block boundary is a hit vLLM itself can serve (no Mamba checkpoints to line up with).
-FA_SW = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096)
+FA_SW = Geometry(
+    specs=[fa(16), sw(16, 64)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096
+)
 
 pytestmark = pytest.mark.skipif(
-    not hasattr(Request, "get_max_cache_hit_length"), reason="vLLM < 0.34 has no per-request hit limit"
+    not hasattr(Request, "get_max_cache_hit_length"),
+    reason="vLLM < 0.34 has no per-request hit limit",
 )
 
 
 def _scored(req_id: str, start: int | None, skip_reading: bool | None) -> Request:
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1, prompt_logprob_start=start,
-                            skip_reading_prefix_cache=skip_reading)
-    return Request(req_id, list(PROMPT), params, None, block_hasher=get_request_block_hasher(UNIT, sha256))
+    params = SamplingParams(
+        max_tokens=1,
+        prompt_logprobs=1,
+        prompt_logprob_start=start,
+        skip_reading_prefix_cache=skip_reading,
+    )
+    return Request(
+        req_id, list(PROMPT), params, None, block_hasher=get_request_block_hasher(UNIT, sha256)
+    )
 
 
 def _admitted_at(sched, req: Request) -> int:
@@ -55,8 +64,16 @@ def test_local_hit_stops_at_the_first_scored_prompt_row(store):
     ``get_computed_blocks_for_connector``) must stop where vLLM's own lookup stops under the
     request's limit: the last 16-token boundary at or below 300."""
     sched = _scheduler(FA_SW, store[0], store[3], "limit-local")
-    _run_to_completion(sched, Request("warm", list(PROMPT), SamplingParams(max_tokens=1), None,
-                                      block_hasher=get_request_block_hasher(UNIT, sha256)))
+    _run_to_completion(
+        sched,
+        Request(
+            "warm",
+            list(PROMPT),
+            SamplingParams(max_tokens=1),
+            None,
+            block_hasher=get_request_block_hasher(UNIT, sha256),
+        ),
+    )
     req = _scored("scored-300", 300, skip_reading=False)
     assert req.prefix_cache_hit_limit == 300
     assert vllm_compat.max_cache_hit_length(req) == 300
@@ -64,8 +81,19 @@ def test_local_hit_stops_at_the_first_scored_prompt_row(store):
     assert vllm_hit == 288
     assert _admitted_at(sched, req) == 288
     # Unbounded, the same prompt hits every full block (the local cache holds the whole prompt).
-    assert _admitted_at(sched, Request("plain", list(PROMPT), SamplingParams(max_tokens=1), None,
-                                       block_hasher=get_request_block_hasher(UNIT, sha256))) == 992
+    assert (
+        _admitted_at(
+            sched,
+            Request(
+                "plain",
+                list(PROMPT),
+                SamplingParams(max_tokens=1),
+                None,
+                block_hasher=get_request_block_hasher(UNIT, sha256),
+            ),
+        )
+        == 992
+    )
 
 
 def test_prompt_logprobs_read_no_cache_by_default(store):

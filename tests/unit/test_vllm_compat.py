@@ -17,7 +17,9 @@ from hybridkv.store import vllm_compat
 from tests.unit.harness import Geometry, fa, make_request, mamba, run_prefill, sw
 from tests.unit.test_real_scheduler import _TINY_LLAMA
 
-GEO = Geometry(specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=16, num_blocks=400, max_model_len=4096)
+GEO = Geometry(
+    specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=16, num_blocks=400, max_model_len=4096
+)
 TOKENS = random.Random(3).choices(range(3, 30000), k=700)
 
 
@@ -42,11 +44,20 @@ def test_lookup_bound_defaults_to_all_but_the_last_token_and_caps_the_hit_where_
 @pytest.mark.parametrize("use_eagle", [False, True])
 def test_eagle_drop_groups_are_the_groups_vllm_gives_the_eagle_drop(use_eagle):
     """A drafter group flagged ``is_eagle_group``, with the scheduler's block drop on or off."""
-    geo = Geometry(specs=[fa(16), fa(32), mamba(32)], hash_block_size=16, eagle_group=1, use_eagle=use_eagle)
+    geo = Geometry(
+        specs=[fa(16), fa(32), mamba(32)], hash_block_size=16, eagle_group=1, use_eagle=use_eagle
+    )
     coordinator = get_kv_cache_coordinator(
-        kv_cache_config=geo.kv_cache_config(), max_model_len=4096, max_in_flight_tokens=4096,
-        use_eagle=use_eagle, enable_caching=True, enable_kv_cache_events=False, dcp_world_size=1,
-        pcp_world_size=1, scheduler_block_size=geo.scheduler_block_size, hash_block_size=16,
+        kv_cache_config=geo.kv_cache_config(),
+        max_model_len=4096,
+        max_in_flight_tokens=4096,
+        use_eagle=use_eagle,
+        enable_caching=True,
+        enable_kv_cache_events=False,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=geo.scheduler_block_size,
+        hash_block_size=16,
     )
     truth = {g for g, m in enumerate(coordinator.single_type_managers) if m.use_eagle}
     assert vllm_compat.eagle_drop_group_ids(coordinator) == truth
@@ -58,13 +69,24 @@ def test_kv_cache_configs_group_layers_like_the_engine(tmp_path):
     """Two full-attention layers + a sliding-window layer: the helper must reach vLLM's
     grouping on either version."""
     (tmp_path / "config.json").write_text(json.dumps(_TINY_LLAMA))
-    cfg = VllmConfig(model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16",
-                                              enforce_eager=True, max_model_len=4096))
+    cfg = VllmConfig(
+        model_config=ModelConfig(
+            model=str(tmp_path),
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=4096,
+        )
+    )
     cfg.cache_config.kv_cache_layout = "LBHNC"  # what the CPU attention backend resolves to
     specs = {"a": fa(16), "b": fa(16), "w": sw(16, 64)}
     (config,) = vllm_compat.get_kv_cache_configs(cfg, [specs], [64 << 20])
     groups = sorted(tuple(g.layer_names) for g in config.kv_cache_groups)
-    assert groups == [("a",), ("b",), ("w",)]  # hybrid: vLLM groups layers by count, one layer each here
+    assert groups == [
+        ("a",),
+        ("b",),
+        ("w",),
+    ]  # hybrid: vLLM groups layers by count, one layer each here
     assert config.num_blocks > 0
 
 
@@ -81,21 +103,31 @@ def test_cached_block_ids_are_the_blocks_vllm_would_hit():
 
 
 def test_head_major_slots_and_state_alignment_default_to_the_older_layout():
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
     import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     plain = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
     assert vllm_compat.kv_head_major_slots(plain) is False
     assert vllm_compat.mamba_state_alignment(mamba(64)) == 1
-    cfg = lambda s: KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], s)])  # noqa: E731
+
+    def cfg(s):  # noqa: ANN001, ANN202
+        return KVCacheConfig(
+            num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], s)]
+        )
+
     assert vllm_compat.kv_head_major_problem(cfg(plain)) is None
     if "kv_head_major_slots" in FullAttentionSpec.__dataclass_fields__:  # 0.34
-        packed = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16,
-                                   kv_head_major_slots=True)
+        packed = FullAttentionSpec(
+            block_size=16,
+            num_kv_heads=2,
+            head_size=8,
+            dtype=torch.float16,
+            kv_head_major_slots=True,
+        )
         assert vllm_compat.kv_head_major_problem(cfg(packed)) == (
             "KV cache group 0 packs KV heads head-major (kv_head_major_slots), which hybridkv's head "
-            "slicing cannot cut")
+            "slicing cannot cut"
+        )
 
 
 def test_model_runner_output_builds_on_this_vllm():
