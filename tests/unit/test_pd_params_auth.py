@@ -20,6 +20,7 @@ from hybridkv.connector.pd_handshake import (
     _CHANNEL_OPTIONS,
     _FULL_METHOD,
     _FULL_RELEASE_METHOD,
+    CLAIM_WAIT_S,
     HANDSHAKE_VERSION,
     MAC_METADATA,
     AgentInfo,
@@ -35,7 +36,7 @@ from hybridkv.connector.pd_handshake import (
     request_mac,
 )
 from hybridkv.connector.pd_metadata import Lease, PDConnectorMetadata
-from hybridkv.connector.pd_worker import CLAIM_WAIT_S, PDWorker, PDWorkerSettings
+from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings
 
 KEY = DeploymentKey(b"k" * 32, "test")
 OTHER = DeploymentKey(b"o" * 32, "other")
