@@ -48,7 +48,7 @@ prints the table at the end.
 
 Geometries: ``--models gemma4,gemma3-eagle,qwen3next-pmu64`` runs the single-engine
 configs (default none, hybrid, mooncake) on each named model of :data:`MODELS` in turn, one
-model's engines at a time: the tiny seeded-random-weight models of ``cli/tiny_models.py`` whose
+model's engines at a time: the tiny seeded-random-weight models of ``cli/harness/tiny_models.py`` whose
 KV-cache layouts are what hybridkv exists for (two dense groups at different block sizes; a
 target + EAGLE drafter at another block size; Mamba + full attention with sub-block
 ``--prefix-match-unit 64`` hits). ``NAME:BLOCKS`` sets that model's
@@ -125,7 +125,7 @@ class ModelSpec:
     name: str
     kind: str
     geometry: str  # the KV-cache layout, in words (what the row is about)
-    drafter: str | None = None  # a cli/tiny_models DRAFTER_KINDS kind, served as EAGLE
+    drafter: str | None = None  # a cli/harness/tiny_models DRAFTER_KINDS kind, served as EAGLE
     engine_args: tuple[str, ...] = ()
     num_gpu_blocks: int | None = None  # None: --num-gpu-blocks
 
@@ -208,7 +208,7 @@ class Bench:
     # -- model
     @staticmethod
     def _tiny(kind: str) -> str:
-        from hybridkv.cli.tiny_models import write_tiny_model
+        from hybridkv.cli.harness.tiny_models import write_tiny_model
 
         base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
         return str(
@@ -1454,7 +1454,7 @@ def _markdown(doc: dict, table: list[str], tgt: list[str], args) -> str:
         f"- model: {m.get('architecture')} tiny `{args.kind}` (hidden {m.get('hidden_size')}, {m.get('layers')} "
         f"layers {m.get('layer_types')}, sliding window {m.get('sliding_window')}), "
         f"{m.get('parameters', 0) / 1e6:.1f} M parameters, {m.get('safetensors_mib')} MiB bf16; seeded random "
-        "weights (cli/tiny_models.py)",
+        "weights (cli/harness/tiny_models.py)",
         f"- engines: vLLM CPU, `--num-gpu-blocks-override {s['num_gpu_blocks']}` (a small local KV cache, "
         f"{s['num_gpu_blocks']} blocks of 128 tokens shared by the sliding and full-attention groups), "
         f"`--max-num-batched-tokens {s['max_num_batched_tokens']} --max-num-seqs {s['max_num_seqs']} "
@@ -1895,7 +1895,7 @@ def _geometries_markdown(
         "near-ties excused, as in `hybridkv demo`)",
         f"- plot: `{args.out_stem}.png` (matplotlib {doc['matplotlib']})",
         "",
-        "Models (tiny, seeded random weights, cli/tiny_models.py):",
+        "Models (tiny, seeded random weights, cli/harness/tiny_models.py):",
         "",
     ]
     for spec in specs:

@@ -137,7 +137,7 @@ def intree_vllm_config(
     it joins the master but contributes no segment."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 
-    from hybridkv.cli.tiny_models import write_tiny_model
+    from hybridkv.cli.harness.tiny_models import write_tiny_model
 
     cfg_path = os.path.join(tmp, "mooncake.json")
     with open(cfg_path, "w") as f:
@@ -204,13 +204,13 @@ def run(repeats: int) -> tuple[list[dict], dict]:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
+    from hybridkv.cli.harness.kv_manager import Geometry, fa, mamba, sw
     from hybridkv.connector import store_scheduler as store_scheduler_mod
     from hybridkv.connector.store_config import StoreConnectorConfig
     from hybridkv.connector.store_scheduler import StoreScheduler
     from hybridkv.store.embedded_master import EmbeddedMaster
     from hybridkv.store.keys import KeySchema
     from hybridkv.store.mooncake_backend import MooncakeBackend
-    from tests.unit.harness import Geometry, fa, mamba, sw
 
     init_none_hash(sha256)
     geo = Geometry(

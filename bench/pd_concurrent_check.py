@@ -36,8 +36,8 @@ if str(ROOT) not in sys.path:
 
 def main(argv: list[str] | None = None) -> int:
     from hybridkv.cli.agentic_demo import DEFAULT_LOGPROB_TOL, Client, Trajectory, compare
+    from hybridkv.cli.harness.tiny_models import write_tiny_model
     from hybridkv.cli.pd_stack import PDStack
-    from hybridkv.cli.tiny_models import write_tiny_model
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -64,14 +64,13 @@ os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(callable)
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.e2e helpers (make_llm, _prefill, _decode)
 
 CONNECTORS = ("hybridkv", "nixl")
 LABEL = {"hybridkv": "HybridPDConnector", "nixl": "NixlConnector"}
 VOCAB = 2048
 MODEL_CFG = dict(
     layers=4, hidden=256, heads=8, kv_heads=8, head_dim=128, inter=512
-)  # cli/tiny_models "qwen3"
+)  # cli/harness/tiny_models "qwen3"
 KV_BYTES_PER_TOKEN = MODEL_CFG["layers"] * 2 * MODEL_CFG["kv_heads"] * MODEL_CFG["head_dim"] * 2
 NIXL_PORTS = {"prefill": 5611, "decode": 5621}
 MAX_TOKENS = 2
@@ -81,7 +80,7 @@ MAX_TOKENS = 2
 def write_model(out: Path) -> Path:
     """The repo's tiny dense Qwen3 (``hybridkv tiny-model qwen3``): full attention only, so
     both connectors move the same blocks."""
-    from hybridkv.cli.tiny_models import write_tiny_model
+    from hybridkv.cli.harness.tiny_models import write_tiny_model
 
     return write_tiny_model("qwen3", out)
 
@@ -224,7 +223,7 @@ def pd_secret_env() -> dict[str, str]:
 
 
 def start_pair(kind: str, model: str, max_model_len: int):
-    from tests.e2e.engine_harness import make_llm
+    from hybridkv.cli.harness.llm_engine import make_llm
 
     llms = {}
     secret = pd_secret_env() if kind == "hybridkv" else {}
@@ -301,8 +300,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def run_pair(
     kind: str, model: str, prompts: list[tuple[int, list[int]]], warm: list[int], max_model_len: int
 ) -> dict:
-    from tests.e2e.engine_harness import generate, matches, metric
-    from tests.e2e.test_pd_connector import _decode, _prefill
+    from hybridkv.cli.harness.llm_engine import generate, matches, metric, pd_decode, pd_prefill
 
     t0 = time.perf_counter()
     prefill, decode = start_pair(kind, model, max_model_len)
@@ -314,9 +312,9 @@ def run_pair(
             return metric(llm, "vllm:external_prefix_cache_hits")
 
         # warm-up (handshake) + correctness: decode output vs a recompute under a fresh salt
-        params = _prefill(prefill, warm)
+        params = pd_prefill(prefill, warm)
         h0 = hits()
-        got = _decode(decode, warm, params, max_tokens=8)
+        got = pd_decode(decode, warm, params, max_tokens=8)
         warm_pulled = hits() - h0
         ref = generate(decode, warm, max_tokens=8, cache_salt=f"recompute-{kind}-{time.time()}")
         check = {
@@ -329,11 +327,11 @@ def run_pair(
         rows = []
         for pid, p in prompts:
             t = time.perf_counter()
-            params = _prefill(prefill, p)
+            params = pd_prefill(prefill, p)
             prefill_s = time.perf_counter() - t
             h0 = hits()
             t = time.perf_counter()
-            _decode(decode, p, params, max_tokens=MAX_TOKENS)
+            pd_decode(decode, p, params, max_tokens=MAX_TOKENS)
             decode_s = time.perf_counter() - t
             pulled = int(hits() - h0)
             xfers = decode.collective_rpc(_w_take)[0]
@@ -631,7 +629,7 @@ def main() -> int:
 
     import vllm
 
-    from tests.e2e.engine_harness import MODEL_CACHE
+    from hybridkv.cli.harness.llm_engine import MODEL_CACHE
 
     lengths = [int(x) for x in args.lengths.split(",")]
     kinds = [k for k in args.connectors.split(",") if k]

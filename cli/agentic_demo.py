@@ -17,7 +17,7 @@ cache does (about 1 turn in 16 on the tiny models). So the top-5 logprobs are re
 divergence where each run's token is the other's runner-up within the tolerance counts as a
 near-tie, not a mismatch (the tokens after it are not compared: their contexts differ).
 
-Usage (also ``hybridkv agent-demo``)::
+Usage (also ``hybridkv demo``)::
 
     python -m hybridkv.cli.agentic_demo --kv-transfer-config none --kind qwen3next
     python -m hybridkv.cli.agentic_demo --url http://127.0.0.1:8000 --turns 6
@@ -85,7 +85,7 @@ class Trajectory:
 
     Turn 0's prompt is :meth:`chunk` (0). Turn k's prompt is turn k-1's prompt + the model's
     answer to it + :meth:`chunk` (k), so every prompt extends the previous one. Chunks are
-    made of :data:`hybridkv.cli.tiny_tokenizer.WORDS` (each `` word`` and each ``"\\n"`` is
+    made of :data:`hybridkv.cli.harness.tiny_tokenizer.WORDS` (each `` word`` and each ``"\\n"`` is
     one token of the tiny tokenizer), so with the tiny model a chunk is exactly
     ``first_prompt_tokens`` / ``turn_growth_tokens`` tokens (plus the BOS token once); with
     another tokenizer the lengths are approximate.
@@ -112,7 +112,7 @@ class Trajectory:
         ``"\\n assistant"`` for the model to answer after. Exactly ``chunk_tokens(turn)``
         pieces; seeded by (seed, turn) only, so a chunk never depends on earlier answers.
         """
-        from hybridkv.cli.tiny_tokenizer import WORDS
+        from hybridkv.cli.harness.tiny_tokenizer import WORDS
 
         n = self.chunk_tokens(turn)
         rng = random.Random(f"hybridkv-agentic:{self.seed}:{turn}")
@@ -889,7 +889,7 @@ def _strict_json(obj):
 
 
 def _tiny_model(kind: str, seed: int, cache: pathlib.Path) -> pathlib.Path:
-    from hybridkv.cli.tiny_models import write_tiny_model
+    from hybridkv.cli.harness.tiny_models import write_tiny_model
 
     # Written once per kind/seed/format version (write_tiny_model is idempotent).
     path = write_tiny_model(kind, cache / "tiny-models" / f"{kind}-seed{seed}", seed=seed)

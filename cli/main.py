@@ -55,12 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "proxy":
         return proxy.run_from_args(args)
     if args.cmd == "mirror-demo":
-        from hybridkv.cli.foundation_demo import run_demo
+        from hybridkv.cli.harness.mirror_demo import run_demo
 
         return run_demo(turns=args.turns, seed=args.seed)
     if args.cmd == "demo":
         return agentic_demo.run_from_args(args)
-    from hybridkv.cli.tiny_models import write_tiny_model
+    from hybridkv.cli.harness.tiny_models import write_tiny_model
 
     print(write_tiny_model(args.kind, args.out_dir, seed=args.seed))
     return 0

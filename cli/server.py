@@ -214,11 +214,11 @@ class VllmServer:
 
     def command(self) -> list[str]:
         """The exact command line (also shown in errors, to rerun by hand)."""
-        from hybridkv.cli.engine_start import fork_requested
+        from hybridkv.cli.harness.engine_start import fork_requested
 
         # HYBRIDKV_ENGINE_START=fork (the e2e tests): the engine core and workers start by fork,
-        # as on GPU, not by the CPU platform's spawn (cli/engine_start.py says why).
-        launcher = ["-m", "hybridkv.cli.engine_start"] if fork_requested() else ["-m"]
+        # as on GPU, not by the CPU platform's spawn (cli/harness/engine_start.py says why).
+        launcher = ["-m", "hybridkv.cli.harness.engine_start"] if fork_requested() else ["-m"]
         cmd = [
             sys.executable, *launcher, "vllm.entrypoints.openai.api_server",
             "--model", self.model,
@@ -234,7 +234,7 @@ class VllmServer:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         # A tiny model's state dtypes pinned across CPUs (tiny_models.pinned_engine_args); later
         # flags (extra_args) win. Imported here: tiny_models imports torch.
-        from hybridkv.cli.tiny_models import pinned_server_args
+        from hybridkv.cli.harness.tiny_models import pinned_server_args
 
         return cmd + pinned_server_args(self.model) + self.extra_args
 

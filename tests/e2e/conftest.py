@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from hybridkv.cli import engine_start
+from hybridkv.cli.harness import engine_start
 from hybridkv.cli.server import log_tail
 from hybridkv.store.embedded_master import EmbeddedMaster
 
@@ -15,7 +15,7 @@ from hybridkv.store.embedded_master import EmbeddedMaster
 def engines_start_by_fork():
     """The e2e engines start their processes by fork, as vLLM does on GPU, not by the CPU
     platform's spawn, which imports vLLM again in every engine core and worker (8-13 s of a core
-    each here; cli/engine_start.py says how and why it is the same code). This is the suite's
+    each here; cli/harness/engine_start.py says how and why it is the same code). This is the suite's
     default (to keep the e2e tests within their time budget); ``HYBRIDKV_ENGINE_START=spawn pytest tests/e2e`` runs
     vLLM's own spawn path instead, and the demo test keeps that path either way.
     The fork server starts here, before any test takes the set of its engines' pids (a fork

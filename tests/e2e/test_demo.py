@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybridkv.cli.agentic_demo import TurnResult, table_header, table_row
-from hybridkv.cli.engine_start import ENV as ENGINE_START_ENV
+from hybridkv.cli.harness.engine_start import ENV as ENGINE_START_ENV
 from hybridkv.cli.main import main
 
 
@@ -15,7 +15,7 @@ from hybridkv.cli.main import main
 def vllms_own_spawn(monkeypatch):  # noqa: ANN001, ANN201
     """The README's command as a user runs it: the servers' engine processes start the way
     vLLM's CPU platform starts them (spawn), while the other e2e tests start theirs by fork
-    (the suite's default: tests/e2e/conftest.py, cli/engine_start.py)."""
+    (the suite's default: tests/e2e/conftest.py, cli/harness/engine_start.py)."""
     monkeypatch.setenv(ENGINE_START_ENV, "spawn")
 
 

@@ -40,10 +40,7 @@ from pathlib import Path
 import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from hybridkv.cli.tiny_models import write_tiny_model
-from hybridkv.store.embedded_master import EmbeddedMaster
-from tests.docs_tables import observe
-from tests.e2e.engine_harness import (
+from hybridkv.cli.harness.llm_engine import (
     MODEL_CACHE,
     Session,
     compare,
@@ -55,6 +52,9 @@ from tests.e2e.engine_harness import (
     store_transfer_config,
     tiny_model,
 )
+from hybridkv.cli.harness.tiny_models import write_tiny_model
+from hybridkv.store.embedded_master import EmbeddedMaster
+from tests.docs_tables import observe
 from tests.e2e.test_pd_store_multiconnector import (
     LEASE_S,
     _decode,

@@ -19,14 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.connector.pd_auth import write_secret_file
-from tests.docs_tables import observe
-from tests.e2e.engine_harness import (
-    TOP_LOGPROBS,
-    Completion,
+from hybridkv.cli.harness.llm_engine import (
     LogTail,
     Session,
-    completion_from,
     engine_output_to,
     generate,
     make_llm,
@@ -35,6 +30,10 @@ from tests.e2e.engine_harness import (
     shutdown,
     tiny_model,
 )
+from hybridkv.cli.harness.llm_engine import pd_decode as _decode
+from hybridkv.cli.harness.llm_engine import pd_prefill as _prefill
+from hybridkv.connector.pd_auth import write_secret_file
+from tests.docs_tables import observe
 from tests.freeze import freeze
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -70,40 +69,6 @@ def pd_config(role: str, module_path: bool = True, **extra) -> dict:
         cfg["kv_connector_module_path"] = "hybridkv.connector"
     cfg["kv_connector_extra_config"] = {"auth_secret_file": SECRET_FILE, **extra}
     return cfg
-
-
-def _prefill(llm, prompt: list[int]) -> dict:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(
-        temperature=0.0,
-        max_tokens=1,
-        detokenize=False,
-        extra_args={"kv_transfer_params": {"do_remote_decode": True}},
-    )
-    return llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[
-        0
-    ].kv_transfer_params
-
-
-def _decode(llm, prompt: list[int], params: dict, max_tokens: int = 8) -> Completion:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    # Top-k logprobs as every compared completion has (engine_harness.matches): with the
-    # chosen token's logprob alone a wrong hand-over that keeps the argmax could pass.
-    sp = SamplingParams(
-        temperature=0.0,
-        max_tokens=max_tokens,
-        logprobs=TOP_LOGPROBS,
-        detokenize=False,
-        ignore_eos=True,
-        extra_args={"kv_transfer_params": params},
-    )
-    return completion_from(
-        llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
-    )
 
 
 def _external_hits(llm) -> float:

@@ -22,6 +22,15 @@ from pathlib import Path
 
 import pytest
 
+from hybridkv.cli.harness.llm_engine import (
+    LOOPBACK,
+    TOP_LOGPROBS,
+    Completion,
+    Session,
+    listeners,
+    matches,
+    tiny_model,
+)
 from hybridkv.cli.pd_stack import PDStack
 from hybridkv.connector.pd_auth import PURPOSE_PARAMS, DeploymentKey, load_key
 from hybridkv.connector.pd_handshake import (
@@ -31,15 +40,6 @@ from hybridkv.connector.pd_handshake import (
     request_agent_info,
 )
 from hybridkv.connector.pd_params import RemotePrefill, covered_hashes, issue_remote_prefill
-from tests.e2e.engine_harness import (
-    LOOPBACK,
-    TOP_LOGPROBS,
-    Completion,
-    Session,
-    listeners,
-    matches,
-    tiny_model,
-)
 
 pytestmark = pytest.mark.e2e
 

@@ -45,9 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.connector.pd_auth import write_secret_file
-from hybridkv.store.embedded_master import EmbeddedMaster
-from tests.e2e.engine_harness import (
+from hybridkv.cli.harness.llm_engine import (
     Completion,
     Session,
     compare,
@@ -59,6 +57,8 @@ from tests.e2e.engine_harness import (
     reset_local_cache,
     tiny_model,
 )
+from hybridkv.connector.pd_auth import write_secret_file
+from hybridkv.store.embedded_master import EmbeddedMaster
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")  # see pd_worker: IB module crashes CPU hosts at exit

@@ -33,9 +33,7 @@ import uuid
 import pytest
 
 from hybridkv.cli.agentic_demo import common_prefix
-from hybridkv.store.cpu_affinity import usable_cpus
-from tests.docs_tables import observe
-from tests.e2e.engine_harness import (
+from hybridkv.cli.harness.llm_engine import (
     Session,
     compare,
     generate,
@@ -44,7 +42,11 @@ from tests.e2e.engine_harness import (
     shutdown,
     tiny_model,
 )
-from tests.e2e.test_pd_connector import _decode, _expected_blocks, _prefill, pd_config
+from hybridkv.cli.harness.llm_engine import pd_decode as _decode
+from hybridkv.cli.harness.llm_engine import pd_prefill as _prefill
+from hybridkv.store.cpu_affinity import usable_cpus
+from tests.docs_tables import observe
+from tests.e2e.test_pd_connector import _expected_blocks, pd_config
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MODULES", "^ib")

@@ -65,8 +65,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridkv.cli.harness.llm_engine import LogTail
 from tests.docs_tables import observe
-from tests.e2e.engine_harness import LogTail
 
 pytestmark = pytest.mark.e2e
 
@@ -263,7 +263,7 @@ def assert_pd_metrics(
 
 
 def _body(model: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
-    from tests.e2e.engine_harness import TOP_LOGPROBS
+    from hybridkv.cli.harness.llm_engine import TOP_LOGPROBS
 
     return {
         "model": model,
@@ -278,7 +278,7 @@ def _body(model: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
 
 
 def _completion(r):  # noqa: ANN001, ANN202 - a requests.Response -> (engine_harness.Completion, cached tokens)
-    from tests.e2e.engine_harness import Completion
+    from hybridkv.cli.harness.llm_engine import Completion
 
     assert r.status_code == 200, r.text
     doc = r.json()
@@ -344,7 +344,7 @@ def proxy_turns(
     lacked, bytes = those blocks of its layout); decode's external hit == hand-over - its own hit
     > 0, and from turn 2 its own hit >= the previous prompt's last checkpoint (cached >=
     checkpoint); then a recompute on decode under a fresh cache_salt."""
-    from tests.e2e.engine_harness import Session, compare
+    from hybridkv.cli.harness.llm_engine import Session, compare
     from tests.e2e.test_pd_connector import _expected_blocks
     from tests.e2e.test_pd_tp import provenance
 
@@ -452,7 +452,7 @@ def _planted_shift(
     first full-attention block overwritten with its second block's real KV (that rank only, the
     whole block); every decode rank must read the hand-over and the output must differ from a
     salted recompute. ``check_params`` sees the prefill's kv_transfer_params first."""
-    from tests.e2e.engine_harness import compare
+    from hybridkv.cli.harness.llm_engine import compare
     from tests.e2e.test_pd_tp import _FAILED, _TP_LINE
 
     r = http.post(
@@ -505,9 +505,9 @@ def _planted_shift(
 
 
 def test_qwen3next_tp2_to_tp2_then_tp2_to_tp1_through_the_proxy(tmp_path):
+    from hybridkv.cli.harness.llm_engine import Session, tiny_model
     from hybridkv.cli.pd_stack import PDStack, pd_transfer_config, rank_cpus
     from hybridkv.store.cpu_affinity import usable_cpus
-    from tests.e2e.engine_harness import Session, tiny_model
     from tests.e2e.test_pd_tp import observe_pd_tp
 
     if len(usable_cpus()) < TP:
@@ -607,7 +607,7 @@ WARMUP_TOKENS = 300
 
 def _warm_up(http, stack, model: str, decode_log: "LogTail", seed: int) -> str:  # noqa: ANN001
     """One unchecked request through the proxy; returns what it took and whether decode read."""
-    from tests.e2e.engine_harness import Session
+    from hybridkv.cli.harness.llm_engine import Session
     from tests.e2e.test_pd_tp import _TP_LINE
 
     decode_log.new(0)
@@ -626,7 +626,7 @@ def _gemma3_pair(http, stack, prefill_tp: int, decode_tp: int, seed: int) -> lis
     >= checkpoint, = salted recompute), then the planted one-block shift on the last prefill rank
     must be read by every decode rank and make the output differ."""
     import hybridkv.connector
-    from tests.e2e.engine_harness import Session
+    from hybridkv.cli.harness.llm_engine import Session
     from tests.e2e.test_pd_tp import observe_pd_tp
 
     label = f"gemma3-tp{prefill_tp}-tp{decode_tp}-proxy"
@@ -684,8 +684,8 @@ def gemma3_through_the_proxy(
     """gemma3 P/D at prefill TP``prefill_tp`` through ``hybridkv proxy``: a stack with decode
     TP``decode_tps[0]``, then the decode tier replaced by each next size (the prefill keeps
     running, ``PDStack.replace_decode``); ``_gemma3_pair`` for each."""
+    from hybridkv.cli.harness.llm_engine import tiny_model
     from hybridkv.cli.pd_stack import PDStack, pd_transfer_config
-    from tests.e2e.engine_harness import tiny_model
 
     t0 = time.monotonic()
     http = _http_session()

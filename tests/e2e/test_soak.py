@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import SoakConfig, pd_counts_agree, run_soak
+from hybridkv.cli.harness.soak import SoakConfig, pd_counts_agree, run_soak
 
 pytestmark = pytest.mark.e2e
 

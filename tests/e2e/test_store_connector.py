@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from tests.docs_tables import observe
-from tests.e2e.engine_harness import (
+from hybridkv.cli.harness.llm_engine import (
     LOOPBACK,
     FaultRun,
     TurnRow,
@@ -37,6 +36,7 @@ from tests.e2e.engine_harness import (
     store_transfer_config,
     tiny_model,
 )
+from tests.docs_tables import observe
 
 TABLES = Path(os.environ.get("HYBRIDKV_E2E_TABLES", "/tmp/hybridkv-e2e-tables.txt"))
 

@@ -2,7 +2,7 @@
 
 Real vLLM CPU engine, real mooncake_master: the tiny gemma3-text target (sliding +
 full attention, head_dim 64) plus a tiny EAGLE head (``EagleLlamaForCausalLM``, one
-layer, head_dim 128; ``hybridkv.cli.tiny_models`` kind ``eagle-gemma3``) loaded with
+layer, head_dim 128; ``hybridkv.cli.harness.tiny_models`` kind ``eagle-gemma3``) loaded with
 ``speculative_config={"method": "eagle", ...}``. The drafter layer's per-token KV bytes
 are twice the target's, so vLLM equalises page sizes by giving it half the block size:
 a second full-attention block size next to the target's, in its own KV cache group.
@@ -44,8 +44,7 @@ from pathlib import Path
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from hybridkv.cli.tiny_models import write_tiny_model
-from tests.e2e.engine_harness import (
+from hybridkv.cli.harness.llm_engine import (
     MODEL_CACHE,
     kv_cache_layout,
     make_llm,
@@ -54,6 +53,7 @@ from tests.e2e.engine_harness import (
     store_transfer_config,
     tiny_model,
 )
+from hybridkv.cli.harness.tiny_models import write_tiny_model
 from tests.e2e.test_store_connector import _record, assert_controls_fail, observe_store_turns
 
 NUM_SPECULATIVE_TOKENS = 2

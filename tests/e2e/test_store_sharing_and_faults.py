@@ -16,8 +16,7 @@ import time
 import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from hybridkv.store.embedded_master import EmbeddedMaster
-from tests.e2e.engine_harness import (
+from hybridkv.cli.harness.llm_engine import (
     Completion,
     Session,
     completion_from,
@@ -32,6 +31,7 @@ from tests.e2e.engine_harness import (
     timed_generate,
     tiny_model,
 )
+from hybridkv.store.embedded_master import EmbeddedMaster
 from tests.freeze import freeze
 
 ALIGN = 128  # gemma3 tiny model: scheduler block

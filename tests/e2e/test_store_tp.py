@@ -32,11 +32,7 @@ from pathlib import Path
 import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from hybridkv.store.cpu_affinity import usable_cpus
-from hybridkv.store.mooncake_backend import MooncakeBackend
-from hybridkv.store.object_trailer import TRAILER_BYTES, format_code_of, seal
-from tests.docs_tables import observe
-from tests.e2e.engine_harness import (
+from hybridkv.cli.harness.llm_engine import (
     TIE_REDRAWS,
     VOCAB,
     compare,
@@ -50,6 +46,10 @@ from tests.e2e.engine_harness import (
     store_transfer_config,
     tiny_model,
 )
+from hybridkv.store.cpu_affinity import usable_cpus
+from hybridkv.store.mooncake_backend import MooncakeBackend
+from hybridkv.store.object_trailer import TRAILER_BYTES, format_code_of, seal
+from tests.docs_tables import observe
 
 FIRST, GROWTH = 600, 300  # short prompts: 3 turns of 600 / 908 / 1216 tokens
 _CPUS = sorted(usable_cpus())

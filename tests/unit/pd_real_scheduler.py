@@ -27,10 +27,10 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from hybridkv.cli.harness.kv_manager import Geometry
 from hybridkv.connector.pd_connector import HybridPDConnector
 from hybridkv.connector.pd_metadata import PDHandshakeMetadata, PDWorkerMetadata
 from hybridkv.store import vllm_compat
-from tests.unit.harness import Geometry
 from tests.unit.tiny_vllm_config import TINY_LLAMA
 
 

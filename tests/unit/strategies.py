@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-from tests.unit.harness import Geometry, evict_random, fa, mamba, run_prefill, sw
+from hybridkv.cli.harness.kv_manager import Geometry, evict_random, fa, mamba, run_prefill, sw
 
 # Every property runs at least 500 examples (CI included); examples build real
 # vLLM managers, so per-example deadlines are off.

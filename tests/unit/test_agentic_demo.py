@@ -11,7 +11,6 @@ import math
 
 import pytest
 
-from hybridkv.cli import tiny_models
 from hybridkv.cli.agentic_demo import (
     Completion,
     Progress,
@@ -25,13 +24,14 @@ from hybridkv.cli.agentic_demo import (
     table_header,
     table_row,
 )
+from hybridkv.cli.harness import tiny_models
+from hybridkv.cli.harness.tiny_tokenizer import SPECIAL_IDS, WORDS, write_tiny_tokenizer
 from hybridkv.cli.server import (
     DEFAULT_KV_TRANSFER_CONFIG,
     VllmServer,
     check_kv_connector_importable,
     parse_kv_transfer_config,
 )
-from hybridkv.cli.tiny_tokenizer import SPECIAL_IDS, WORDS, write_tiny_tokenizer
 
 MODEL_VOCAB = tiny_models._VOCAB
 

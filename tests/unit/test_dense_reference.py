@@ -11,14 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from vllm.utils.math_utils import cdiv
 
-from hybridkv.connector.dense_reference import (
-    install_reconciled_lookup,
-    reconcile_dense_hits,
-    reconciled_computed_blocks_for_connector,
-)
-from hybridkv.store import vllm_compat
-from hybridkv.store.geometry import GroupGeometry
-from tests.unit.harness import (
+from hybridkv.cli.harness.kv_manager import (
     Geometry,
     evict_random,
     fa,
@@ -26,6 +19,13 @@ from tests.unit.harness import (
     mamba,
     run_prefill,
 )
+from hybridkv.connector.dense_reference import (
+    install_reconciled_lookup,
+    reconcile_dense_hits,
+    reconciled_computed_blocks_for_connector,
+)
+from hybridkv.store import vllm_compat
+from hybridkv.store.geometry import GroupGeometry
 from tests.unit.strategies import PROPERTY, geometries, token_workloads
 
 TWO_DENSE_PLUS_MAMBA = Geometry(
@@ -257,7 +257,7 @@ def test_installed_lookup_takes_vllm_033_cap():
 def _multi_dense_geometries(draw) -> Geometry:
     """2-3 dense groups at >= 2 DISTINCT block sizes plus Mamba and/or a window:
     the geometries where the dense reference matters (every example)."""
-    from tests.unit.harness import sw
+    from hybridkv.cli.harness.kv_manager import sw
 
     n_fa = draw(st.integers(2, 3))
     sizes = draw(
@@ -320,7 +320,7 @@ def _window_realloc_case() -> dict:
     """The example CI found (see the file's "why"): FA32 + FA16 + a 24-token
     window at 16; the window's hit blocks drop out of the window at the
     reported length and come back as fresh blocks of the same request."""
-    from tests.unit.harness import sw
+    from hybridkv.cli.harness.kv_manager import sw
 
     case = json.loads(
         (Path(__file__).parent / "data" / "dense_reference_window_realloc.json").read_text()

@@ -19,8 +19,8 @@ import pytest
 import vllm
 
 from hybridkv.cli import doctor
+from hybridkv.cli.harness.tiny_models import write_tiny_model
 from hybridkv.cli.main import main
-from hybridkv.cli.tiny_models import write_tiny_model
 from hybridkv.store.embedded_master import EmbeddedMaster
 
 STORE = {

@@ -1,4 +1,4 @@
-"""The e2e output comparison (``tests.e2e.engine_harness.matches``) on constructed logprobs.
+"""The e2e output comparison (``hybridkv.cli.harness.llm_engine.matches``) on constructed logprobs.
 
 Every e2e correctness check and every planted-fault control rests on this decision, so
 its rule is pinned here without an engine: agree within the tolerance on every top-k
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from tests.e2e.engine_harness import LOGPROB_TOL, TOP_LOGPROBS, Completion, compare, matches
+from hybridkv.cli.harness.llm_engine import LOGPROB_TOL, TOP_LOGPROBS, Completion, compare, matches
 
 
 def _c(tokens: list[int], tops: list[dict[int, float]]) -> Completion:

@@ -1,4 +1,4 @@
-"""cli/engine_start.py: which start method vLLM's get_mp_context() gives, and when."""
+"""cli/harness/engine_start.py: which start method vLLM's get_mp_context() gives, and when."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import multiprocessing
 
 import pytest
 
-from hybridkv.cli import engine_start
+from hybridkv.cli.harness import engine_start
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_the_server_command_runs_the_api_server_under_the_launcher_only_when_ask
     monkeypatch.setenv(engine_start.ENV, "fork")
     assert server.command()[1:5] == [
         "-m",
-        "hybridkv.cli.engine_start",
+        "hybridkv.cli.harness.engine_start",
         "vllm.entrypoints.openai.api_server",
         "--model",
     ]
@@ -58,7 +58,7 @@ def test_the_server_command_runs_the_api_server_under_the_launcher_only_when_ask
 
 def test_the_worker_side_connector_releases_its_store_clients_at_shutdown(monkeypatch):
     """A forked worker (vLLM's default on GPU) exits by os._exit, so the atexit hook never
-    closes its Mooncake client; shutdown() must (cli/engine_start.py found it: the next engine
+    closes its Mooncake client; shutdown() must (cli/harness/engine_start.py found it: the next engine
     on the master got TRANSFER_FAIL on the dead worker's segment)."""
     from hybridkv.connector import store_connector
 
@@ -87,7 +87,7 @@ def test_a_fork_server_child_writes_where_the_callers_stdout_points_at_its_start
     tmp_path, monkeypatch
 ):
     """The e2e tests point fds 1 and 2 at a log file and read the engine workers' lines there
-    (tests/e2e/engine_harness.engine_output_to); a fork server's child inherits the server's fds
+    (cli/harness/llm_engine.engine_output_to); a fork server's child inherits the server's fds
     instead, unless the caller's travel with it (otherwise an e2e test under fork fails with
     "expected one P/D read line, got []"). Its environment and directory are the caller's too."""
     import multiprocessing.forkserver

@@ -34,12 +34,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, sw
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.connector.pd_metadata import PDWorkerMetadata
 from hybridkv.connector.store_connector import HybridStoreConnector
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.mooncake_backend import MooncakeBackend
-from tests.unit.harness import Geometry, fa, sw
 from tests.unit.pd_real_scheduler import (  # noqa: F401 (model_dir: fixture)
     model_dir,
     pd_request,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, mamba, sw
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
 from hybridkv.store.keys import KEY_SCHEME_VERSION, KeySchema
-from tests.unit.harness import Geometry, fa, mamba, sw
 
 
 def test_geometry_matches_vllm_resolution():

@@ -49,6 +49,12 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from hybridkv.cli.harness.kv_manager import (
+    cached_keys,
+    make_request,
+    nonnull_positions,
+    run_prefill,
+)
 from hybridkv.connector.block_layout import KVLayout, layout_rows
 from hybridkv.connector.dense_reference import reconciled_computed_blocks_for_connector
 from hybridkv.connector.pd_auth import write_secret_file
@@ -57,7 +63,6 @@ from hybridkv.connector.pd_tp import spec_state_splits
 from hybridkv.connector.store_staging import build_stager_pools
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
 from hybridkv.store.mirror import StoreMirror
-from tests.unit.harness import cached_keys, make_request, nonnull_positions, run_prefill
 from tests.unit.k3_shape import (
     DRAFTER_WINDOW,
     MAX_MODEL_LEN,

@@ -17,11 +17,11 @@ import random
 
 import pytest
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, make_request, mamba, sw
 from hybridkv.connector.store_keys import AllRankKeys
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
 from hybridkv.store.keys import KEY_SCHEME_VERSION, KeySchema
 from hybridkv.store.mirror import GroupedKeys, HitBlocks, KeyAnswers, StoreMirror
-from tests.unit.harness import Geometry, fa, make_request, mamba, sw
 
 ROWS = [{"group": 0, "spec": "FullAttentionSpec", "block_size": 16}]
 BENCH = Geometry(

@@ -26,12 +26,12 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 
 import hybridkv.connector.store_scheduler as store_scheduler
+from hybridkv.cli.harness.kv_manager import Geometry, fa, make_request, mamba, sw
 from hybridkv.connector.store_config import StoreConnectorConfig
 from hybridkv.connector.store_scheduler import StoreScheduler
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import MooncakeBackend
-from tests.unit.harness import Geometry, fa, make_request, mamba, sw
 
 # The lookup bench's geometry: FA16 + FA32 + SW16 (window 128) + Mamba64 align, unit 16.
 GEO = Geometry(

@@ -16,9 +16,17 @@ import random
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from hybridkv.cli.harness.kv_manager import (
+    Geometry,
+    cached_keys,
+    fa,
+    make_request,
+    mamba,
+    run_prefill,
+    sw,
+)
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
 from hybridkv.store.mirror import StoreMirror
-from tests.unit.harness import Geometry, cached_keys, fa, make_request, mamba, run_prefill, sw
 from tests.unit.strategies import (
     PROPERTY,
     evictions,

@@ -33,10 +33,10 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.connector.pd_connector import HybridPDConnector
 from hybridkv.connector.store_connector import HybridStoreConnector
-from tests.unit.harness import Geometry, fa
 from tests.unit.pd_real_scheduler import model_dir, pd_request, prefill_leg, real_scheduler  # noqa: F401 (fixture)
 from tests.unit.test_real_scheduler import (  # noqa: F401 (store: a fixture)
     UNIT,

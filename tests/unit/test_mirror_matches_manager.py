@@ -7,13 +7,13 @@ import random
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
-from hybridkv.store.mirror import StoreMirror
-from tests.unit.harness import (
+from hybridkv.cli.harness.kv_manager import (
     cached_keys,
     make_request,
     nonnull_positions,
 )
+from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
+from hybridkv.store.mirror import StoreMirror
 from tests.unit.strategies import (
     PROPERTY,
     evictions,

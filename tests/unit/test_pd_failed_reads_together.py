@@ -26,9 +26,9 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, sw
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.connector.pd_metadata import PDWorkerMetadata
-from tests.unit.harness import Geometry, fa, sw
 from tests.unit.pd_real_scheduler import (  # noqa: F401 (model_dir: fixture)
     model_dir,
     pd_request,

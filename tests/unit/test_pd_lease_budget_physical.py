@@ -8,9 +8,9 @@ prefix-cache hit, so the requests' block lists name the same blocks.
 
 from __future__ import annotations
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.connector.pd_metadata import PDHandshakeMetadata, PDWorkerMetadata
-from tests.unit.harness import Geometry, fa
 from tests.unit.pd_real_scheduler import model_dir, pd_request, pd_scheduler, worker_reply  # noqa: F401
 
 BLOCK = 16

@@ -20,8 +20,8 @@ import torch
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa
 from hybridkv.connector.pd_auth import write_secret_file
-from tests.unit.harness import Geometry, fa
 from tests.unit.pd_real_scheduler import model_dir, pd_request, pd_scheduler, prefill_leg  # noqa: F401 (fixture)
 
 BS = 64

@@ -2,7 +2,7 @@
 move exactly the bytes vLLM's own split puts on each rank.
 
 Shapes and dtypes are vLLM's (``MambaStateShapeCalculator.gated_delta_net_state_shape`` /
-``gated_delta_net_state_dtype``) for the tiny qwen3-next CI runs (cli/tiny_models), at TP1
+``gated_delta_net_state_dtype``) for the tiny qwen3-next CI runs (cli/harness/tiny_models), at TP1
 and TP2; the caches are allocated by vLLM's ``allocate_kv_cache`` and unpacked into conv /
 SSM views by vLLM's ``MambaBase.bind_kv_cache``. The TP2 ranks' states are filled from the
 TP1 state by vLLM's weight-loading split, not by this test's idea of it: the conv
@@ -40,7 +40,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from hybridkv.cli.tiny_models import _qwen3next_config
+from hybridkv.cli.harness.tiny_models import _qwen3next_config
 from hybridkv.connector.block_layout import KVLayout, layout_rows
 from hybridkv.connector.pd_handshake import LayoutDescriptor, find_mismatches
 from hybridkv.connector.pd_tp import (

@@ -26,6 +26,7 @@ from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, make_request, sw
 from hybridkv.connector.pd_auth import PURPOSE_PARAMS, load_key, write_secret_file
 from hybridkv.connector.pd_connector import HybridPDConnector
 from hybridkv.connector.pd_metadata import PDHandshakeMetadata, PDWorkerMetadata
@@ -39,7 +40,6 @@ from hybridkv.connector.pd_params import (
     parse_kv_transfer_params,
 )
 from hybridkv.connector.store_config import ConfigError
-from tests.unit.harness import Geometry, fa, make_request, sw
 from tests.unit.strategies import PROPERTY
 
 # Three groups, two block sizes (scheduler block 32, hash block 16), like gemma4's.

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa
 from hybridkv.connector.pd_auth import write_secret_file
-from tests.unit.harness import Geometry, fa
 from tests.unit.pd_real_scheduler import (
     model_dir,  # noqa: F401 (a fixture)
     pd_request,

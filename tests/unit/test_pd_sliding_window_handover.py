@@ -26,10 +26,10 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, sw
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.connector.pd_params import RemotePrefill
 from hybridkv.connector.pd_scheduler import PDScheduler
-from tests.unit.harness import Geometry, fa, sw
 from tests.unit.pd_real_scheduler import model_dir, pd_request, pd_scheduler, prefill_leg  # noqa: F401 (fixture)
 
 BS = WINDOW = 128  # tiny gemma3's block size and sliding window

@@ -43,12 +43,12 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, mamba, sw
 from hybridkv.connector.store_connector import HybridStoreConnector
 from hybridkv.connector.store_metadata import StoreConnectorMetadata, StoreWorkerMetadata
 from hybridkv.store import vllm_compat
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.mooncake_backend import MooncakeBackend
-from tests.unit.harness import Geometry, fa, mamba, sw
 
 UNIT = 16
 WINDOW = Geometry(

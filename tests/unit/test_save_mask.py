@@ -9,9 +9,9 @@ import pytest
 from hypothesis import event, given, target
 from hypothesis import strategies as st
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, make_request, mamba, run_prefill
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
 from hybridkv.store.mirror import StoreMirror
-from tests.unit.harness import Geometry, fa, make_request, mamba, run_prefill
 from tests.unit.strategies import PROPERTY, geometries, note_geometry
 
 

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from bench.soak import SoakConfig, _store_config, main, pd_configs, store_extra
+from hybridkv.cli.harness.soak import SoakConfig, _store_config, main, pd_configs, store_extra
 
 
 def test_items_parse_as_json_values_or_strings() -> None:

@@ -1,4 +1,4 @@
-"""bench/stall_cpu.py: the soak's stall attribution finds exactly the windows with no answered
+"""cli/harness/stall_cpu.py: the soak's stall attribution finds exactly the windows with no answered
 turn and charges each process the CPU it used across them (from the samples bracketing it)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from bench.stall_cpu import describe, machine_times, process_cpu_s, stalls
+from hybridkv.cli.harness.stall_cpu import describe, machine_times, process_cpu_s, stalls
 
 
 def _row(t: float, busy: float, steal: float, worker: float, harness: float) -> dict:

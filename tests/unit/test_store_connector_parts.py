@@ -6,11 +6,11 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
+from hybridkv.cli.harness.kv_manager import fa, mamba
 from hybridkv.connector.block_layout import KVLayout, LayoutError, layout_rows
 from hybridkv.connector.store_config import ConfigError, StoreConnectorConfig, parse_size
 from hybridkv.connector.store_metadata import StoreWorkerMetadata
 from hybridkv.connector.store_stats import HybridStoreStats
-from tests.unit.harness import fa, mamba
 
 
 def test_defaults_and_sizes():

@@ -17,12 +17,12 @@ import random
 import numpy as np
 import pytest
 
+from hybridkv.cli.harness.kv_manager import Geometry, cached_keys, fa, make_request, run_prefill, sw
 from hybridkv.connector.store_config import StoreConnectorConfig
 from hybridkv.connector.store_scheduler import StoreScheduler
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import MooncakeBackend
-from tests.unit.harness import Geometry, cached_keys, fa, make_request, run_prefill, sw
 
 GEO = Geometry(specs=[fa(16), sw(16, 64)], hash_block_size=16, num_blocks=400, max_model_len=4096)
 SW_GROUP = 1

@@ -19,9 +19,9 @@ from vllm.config import VllmConfig
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa
 from hybridkv.connector.block_layout import layout_rows
 from hybridkv.connector.store_keys import store_key_schema
-from tests.unit.harness import Geometry, fa
 from tests.unit.tiny_vllm_config import TINY_LLAMA, model_dir, tiny_vllm_config  # noqa: F401 (model_dir: fixture)
 
 _KV_SCHEME = {"type": "float", "num_bits": 8, "dynamic": False, "symmetric": True}

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
+from hybridkv.cli.harness.kv_manager import make_request
 from hybridkv.connector.store_config import StoreConnectorConfig
 from hybridkv.connector.store_scheduler import StoreScheduler
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import MooncakeBackend
-from tests.unit.harness import make_request
 from tests.unit.test_store_scheduler_grants import GEO, OFFER, TOKENS
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from tests.unit.harness import Geometry, fa, mamba, sw
+from hybridkv.cli.harness.kv_manager import Geometry, fa, mamba, sw
 from tests.unit.test_real_scheduler import UNIT, _request, _run_to_completion, _scheduler, store  # noqa: F401
 
 GEO = Geometry(

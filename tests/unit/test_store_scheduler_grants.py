@@ -18,12 +18,12 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, make_request, mamba, sw
 from hybridkv.connector.store_config import StoreConnectorConfig
 from hybridkv.connector.store_scheduler import StoreScheduler
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.keys import KeySchema
 from hybridkv.store.mooncake_backend import MooncakeBackend
-from tests.unit.harness import Geometry, fa, make_request, mamba, sw
 
 GEO = Geometry(
     specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=16, num_blocks=600, max_model_len=4096

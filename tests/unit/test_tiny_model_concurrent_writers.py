@@ -14,7 +14,7 @@ from __future__ import annotations
 import fcntl
 import threading
 
-from hybridkv.cli.tiny_models import write_tiny_model
+from hybridkv.cli.harness.tiny_models import write_tiny_model
 
 
 def test_a_writer_waits_for_the_lock_holder_then_writes_a_complete_model(tmp_path):

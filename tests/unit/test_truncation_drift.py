@@ -14,11 +14,11 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, make_request, mamba
 from hybridkv.connector.dense_reference import reconcile_dense_hits
 from hybridkv.store.geometry import GroupGeometry
 from hybridkv.store.mirror import StoreMirror
 from hybridkv.store.truncation import is_downward_closed
-from tests.unit.harness import Geometry, fa, make_request, mamba
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,8 +14,8 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.request import Request, RequestStatus
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, sw
 from hybridkv.store import vllm_compat
-from tests.unit.harness import Geometry, fa, sw
 from tests.unit.test_real_scheduler import (  # noqa: F401  (store: a fixture)
     PROMPT,
     UNIT,

@@ -13,8 +13,8 @@ import pytest
 from vllm.config import ModelConfig, VllmConfig
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 
+from hybridkv.cli.harness.kv_manager import Geometry, fa, make_request, mamba, run_prefill, sw
 from hybridkv.store import vllm_compat
-from tests.unit.harness import Geometry, fa, make_request, mamba, run_prefill, sw
 from tests.unit.test_real_scheduler import _TINY_LLAMA
 
 GEO = Geometry(

@@ -1,4 +1,4 @@
-"""`hybridkv demo`: what hybridkv decides that vLLM's own reference gets wrong.
+"""`hybridkv mirror-demo`: what hybridkv decides that vLLM's own reference gets wrong.
 
 Runs without an engine, in a few seconds, against a REAL embedded
 ``mooncake_master``:

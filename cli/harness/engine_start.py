@@ -15,7 +15,7 @@ Asked for by ``HYBRIDKV_ENGINE_START=fork`` (unset or ``spawn``: vLLM's own spaw
 tests set it unless the caller chose (tests/e2e/conftest.py, for the start time it saves); the
 demo test keeps vLLM's own spawn path:
 
-- a server: ``python -m hybridkv.cli.engine_start vllm.entrypoints.openai.api_server ARGS``
+- a server: ``python -m hybridkv.cli.harness.engine_start vllm.entrypoints.openai.api_server ARGS``
   (what :class:`hybridkv.cli.server.VllmServer` runs then): the API server forks its engine
   core, the engine core forks its workers.
 - an in-process ``LLM`` (:func:`install_forkserver`): the caller has threads (Mooncake, NIXL
@@ -155,7 +155,7 @@ def _replace_spawn(spawn_as: Callable[[], Any]) -> None:
     if "multiprocessing" not in get_mp_context.__code__.co_names:
         raise RuntimeError(
             f"{ENV}=fork: this vLLM's get_mp_context does not call multiprocessing.get_context; "
-            f"unset {ENV} (vLLM's own spawn) or update hybridkv.cli.engine_start"
+            f"unset {ENV} (vLLM's own spawn) or update hybridkv.cli.harness.engine_start"
         )
     system_utils.multiprocessing = _StartMethods(spawn_as)
 
@@ -191,12 +191,12 @@ def restore_spawn() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m hybridkv.cli.engine_start MODULE ARGS...``: run MODULE as ``__main__`` with
+    """``python -m hybridkv.cli.harness.engine_start MODULE ARGS...``: run MODULE as ``__main__`` with
     engine processes started by fork."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         raise SystemExit(
-            "usage: python -m hybridkv.cli.engine_start MODULE [ARGS...] "
+            "usage: python -m hybridkv.cli.harness.engine_start MODULE [ARGS...] "
             "(e.g. vllm.entrypoints.openai.api_server --model ...)"
         )
     install_fork()
