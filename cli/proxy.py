@@ -29,6 +29,12 @@ costs TTFT, not the request (the answer is the same; logged, marked with the
 ``x-hybridkv-pd-fallback`` response header and counted on the proxy's ``/metrics``).
 ``--no-fallback`` answers 502 naming the cause instead.
 
+A client's ``X-data-parallel-rank`` header (vLLM's: which DP rank of a ``--data-parallel-size``
+instance serves the request) goes with the decode leg, so a router that keeps a conversation on
+one decode DP rank, where its earlier turns sit in that rank's prefix cache, can do so through
+the proxy; the prefill leg does not carry it (it names a decode rank). Without it vLLM picks the
+least loaded rank.
+
 Decode-only fallbacks cost the decode instance a whole prefill each, so while every prefill
 instance is down they can saturate it (and the host: on the 2-core CI box they starved the
 restarting prefill). ``--max-decode-only N`` (default 8) bounds how many run at once: one past
@@ -131,6 +137,18 @@ def _field_doc(name: str) -> str:
         if line.strip().startswith(f"{name}:"):
             return lines[k + 1].strip().strip('"')
     return ""
+
+
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
+def decode_headers(client_headers: Any) -> dict[str, str]:
+    """The client's headers the decode leg carries: ``X-data-parallel-rank`` when it is a
+    non-negative integer (vLLM ignores any other value; it answers 400 past its DP size)."""
+    rank = client_headers.get(DP_RANK_HEADER)
+    if rank is None or not (rank.isascii() and rank.isdigit() and len(rank) <= 6):
+        return {}
+    return {DP_RANK_HEADER: rank}
 
 
 def new_request_id() -> str:
@@ -352,10 +370,14 @@ def build_app(
             )
         return _unreachable(role, url, e)
 
-    async def send_decode(url: str, dreq: dict[str, Any], stream: bool) -> "httpx.Response":
+    async def send_decode(
+        url: str, dreq: dict[str, Any], stream: bool, pin: dict[str, str]
+    ) -> "httpx.Response":
+        """``pin``: :func:`decode_headers` of the client's request."""
         try:
             return await client.send(
-                client.build_request("POST", url, json=dreq, timeout=decode_timeout), stream=stream
+                client.build_request("POST", url, json=dreq, headers=pin, timeout=decode_timeout),
+                stream=stream,
             )
         except retry_errors as e:
             counts["decode_retries"] += 1
@@ -367,7 +389,8 @@ def build_app(
                 e,
             )
             return await client.send(
-                client.build_request("POST", url, json=dreq, timeout=decode_timeout), stream=stream
+                client.build_request("POST", url, json=dreq, headers=pin, timeout=decode_timeout),
+                stream=stream,
             )
 
     async def prefill_leg(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -446,7 +469,7 @@ def build_app(
                 release,
             )
 
-    async def whole_answer(path: str, leg: Any) -> Any:
+    async def whole_answer(path: str, leg: Any, pin: dict[str, str]) -> Any:
         """(decode URL, status, JSON answer, headers) of one non-streamed leg, or its error response."""
         if not isinstance(leg, tuple):
             leg = await hand_over(path, leg)
@@ -455,7 +478,7 @@ def build_app(
         dreq, headers, release = leg
         decode = next(decodes)
         try:
-            d = await send_decode(decode + path, dreq, stream=False)
+            d = await send_decode(decode + path, dreq, False, pin)
         except httpx.HTTPError as e:
             return unreachable("decode", decode, e)
         finally:
@@ -472,7 +495,9 @@ def build_app(
                 f"not JSON: {d.text[:200]!r}",
             )
 
-    async def answer_whole(path: str, body: dict[str, Any], direct: tuple | None) -> Any:
+    async def answer_whole(
+        path: str, body: dict[str, Any], direct: tuple | None, pin: dict[str, str]
+    ) -> Any:
         legs = [direct] if direct is not None else split_request(path, body)
         if len(legs) > lim.max_hand_overs:
             prompts = batch_prompts(path, body)
@@ -482,7 +507,7 @@ def build_app(
                 f"more than --max-hand-overs {lim.max_hand_overs} per request: send fewer prompts or "
                 f"samples per request",
             )
-        results = await asyncio.gather(*(whole_answer(path, leg) for leg in legs))
+        results = await asyncio.gather(*(whole_answer(path, leg, pin) for leg in legs))
         for res in results:
             if not isinstance(res, tuple):
                 return res
@@ -504,7 +529,11 @@ def build_app(
         return JSONResponse(status_code=200, content=merged, headers=headers)
 
     async def answer_stream(
-        path: str, body: dict[str, Any], direct: tuple | None, leave: Callable[[], None]
+        path: str,
+        body: dict[str, Any],
+        direct: tuple | None,
+        leave: Callable[[], None],
+        pin: dict[str, str],
     ) -> Any:
         prompts = batch_prompts(path, body)
         if direct is None and prompts is not None and len(prompts) > 1:
@@ -522,7 +551,7 @@ def build_app(
         # starts: a decode instance that fails before answering is a 502 naming it, not a
         # 200 whose stream ends early (which clients see as a truncated answer).
         try:
-            d = await send_decode(decode + path, dreq, stream=True)
+            d = await send_decode(decode + path, dreq, True, pin)
         except httpx.HTTPError as e:
             if release is not None:
                 release()
@@ -593,9 +622,10 @@ def build_app(
                 counts["decode_only_by_request"] += 1
                 dreq = decode_only_request(body) | {"request_id": new_request_id()}
                 direct = (dreq, {"x-hybridkv-pd-decode-only": reason}, None)
+            pin = decode_headers(request.headers)
             if not body.get("stream"):
-                return await answer_whole(path, body, direct)
-            response = await answer_stream(path, body, direct, leave)
+                return await answer_whole(path, body, direct, pin)
+            response = await answer_stream(path, body, direct, leave, pin)
             streaming = isinstance(response, StreamingResponse)
             return response
         finally:
