@@ -34,9 +34,15 @@ from hybridkv.connector.pd_stats import HybridPDPromMetrics, HybridPDStats
 from hybridkv.connector.pd_tp import MAMBA_TP_CROSS_SWITCH, MAMBA_TP_NOT_ENABLED
 from hybridkv.connector.pd_worker import PDWorker, PDWorkerSettings, mamba_reslice_problem
 from hybridkv.connector.store_config import (
-    ConfigError,
+    FLAG,
+    SECONDS,
+    SHARE,
+    STRING,
+    Check,
+    bad_value,
+    key,
+    parse_declared,
     refuse_non_tensor_parallelism,
-    refuse_unknown_keys,
 )
 from hybridkv.connector.vllm_hooks import PDConnectorHooks
 from hybridkv.store.cpu_affinity import unpinned
@@ -54,65 +60,70 @@ if TYPE_CHECKING:
 logger = get_logger(__name__, "P/D")
 
 
+def _port(key_: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
+        raise bad_value(key_, value, "expected 0 (any free port) or a port")
+    return value
+
+
+def _optional_path(key_: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise bad_value(key_, value, "expected a file path")
+    return value or None
+
+
 @dataclass(frozen=True)
 class PDConnectorConfig:
-    # Address the gRPC handshake service binds to and advertises (127.0.0.1: single host).
-    handshake_host: str = "127.0.0.1"
-    # 0: a free port per worker (advertised through kv_transfer_params).
-    handshake_port: int = 0
-    # Seconds the prefill side keeps a finished request's blocks for the decode side.
-    lease_s: float = 60.0
-    # Bound on one handshake round trip (decode side).
-    handshake_timeout_s: float = 5.0
-    # Bound on one request's read (decode side); past it the request recomputes or fails.
-    read_timeout_s: float = 30.0
-    # The deployment secret signing kv_transfer_params and the side channel's RPCs (the
-    # same file on prefill and decode); see pd_auth for the environment alternatives.
-    auth_secret_file: str | None = None
-    # Run without a secret: any API client can forge kv_transfer_params. Never the default.
-    allow_unauthenticated: bool = False
-    # Prefill: the share of the KV cache's blocks that leases not yet read may hold; past it a
-    # finished do_remote_decode request hands nothing over (its blocks are freed at once).
-    # Any API client can send do_remote_decode: without a bound, requests whose decode leg
-    # never comes hold the cache for lease_s each.
-    max_lease_fraction: float = 0.5
-    # Decode: pair with prefill instances of another --tensor-parallel-size for models with
-    # Mamba / linear-attention (GDN) state, whose per-rank state is then re-sliced (pd_tp).
-    # Off by default: the re-slicing is exact, but vLLM's CPU GDN kernel runs only in bf16, so
-    # state computed at another TP size is not the bits this size computes, and the decode's
-    # output can drift from a local recompute (pd_tp.MAMBA_TP_NOT_ENABLED).
-    allow_mamba_cross_tp: bool = False
+    """HybridPDConnector's validated ``kv_connector_extra_config`` (docs/config.md says why each
+    key is there; its table is :func:`~hybridkv.connector.store_config.markdown_table` of this)."""
+
+    handshake_host: str = key(
+        "127.0.0.1", STRING, "address the gRPC handshake service binds and advertises"
+    )
+    handshake_port: int = key(
+        0,
+        Check("port 0-65535", _port),
+        "rank 0's handshake port (rank r binds port + r); 0: a free port per worker, advertised "
+        "in `kv_transfer_params`",
+    )
+    lease_s: float = key(
+        60.0, SECONDS, "seconds the prefill keeps a finished request's blocks for the decode side"
+    )
+    handshake_timeout_s: float = key(5.0, SECONDS, "decode: bound on one handshake round trip")
+    read_timeout_s: float = key(
+        30.0,
+        SECONDS,
+        "decode: bound on one request's read; past it the request recomputes or fails",
+    )
+    auth_secret_file: str | None = key(
+        None,
+        Check("file path", _optional_path),
+        "the deployment secret signing `kv_transfer_params` and side-channel RPCs (or "
+        "`$HYBRIDKV_AUTH_SECRET_FILE` / `$HYBRIDKV_AUTH_SECRET`)",
+    )
+    allow_unauthenticated: bool = key(
+        False,
+        FLAG,
+        "run without a secret (any API client can forge `kv_transfer_params`; logged loudly)",
+    )
+    max_lease_fraction: float = key(
+        0.5,
+        SHARE,
+        "prefill: share of the KV cache unread leases may hold; past it a finished request hands "
+        "nothing over and its blocks are freed at once (any API client can send "
+        "`do_remote_decode`)",
+    )
+    allow_mamba_cross_tp: bool = key(
+        False,
+        FLAG,
+        "decode: pair with prefill instances of another TP size for GDN state, re-sliced "
+        "byte-exact (below)",
+    )
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "PDConnectorConfig":
-        extra = refuse_unknown_keys(cls, extra, "HybridPDConnector")
-        for key in ("lease_s", "handshake_timeout_s", "read_timeout_s"):
-            v = extra.get(key, 1.0)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ConfigError(
-                    f"kv_connector_extra_config.{key}={v!r}: expected a positive number of seconds"
-                )
-        port = extra.get("handshake_port", 0)
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ConfigError(
-                f"kv_connector_extra_config.handshake_port={port!r}: expected 0 (any free port) or a port"
-            )
-        if not isinstance(extra.get("handshake_host", ""), str):
-            raise ConfigError(
-                "kv_connector_extra_config.handshake_host: expected a host name or address"
-            )
-        if not isinstance(extra.get("auth_secret_file", "") or "", str):
-            raise ConfigError("kv_connector_extra_config.auth_secret_file: expected a file path")
-        for flag in ("allow_unauthenticated", "allow_mamba_cross_tp"):
-            if not isinstance(extra.get(flag, False), bool):
-                raise ConfigError(f"kv_connector_extra_config.{flag}: expected true or false")
-        frac = extra.get("max_lease_fraction", 0.5)
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
-            raise ConfigError(
-                f"kv_connector_extra_config.max_lease_fraction={frac!r}: expected a number in (0, 1] "
-                "(the share of KV cache blocks unread P/D leases may hold)"
-            )
-        return cls(**extra)
+        """Parse and validate; unknown keys are refused."""
+        return parse_declared(cls, extra, "HybridPDConnector")
 
 
 def _mamba_group_ids(kv_cache_config: "KVCacheConfig") -> tuple[int, ...]:

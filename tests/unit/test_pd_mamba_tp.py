@@ -478,7 +478,7 @@ def test_allow_mamba_cross_tp_off_refuses_naming_the_switch_on_enables_gdn_only(
 
     monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
     mamba_utils.get_conv_state_layout.cache_clear()
-    with pytest.raises(ConfigError, match="allow_mamba_cross_tp: expected true or false"):
+    with pytest.raises(ConfigError, match="allow_mamba_cross_tp='yes': expected true or false"):
         PDConnectorConfig.from_extra_config({"allow_mamba_cross_tp": "yes"})
     gdn = Rank(1, (torch.bfloat16, "float32")).config
     # off (the default): refused per request, naming the field and the switch
