@@ -422,8 +422,8 @@ class PDScheduler:
         if num_external_tokens == 0:
             # The local prefix cache covers it, or another connector was chosen (the store
             # under MultiConnector): read nothing, but release the prefill side's lease now
-            # rather than after lease_s (its blocks stay held and its engine keeps stepping
-            # until then). Never reported as a receive: this connector loads nothing here.
+            # rather than after lease_s (its blocks stay held until then). Never reported as
+            # a receive: this connector loads nothing here.
             job.release_only = True
             self._reads.append(job)
             return
