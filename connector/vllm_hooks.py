@@ -18,9 +18,18 @@ which enum) is :mod:`hybridkv.store.vllm_compat`'s concern.
   re-register and the handshake generation changes on restore, the honest
   answer is False: vLLM then refuses ``--enable-sleep-mode`` at startup naming
   the connector, instead of transferring from released memory.
-* ``supports_lookahead_block_hashes``: False (vLLM's default, stated here).
-  The store's keys and its mirror's lookup coordinators are built for legacy
-  block hashes (one hash per full block, covering that block's tokens only).
+* ``supports_lookahead_block_hashes`` (0.34; MultiConnector: only if every child
+  does, so a declining child turns them off for its siblings too). Store: True.
+  Its keys are the scheduler's own block hashes (a lookahead hash also hashes
+  the token after the block, so it never equals a legacy one and a legacy
+  engine's objects never hit), it saves and looks up only blocks whose hash
+  exists, and its mirror's coordinator is built with the scheduler's lookahead
+  count and EAGLE setting (``store/geometry.py``). P/D: False. The prefill
+  side signs and hands over every block its request has hashed; after the
+  sampled token, the last full prompt block's lookahead hash covers that
+  token, which decode (holding the prompt only) cannot hash, so decode would
+  refuse a hand-over of a prompt that ends on a block boundary. It answers True
+  once the hand-over is bounded by ``vllm_compat.prompt_hashed_tokens``.
 * ``may_load_async`` (vLLM 0.34, asked when a request enters the waiting
   queues, before any lookup): vLLM's default for both, ``do_remote_prefill`` in
   the request's ``kv_transfer_params``. A store hit is unknown until the
@@ -49,9 +58,11 @@ class _Declarations:
     def supports_sleep_mode(cls, kv_transfer_config: "KVTransferConfig") -> bool:
         return False
 
+    _LOOKAHEAD_BLOCK_HASHES: bool = False
+
     @classmethod
     def supports_lookahead_block_hashes(cls, kv_transfer_config: "KVTransferConfig") -> bool:
-        return False
+        return cls._LOOKAHEAD_BLOCK_HASHES
 
 
 class PDConnectorHooks(_Declarations):
@@ -64,3 +75,4 @@ class StoreConnectorHooks(_Declarations):
     """``HybridStoreConnector``'s declarations (see the module docstring)."""
 
     _KV_CACHE_ACCESS = ("REGISTERS",)
+    _LOOKAHEAD_BLOCK_HASHES = True

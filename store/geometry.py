@@ -26,6 +26,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 
+from hybridkv.store import vllm_compat
 from hybridkv.store.truncation import is_downward_closed
 
 if TYPE_CHECKING:
@@ -63,6 +64,8 @@ class CoordinatorParams:
     num_prefill_lookahead: int = 0
     dcp_world_size: int = 1
     pcp_world_size: int = 1
+    # Tokens after each block its hash covers (vLLM's lookahead block hashes; 0: none).
+    num_hash_lookahead_tokens: int = 0
 
     @classmethod
     def from_vllm_config(
@@ -75,7 +78,9 @@ class CoordinatorParams:
             kv_cache_config, vllm_config
         )
         spec_cfg = vllm_config.speculative_config
-        use_eagle = bool(spec_cfg is not None and spec_cfg.use_eagle_block_drop())
+        lookahead = vllm_compat.hash_lookahead_tokens(vllm_config)
+        # Lookahead hashes prove the block's boundary token: the scheduler drops no EAGLE block.
+        use_eagle = bool(spec_cfg is not None and spec_cfg.use_eagle_block_drop() and not lookahead)
         return cls(
             kv_cache_config=kv_cache_config,
             max_model_len=vllm_config.model_config.max_model_len,
@@ -85,6 +90,7 @@ class CoordinatorParams:
             num_prefill_lookahead=vllm_config.num_prefill_lookahead_tokens,
             dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
             pcp_world_size=1,
+            num_hash_lookahead_tokens=lookahead,
         )
 
     @classmethod
@@ -101,6 +107,7 @@ class CoordinatorParams:
             num_prefill_lookahead=reprefill + 1 if reprefill else 0,
             dcp_world_size=getattr(coordinator, "dcp_world_size", 1),
             pcp_world_size=getattr(coordinator, "pcp_world_size", 1),
+            num_hash_lookahead_tokens=vllm_compat.hash_lookahead_tokens(coordinator.block_pool),
         )
 
     def build_coordinator(self) -> KVCacheCoordinator:
@@ -118,6 +125,7 @@ class CoordinatorParams:
             scheduler_block_size=self.scheduler_block_size,
             hash_block_size=self.hash_block_size,
             num_prefill_lookahead=self.num_prefill_lookahead,
+            **vllm_compat.coordinator_lookahead_kwargs(self.num_hash_lookahead_tokens),
         )
 
 

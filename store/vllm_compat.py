@@ -62,24 +62,30 @@ The differences, and what each version does:
   so the page geometry hybridkv reads (``page_size_bytes``, block strides) is
   exact on every version. -> :func:`mamba_state_alignment` (1 where absent).
 
+* Lookahead block hashes. 0.33/0.34 can hash each block together with the
+  ``num_hash_lookahead_tokens`` tokens after it (EAGLE: 1), which proves the
+  drafter's KV at the block's last position, so the scheduler drops no EAGLE
+  block (``use_eagle`` off); a block's hash exists only once those tokens do.
+  0.33 does it only without a KV connector; 0.34 also for connectors whose
+  class answers ``supports_lookahead_block_hashes`` True (MultiConnector: every
+  child). The store connector answers True (its keys are the scheduler's own
+  hashes; a lookup coordinator must get the same count:
+  :func:`hash_lookahead_tokens`, :func:`coordinator_lookahead_kwargs`). 0.32
+  has no such hashes. -> :func:`prompt_hashed_tokens`: the prompt tokens whose
+  hashes cover prompt tokens only (what a decode instance, which has the prompt
+  but not prefill's sampled token, can hash).
+
 Differences that need no code (recorded so nobody adds a check for them):
 
 * ``KVCacheManager.__init__`` / coordinators / ``BlockPool`` gain
   ``num_hash_lookahead_tokens=0`` in 0.33 (keyword, defaulted); 0 is 0.32's
-  behaviour, and hybridkv's hand-built managers and lookup coordinators never
-  pass it. A 0.33 engine started with hash lookahead makes each block hash
-  cover tokens past the block (so stored keys differ); hybridkv refuses nothing
-  there yet -- the keys are still the scheduler's own hashes.
+  behaviour. hybridkv's lookup coordinators pass the scheduler's count when it
+  is not 0 (see lookahead block hashes above).
 * ``KVConnectorBase_V1`` gains ``supports_sleep_mode`` (classmethod, default
   True), ``unregister_kv_caches`` and ``restore_kv_caches`` (default no-ops) in
   0.33; 0.32 never calls them. hybridkv's connectors answer False
   (``connector/vllm_hooks.py`` says why), which makes 0.33/0.34 refuse
   ``--enable-sleep-mode`` at startup naming the connector.
-* 0.34 hashes blocks with lookahead tokens only for connectors whose class
-  answers ``supports_lookahead_block_hashes`` True (MultiConnector: all
-  children). hybridkv's answer is the default False: block hashes are per
-  request and shared by every child, so an engine with a hybridkv child keeps
-  the legacy hashes for all of them.
 * ``KVConnectorBase_V1.may_load_async(request)`` (0.34): whether a request may
   be loaded asynchronously ahead of a running slot (with
   ``--max-num-inflight-kv-loads``); the store connector answers from its
@@ -322,3 +328,32 @@ def kv_head_major_problem(kv_cache_config: "KVCacheConfig") -> str | None:
                     "hybridkv's head slicing cannot cut"
                 )
     return None
+
+
+def hash_lookahead_tokens(owner: Any) -> int:
+    """``num_hash_lookahead_tokens`` of a ``VllmConfig`` or ``BlockPool`` (0.33+); 0 where
+    vLLM has no lookahead hashes (0.32)."""
+    return int(getattr(owner, "num_hash_lookahead_tokens", 0) or 0)
+
+
+def coordinator_lookahead_kwargs(num_hash_lookahead_tokens: int) -> dict[str, int]:
+    """Keyword arguments that give a KV cache coordinator the scheduler's lookahead count.
+
+    Empty for 0 (0.32's ``get_kv_cache_coordinator`` has no such parameter; 0 is its
+    behaviour)."""
+    return (
+        {"num_hash_lookahead_tokens": num_hash_lookahead_tokens}
+        if num_hash_lookahead_tokens
+        else {}
+    )
+
+
+def prompt_hashed_tokens(request: "Request", hash_block_size: int, lookahead: int) -> int:
+    """Tokens of the prompt covered by block hashes that hash prompt tokens only.
+
+    With ``lookahead`` L > 0 a block's hash also covers the L tokens after it, so once the
+    request has sampled a token the last full prompt block's hash may cover that token,
+    which another instance holding only the prompt cannot compute. Without lookahead: every
+    full prompt block the request has hashed."""
+    full = max(0, request.num_prompt_tokens - lookahead) // hash_block_size
+    return min(full, len(request.block_hashes)) * hash_block_size

@@ -72,21 +72,28 @@ def test_kv_cache_access_per_connector(role, device):
 
 
 @pytest.mark.parametrize("role", ROLES)
-def test_sleep_mode_and_lookahead_hashes_are_declined(role):
+def test_sleep_mode_declined_and_lookahead_hashes_per_connector(role):
     """Sleep/wake re-commits KV memory that hybridkv's workers registered and advertised to
-    peers, so both classes answer False (vLLM then refuses --enable-sleep-mode at startup);
-    lookahead block hashes: False, and a MultiConnector with a hybridkv child answers False."""
-    for cls in (HybridPDConnector, HybridStoreConnector):
+    peers, so both classes answer False (vLLM then refuses --enable-sleep-mode at startup).
+    Lookahead block hashes: the store True (its keys are the scheduler's hashes), P/D False
+    (decode cannot hash the sampled token a prefill's last lookahead hash covers); a
+    MultiConnector answers True only if every child does."""
+    answers = {HybridPDConnector: False, HybridStoreConnector: True}
+    for cls, lookahead in answers.items():
         cfg = _config(cls.__name__, role, "cuda")
         if hasattr(KVConnectorBase_V1, "supports_sleep_mode"):
             assert cls.supports_sleep_mode(cfg) is False
-        assert cls.supports_lookahead_block_hashes(cfg) is False
+        assert cls.supports_lookahead_block_hashes(cfg) is lookahead
     if hasattr(KVConnectorBase_V1, "supports_sleep_mode"):
         multi = _multi(role, "cuda", "HybridPDConnector", "HybridStoreConnector")
         cls = KVConnectorFactory.get_connector_class(multi)
         assert cls.supports_sleep_mode(multi) is False
         if hasattr(cls, "supports_lookahead_block_hashes"):  # 0.34
             assert cls.supports_lookahead_block_hashes(multi) is False
+            store_and_sibling = _multi(
+                role, "cuda", "HybridStoreConnector", "MooncakeStoreConnector"
+            )
+            assert cls.supports_lookahead_block_hashes(store_and_sibling) is True
 
 
 def test_may_load_async_is_vllms_default():
