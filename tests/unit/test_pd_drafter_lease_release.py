@@ -176,15 +176,15 @@ def _worker_meta(deployment: str, pd_meta, store_meta):  # noqa: ANN001, ANN202
 
 def _step(sched: Scheduler, deployment: str, sampled=None, leases_ended=None):  # noqa: ANN001, ANN202
     """One engine step: schedule(), then the workers' output (sampled tokens, every store save
-    of this step acknowledged, the given leases ended on this rank)."""
+    job of this step acknowledged, the given leases ended on this rank). Returns the save jobs
+    and vLLM's outputs."""
     out = sched.schedule()
-    saves = getattr(out.kv_connector_metadata, "metadata", (None, None))[-1]
-    store_meta = StoreWorkerMetadata(
-        finished_saves=Counter({s.job_id: 1 for s in getattr(saves, "saves", ())})
-    )
+    store_plan = getattr(out.kv_connector_metadata, "metadata", (None, None))[-1]
+    saves = list(getattr(store_plan, "saves", ()))
+    store_meta = StoreWorkerMetadata(finished_saves=Counter({s.job_id: 1 for s in saves}))
     pd_meta = PDLeaseWorkerMetadata({}, dict(leases_ended or {}))
     ids = list(out.num_scheduled_tokens)
-    return out, sched.update_from_output(
+    return saves, sched.update_from_output(
         out,
         vllm_compat.model_runner_output(
             ids,
@@ -205,7 +205,7 @@ def test_prefill_with_a_drafter_frees_every_block_at_the_step_that_reports_the_l
     free_before = pool.get_num_free_blocks()
     req = pd_request("cmpl-prefill-0", PROMPT, {"do_remote_decode": True}, 128)
     sched.add_request(req)
-    _, outputs = _step(sched, deployment, sampled={req.request_id: [7]})
+    saves, outputs = _step(sched, deployment, sampled={req.request_id: [7]})
     done = [o for eo in outputs.values() for o in eo.outputs if o.request_id == req.request_id]
     assert len(done) == 1 and done[0].kv_transfer_params["do_remote_prefill"], done
     remote = done[0].kv_transfer_params["remote_block_ids"]
@@ -216,7 +216,9 @@ def test_prefill_with_a_drafter_frees_every_block_at_the_step_that_reports_the_l
     assert req.request_id not in sched.requests, "vLLM freed the request (delay_free False)"
     # Store saves acknowledged in the finishing step's next steps; the lease still holds.
     for _ in range(3):
-        _step(sched, deployment)
+        saves += _step(sched, deployment)[0]
+    # The store child saved the prompt's blocks in one job (its pins are gone with the ack).
+    assert len(saves) == (1 if deployment == "pd+store" else 0)
     assert sched.has_requests() is False, "an idle engine: nothing steps it"
     assert sched.reset_prefix_cache() is False
     assert pool.get_num_free_blocks() == free_before - len(held)
