@@ -176,9 +176,12 @@ class PDStack:
         prefill_args: Sequence[str] = (),
         decode_args: Sequence[str] = (),
         allow_mamba_cross_tp: bool = False,
+        decode_dp: int = 1,
     ) -> None:
         """``prefill_tp`` / ``decode_tp``: each instance's ``--tensor-parallel-size`` (P/D pairs
-        any sizes where one divides the other; see connector/pd_tp.py); ``prefill_args`` /
+        any sizes where one divides the other; see connector/pd_tp.py); ``decode_dp``: the decode
+        instance's ``--data-parallel-size`` (one engine core per DP rank behind one API server,
+        each rank ``decode_tp`` wide, each its own connector and block pool); ``prefill_args`` /
         ``decode_args``: one side's extra server arguments, after ``extra_args``.
         ``allow_mamba_cross_tp``: set the decode instance's switch of that name (its
         ``kv_connector_extra_config``; a decode-side setting, so the prefill's config is left
@@ -188,6 +191,7 @@ class PDStack:
         self._model, self._log_dir, self._extra_args = model, log_dir, tuple(extra_args)
         self._common = dict(max_model_len=max_model_len, startup_timeout_s=startup_timeout_s)
         self.prefill_tp = prefill_tp
+        self.decode_dp = decode_dp
         self.prefill = VllmServer(
             model,
             kv_transfer_config=prefill_config or pd_transfer_config("kv_producer"),
@@ -200,7 +204,7 @@ class PDStack:
         )
         decode_config = self.decode.kv_transfer_config
         for name, value in (
-            disjoint_core_envs(prefill_tp, decode_tp)[0] | keep_alive_env()
+            disjoint_core_envs(prefill_tp, decode_tp * decode_dp)[0] | keep_alive_env()
         ).items():
             self.prefill.extra_env.setdefault(name, value)
         # One deployment secret for the pair (signs kv_transfer_params and the side channel),
@@ -224,8 +228,13 @@ class PDStack:
         self._proxy: subprocess.Popen | None = None
         self.startup_timeout_s = startup_timeout_s
 
-    def _args(self, tp: int, own: Sequence[str]) -> list[str]:
-        return [*self._extra_args, *(["--tensor-parallel-size", str(tp)] if tp != 1 else []), *own]
+    def _args(self, tp: int, own: Sequence[str], dp: int = 1) -> list[str]:
+        return [
+            *self._extra_args,
+            *(["--tensor-parallel-size", str(tp)] if tp != 1 else []),
+            *(["--data-parallel-size", str(dp)] if dp != 1 else []),
+            *own,
+        ]
 
     def _decode_server(
         self,
@@ -235,8 +244,9 @@ class PDStack:
         allow_mamba_cross_tp: bool,
         port: int | None = None,
     ) -> VllmServer:
-        """The decode server for this stack's prefill: its TP size, config (with the switch
-        merged in) and its cores for the pair (:func:`disjoint_core_envs`)."""
+        """The decode server for this stack's prefill: its TP and DP sizes, config (with the
+        switch merged in) and its cores for the pair (:func:`disjoint_core_envs`: DP x TP ranks,
+        one ``|``-separated core list each, which vLLM's CPU worker slices per DP rank)."""
         decode_config = decode_config or pd_transfer_config("kv_consumer")
         if allow_mamba_cross_tp:
             decode_config = with_extra_config(decode_config, allow_mamba_cross_tp=True)
@@ -245,11 +255,11 @@ class PDStack:
             port=port,
             kv_transfer_config=decode_config,
             log_path=self._log_dir / "decode.log",
-            extra_args=self._args(decode_tp, decode_args),
+            extra_args=self._args(decode_tp, decode_args, self.decode_dp),
             **self._common,
         )
         for name, value in (
-            disjoint_core_envs(self.prefill_tp, decode_tp)[1] | keep_alive_env()
+            disjoint_core_envs(self.prefill_tp, decode_tp * self.decode_dp)[1] | keep_alive_env()
         ).items():
             server.extra_env.setdefault(name, value)
         return server
