@@ -1,4 +1,5 @@
-"""bench/gpu_pd_tp.py's CPU-checkable parts: its expected-bytes model, its geometry, its planted faults.
+"""bench/gpu_pd_tp.py's CPU-checkable parts (hybridkv.cli.harness.pd_tp_model): its expected-bytes
+model, its geometry, its planted faults.
 
 The GPU bench (docs/gpu_results.md) calls a hand-over right when the decode allocation equals
 ``expected_image(expected_groups(...))``: poison everywhere except each decode rank's share of
@@ -17,26 +18,18 @@ span one v head off) must make it differ, in the bytes they touch.
 from __future__ import annotations
 
 import ctypes
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-import bench.gpu_data_path as gdp  # noqa: E402
-import bench.gpu_pd_tp as g  # noqa: E402
-
-g.setup()  # vLLM importable here: no shim is installed
-
-from hybridkv.connector.block_layout import layout_rows  # noqa: E402
-from hybridkv.connector.pd_handshake import LayoutDescriptor  # noqa: E402
-from hybridkv.connector.pd_tp import rank_reads, read_spans  # noqa: E402
-from hybridkv.connector.pd_transport import read_descriptors  # noqa: E402
-from hybridkv.connector.pd_worker import group_state_splits, mamba_reslice_problem  # noqa: E402
+from hybridkv.cli.harness import kv_views
+from hybridkv.cli.harness import pd_tp_model as model
+from hybridkv.connector.block_layout import layout_rows
+from hybridkv.connector.pd_handshake import LayoutDescriptor
+from hybridkv.connector.pd_tp import rank_reads, read_spans
+from hybridkv.connector.pd_transport import read_descriptors
+from hybridkv.connector.pd_worker import group_state_splits, mamba_reslice_problem
 
 NUM_BLOCKS, LAYERS = 8, 1
 CPU = torch.device("cpu")
@@ -47,9 +40,11 @@ class Rank:
 
     def __init__(self, tp: int, kernel: int, seed: int | None) -> None:
         self.tp = tp
-        self.cache = gdp.make_cache(g.scenario(tp, NUM_BLOCKS, layers=LAYERS, kernel=kernel), CPU)
+        self.cache = kv_views.make_cache(
+            model.scenario(tp, NUM_BLOCKS, layers=LAYERS, kernel=kernel), CPU
+        )
         if seed is not None:
-            gdp.fill_random(self.cache, seed)
+            kv_views.fill_random(self.cache, seed)
         kvc = self.cache.kvc
         heads = [
             int(getattr(gr.kv_cache_spec, "num_kv_heads", 0) or 0) for gr in kvc.kv_cache_groups
@@ -59,7 +54,7 @@ class Rank:
             layout_rows(kvc),
             tp,
             kv_heads=heads,
-            total_kv_heads=g.TOTAL_KV_HEADS,
+            total_kv_heads=model.TOTAL_KV_HEADS,
             state_splits=[group_state_splits(gr) for gr in kvc.kv_cache_groups],
         )
 
@@ -67,7 +62,7 @@ class Rank:
 def _apply(dec: Rank, pre: list[Rank], rank: int, src, dst, plan=None, slices=None) -> None:  # noqa: ANN001
     """hybridkv's plan for decode rank ``rank``, rows copied with memmove (CPU stand-in for NIXL READ)."""
     dtp, ptp = dec.tp, len(pre)
-    plan = plan or rank_reads(rank, dtp, ptp, g.TOTAL_KV_HEADS)
+    plan = plan or rank_reads(rank, dtp, ptp, model.TOTAL_KV_HEADS)
     rows = [() if gl is None else gl.kernel_rows for gl in dec.cache.layout.groups]
     for part in plan:
         p = pre[part.prefill_rank]
@@ -84,64 +79,68 @@ def _apply(dec: Rank, pre: list[Rank], rank: int, src, dst, plan=None, slices=No
 def _setup(ptp: int, dtp: int, kernel: int):
     pre = [Rank(ptp, kernel, 1000 * ptp + r) for r in range(ptp)]
     decs = [Rank(dtp, kernel, None) for _ in range(dtp)]
-    src, dst = g.pick(pre[0].cache.kvc, 3, __import__("random").Random(3))
+    src, dst = model.pick(pre[0].cache.kvc, 3, __import__("random").Random(3))
     return pre, decs, src, dst
 
 
 def _model(dec: Rank, pre: list[Rank], rank: int, src, dst):  # noqa: ANN001
-    ref = g.expected_groups(
+    ref = model.expected_groups(
         dec.cache.kvc, [p.cache.views for p in pre], rank, dec.tp, len(pre), src
     )
-    return g.expected_image(dec.cache, ref, dst), ref
+    return model.expected_image(dec.cache, ref, dst), ref
 
 
 CASES = [(2, 1), (1, 2)]
 
 
-@pytest.mark.parametrize("kernel", [g.KERNEL, g.BLOCK])
+@pytest.mark.parametrize("kernel", [model.KERNEL, model.BLOCK])
 @pytest.mark.parametrize("ptp,dtp", CASES)
 def test_model_equals_hybridkv_plan(ptp: int, dtp: int, kernel: int) -> None:
     pre, decs, src, dst = _setup(ptp, dtp, kernel)
     for rank, dec in enumerate(decs):
         exp, ref = _model(dec, pre, rank, src, dst)
-        gdp.poison(dec.cache)
+        kv_views.poison(dec.cache)
         _apply(dec, pre, rank, src, dst)
         assert torch.equal(dec.cache.buf, exp), int((dec.cache.buf != exp).sum())
         # what the model writes: every attention head byte of the blocks and the GDN state, no padding
         written = sum(r.numel() * r.element_size() for gr in ref for r in gr)
         page_fa = dec.cache.kvc.kv_cache_groups[0].kv_cache_spec.page_size_bytes
-        (rows, ch), (vh, hv, hk) = g.gdn_shapes(dec.tp)
+        (rows, ch), (vh, hv, hk) = model.gdn_shapes(dec.tp)
         state = 2 * (rows * ch + vh * hv * hk)
-        assert written == LAYERS * (len(src[0]) * page_fa + g.GDN_GROUPS * state)
+        assert written == LAYERS * (len(src[0]) * page_fa + model.GDN_GROUPS * state)
 
 
 @pytest.mark.parametrize("ptp,dtp", CASES)
 def test_planted_faults_differ_from_model(ptp: int, dtp: int) -> None:
     """The bench's planted faults (its own functions) make the bytes differ from the model:
     swap -> attention and GDN wrong; ssm -> only SSM state bytes wrong."""
-    pre, decs, src, dst = _setup(ptp, dtp, g.KERNEL)
+    pre, decs, src, dst = _setup(ptp, dtp, model.KERNEL)
     for rank, dec in enumerate(decs):
         exp, _ = _model(dec, pre, rank, src, dst)
         worker = types.SimpleNamespace(
-            _s=types.SimpleNamespace(tp_size=dtp, tp_rank=rank, total_kv_heads=g.TOTAL_KV_HEADS),
+            _s=types.SimpleNamespace(
+                tp_size=dtp, tp_rank=rank, total_kv_heads=model.TOTAL_KV_HEADS
+            ),
             _local=dec.desc,
         )
-        swapped = g.swapped_plan(worker, lambda job: rank_reads(rank, dtp, ptp, g.TOTAL_KV_HEADS))
+        swapped = model.swapped_plan(
+            worker, lambda job: rank_reads(rank, dtp, ptp, model.TOTAL_KV_HEADS)
+        )
         job = types.SimpleNamespace(remote_ports=[0] * ptp)
-        gdp.poison(dec.cache)
+        kv_views.poison(dec.cache)
         _apply(dec, pre, rank, src, dst, plan=swapped(job))
         assert not torch.equal(dec.cache.buf, exp)
 
-        ssm = g.ssm_off_by_one(worker, lambda part, pl, j: j)  # mutates the spans it is given
-        gdp.poison(dec.cache)
+        ssm = model.ssm_off_by_one(worker, lambda part, pl, j: j)  # mutates the spans it is given
+        kv_views.poison(dec.cache)
         _apply(dec, pre, rank, src, dst, slices=lambda part, sl: ssm(part, None, sl))
         wrong = torch.nonzero(dec.cache.buf != exp).flatten()
         assert len(wrong) > 0
         # every wrong byte lies in an SSM state of a destination GDN page
         kvc = dec.cache.kvc
         page = kvc.kv_cache_tensors[0].block_stride
-        _, conv_bytes, head = g.part_bytes(dec.tp)
-        ssm_bytes = g.GDN_V_HEADS // dec.tp * head
+        _, conv_bytes, head = model.part_bytes(dec.tp)
+        ssm_bytes = model.GDN_V_HEADS // dec.tp * head
         gdn_dst = {b for ids in dst[1:] for b in ids}
         off = wrong % (page * NUM_BLOCKS)
         blocks, in_page = off // page, off % page
@@ -157,17 +156,26 @@ def test_geometry_is_vllms() -> None:
 
     for tp in (1, 2):
         want = MambaStateShapeCalculator.gated_delta_net_state_shape(
-            tp, g.GDN_K_HEADS, g.GDN_V_HEADS, g.GDN_HEAD_K, g.GDN_HEAD_V, g.GDN_KERNEL
+            tp,
+            model.GDN_K_HEADS,
+            model.GDN_V_HEADS,
+            model.GDN_HEAD_K,
+            model.GDN_HEAD_V,
+            model.GDN_KERNEL,
         )
-        assert tuple(map(tuple, want)) == g.gdn_shapes(tp)
-        r = Rank(tp, g.KERNEL, None)
+        assert tuple(map(tuple, want)) == model.gdn_shapes(tp)
+        r = Rank(tp, model.KERNEL, None)
         assert mamba_reslice_problem(r.cache.kvc) is None
         conv, ssm = r.desc.groups[1].splits()
-        assert (conv.offset, conv.rows, conv.unit) == (0, g.GDN_KERNEL - 1, 2)
-        assert ssm.offset == conv.nbytes and ssm.parts == (g.GDN_V_HEADS // tp,)
+        assert (conv.offset, conv.rows, conv.unit) == (0, model.GDN_KERNEL - 1, 2)
+        assert ssm.offset == conv.nbytes and ssm.parts == (model.GDN_V_HEADS // tp,)
     assert (
-        gdp.check_vllm(
-            {f"TP{tp} k{k}": g.scenario(tp, kernel=k) for tp in (1, 2) for k in (g.KERNEL, g.BLOCK)}
+        kv_views.check_vllm(
+            {
+                f"TP{tp} k{k}": model.scenario(tp, kernel=k)
+                for tp in (1, 2)
+                for k in (model.KERNEL, model.BLOCK)
+            }
         )
         == 0
     )
