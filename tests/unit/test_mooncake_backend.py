@@ -524,7 +524,9 @@ def test_objects_landing_in_a_populated_segment_do_not_grow_rss(populate: bool) 
         0, 256, total, dtype=np.uint8
     )  # touched before measuring
     dst = np.zeros(total, dtype=np.uint8)
-    with EmbeddedMaster(default_kv_lease_ttl_ms=LEASE_MS) as m:
+    # A get's lease covers its whole transfer: 48 MiB on a loaded host can outlast 300 ms
+    # (every object LEASE_EXPIRED, -707); nothing here waits for a lease to end.
+    with EmbeddedMaster(default_kv_lease_ttl_ms=5000) as m:
         before_setup = _rss_mib()
         b = MooncakeBackend(
             m.address,
