@@ -12,7 +12,15 @@ import json
 from pathlib import Path
 
 import pytest
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (
@@ -115,21 +123,37 @@ def real_scheduler(
     cache_config: CacheConfig,
     *,
     max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 2048,
+    eagle_draft: tuple[Path, int] | None = None,
 ) -> Scheduler:
     """What ``EngineCore`` builds in the scheduler process over ``geo`` (no workers): block
     sizes and cache-hit alignment resolved by vLLM's own functions, the connector built by
-    vLLM from ``transfer``."""
+    vLLM from ``transfer``. ``eagle_draft`` (draft model dir, speculative tokens): what
+    ``--speculative-config '{"method": "eagle", ...}'`` adds."""
+    model_config = ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=geo.max_model_len,
+    )
+    parallel = ParallelConfig()
+    speculative = None
+    if eagle_draft is not None:
+        speculative = SpeculativeConfig(
+            method="eagle",
+            model=str(eagle_draft[0]),
+            num_speculative_tokens=eagle_draft[1],
+            target_model_config=model_config,
+            target_parallel_config=parallel,
+        )
     vllm_config = VllmConfig(
-        model_config=ModelConfig(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            enforce_eager=True,
-            max_model_len=geo.max_model_len,
-        ),
+        model_config=model_config,
+        parallel_config=parallel,
+        speculative_config=speculative,
         cache_config=cache_config,
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=2048,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_model_len=geo.max_model_len,
             is_encoder_decoder=False,

@@ -27,11 +27,6 @@ import pytest
 from vllm.config import (
     CacheConfig,
     KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiKVConnectorWorkerMetadata,
@@ -39,12 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (
     init_none_hash,
-    resolve_cache_hit_alignment_tokens,
-    resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.structured_output import StructuredOutputManager
 
 from hybridkv.cli.harness.kv_manager import Geometry, fa, sw
 from hybridkv.cli.harness.tiny_models import _BUILDERS, _DRAFTERS
@@ -54,7 +46,7 @@ from hybridkv.connector.pd_metadata import PDHandshakeMetadata
 from hybridkv.connector.store_metadata import StoreWorkerMetadata
 from hybridkv.store import vllm_compat
 from hybridkv.store.embedded_master import EmbeddedMaster
-from tests.unit.pd_real_scheduler import pd_request
+from tests.unit.pd_real_scheduler import pd_request, real_scheduler
 
 NUM_SPEC = 2
 SECRET = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-pd-drafter-")) / "secret"))
@@ -122,46 +114,13 @@ def _prefill_scheduler(models: tuple[Path, Path], transfer: KVTransferConfig) ->
     """What ``EngineCore`` builds in a prefill's scheduler process with ``--speculative-config
     '{"method": "eagle", "num_speculative_tokens": 2}'`` (no workers)."""
     target, draft = models
-    model_config = ModelConfig(
-        model=str(target),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=GEO.max_model_len,
-    )
-    parallel = ParallelConfig()
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        parallel_config=parallel,
-        speculative_config=SpeculativeConfig(
-            method="eagle",
-            model=str(draft),
-            num_speculative_tokens=NUM_SPEC,
-            target_model_config=model_config,
-            target_parallel_config=parallel,
-        ),
-        cache_config=CacheConfig(block_size=128, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=4096,
-            max_num_seqs=8,
-            max_model_len=GEO.max_model_len,
-            is_encoder_decoder=False,
-        ),
-        kv_transfer_config=transfer,
-    )
-    kv_cache_config = GEO.kv_cache_config()
-    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    kv_cache_config.hash_block_size = hash_block_size
-    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-        kv_cache_config, vllm_config, block_size, hash_block_size
-    )
-    sched = Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        hash_block_size=hash_block_size,
+    sched = real_scheduler(
+        target,
+        GEO,
+        transfer,
+        CacheConfig(block_size=128, enable_prefix_caching=True),
+        max_num_batched_tokens=4096,
+        eagle_draft=(draft, NUM_SPEC),
     )
     assert (sched.num_lookahead_tokens, sched.use_eagle_block_drop) == (NUM_SPEC, True)
     sched.connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata("127.0.0.1", 45678, 0)})
