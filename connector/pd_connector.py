@@ -169,6 +169,14 @@ def _mamba_problem(
     return problem
 
 
+def handshake_port_of(base: int, tp_rank: int, tp_size: int, dp_rank: int) -> int:
+    """The handshake port of one worker: a configured port ``base`` is rank 0's and worker rank
+    r of the instance serves ``base + r``, r = ``dp_rank * tp_size + tp_rank`` (each DP rank is
+    an engine core with its own workers on the same host, as vLLM numbers them). 0: a free
+    port."""
+    return base + dp_rank * tp_size + tp_rank if base else 0
+
+
 class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
     """Decode pulls every transfer-enabled group's blocks from prefill with NIXL READs."""
 
@@ -241,8 +249,9 @@ class HybridPDConnector(PDConnectorHooks, KVConnectorBase_V1, SupportsHMA):
             allow_amx()  # before this worker's first forward (see allow_amx)
 
             rank = int(get_tensor_model_parallel_rank()) if tp_size > 1 else 0
-            # A configured port is rank 0's; rank r serves port + r (each worker its own service).
-            port = self._cfg.handshake_port + rank if self._cfg.handshake_port else 0
+            port = handshake_port_of(
+                self._cfg.handshake_port, rank, tp_size, int(parallel.data_parallel_index)
+            )
             with unpinned():  # its read thread must not share the engine's pinned core
                 self._worker = PDWorker(
                     PDWorkerSettings(
