@@ -27,7 +27,9 @@ communicator does not implement ``all_gatherv`` (``NotImplementedError`` in
 ``base_device_communicator.py``), so the engine core dies on its first (dummy) batch.
 The routing with a MoE-shaped geometry (Mamba + two dense groups) is covered through vLLM's real
 Scheduler per rank: tests/unit/test_matrix_scheduler.py
-``test_pd_to_a_data_parallel_decode_reads_on_the_chosen_rank_only``.
+``test_pd_to_a_data_parallel_decode_reads_on_the_chosen_rank_only``; the strict xfail
+``test_moe_decode_at_dp2_needs_the_cpu_communicators_all_gatherv`` below turns red once the
+CPU communicator has that collective, so the MoE cell can then run here.
 """
 
 from __future__ import annotations
@@ -120,6 +122,25 @@ def test_pd_stack_starts_a_data_parallel_decode_with_a_core_list_per_rank(tmp_pa
     assert "--data-parallel-size" not in stack.prefill.command()
     binds = [s.extra_env.get("VLLM_CPU_OMP_THREADS_BIND") for s in (stack.prefill, stack.decode)]
     assert binds == ["0-1|2-3", "4-5|6-7"]
+
+
+MOE_AT_DP = (
+    "vLLM 0.32's CPU engine cannot run a MoE model (qwen3-next) at --data-parallel-size 2, with or "
+    "without --enable-expert-parallel: the MoE layer's DP dispatch calls all_gatherv, which "
+    "CpuCommunicator does not implement (NotImplementedError on the first dummy batch); covered "
+    "with vLLM's real Scheduler per DP rank in tests/unit/test_matrix_scheduler.py"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=MOE_AT_DP)
+def test_moe_decode_at_dp2_needs_the_cpu_communicators_all_gatherv():
+    """No engine: the collective the MoE cell needs (the engine's error is in MOE_AT_DP)."""
+    from vllm.distributed.device_communicators.base_device_communicator import (
+        DeviceCommunicatorBase,
+    )
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    assert CpuCommunicator.all_gatherv is not DeviceCommunicatorBase.all_gatherv
 
 
 def test_tp2_prefill_to_dp2_decode_through_the_proxy(tmp_path):
