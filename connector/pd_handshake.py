@@ -51,6 +51,7 @@ from hybridkv.connector.pd_tp import (
     StateSplit,
     head_outermost,
     ratio_problem,
+    replicated_on_every_rank,
     state_split_problem,
 )
 from hybridkv.connector.pd_transport import HOST, MemorySpace
@@ -74,7 +75,10 @@ logger = get_logger(__name__, "P/D")
 # 8: every body carries ``ts`` (the caller's wall clock) beside its nonce; a body outside
 #    the replay window or with a nonce seen in it is refused (pd_replay). A ClaimLease for a
 #    lease the worker does not hold yet is answered at once with ``retry_s``.
-HANDSHAKE_VERSION = 8
+# 9: each group's ``kv_head_major_slots`` (vLLM 0.34 packing), refused across TP sizes;
+#    MLA latent groups (pd_tp.REPLICATED_SPECS) pair across TP sizes, read whole from
+#    one prefill rank, where version 8 refused them (kv_heads).
+HANDSHAKE_VERSION = 9
 
 SERVICE = "hybridkv.pd.Handshake"
 METHOD = "GetAgentInfo"
@@ -169,6 +173,9 @@ class GroupDescriptor:
     # Mamba groups: each state's split on this rank (pd_tp.StateSplit.to_wire); empty when
     # the state kind is not re-sliced (then only equal TP sizes pair).
     state_splits: tuple[tuple[int, ...], ...] = ()
+    # vLLM 0.34 attention specs packing each KV head's slots together (kv_head_major_slots):
+    # not the [H, N, C] rows head slicing cuts, so such a group pairs only at equal TP sizes.
+    kv_head_major_slots: bool = False
 
     def splits(self) -> tuple[StateSplit, ...]:
         return tuple(StateSplit.from_wire(t) for t in self.state_splits)
@@ -225,13 +232,15 @@ class LayoutDescriptor:
         kv_heads: Sequence[int] | None = None,
         total_kv_heads: int = 0,
         state_splits: Sequence[Sequence[StateSplit]] | None = None,
+        kv_head_major_slots: Sequence[bool] | None = None,
     ) -> "LayoutDescriptor":
         """Combine the worker's addresses (``KVLayout``) with the spec facts of
         ``block_layout.layout_rows(kv_cache_config)``; ``spaces`` is each group's
         memory space (``PDTransport.group_spaces``; None: host memory);
         ``kv_identity`` is ``store.keys.kv_identity(vllm_config)``; ``kv_heads`` each
         group's KV heads on this rank (0 for state groups), ``total_kv_heads`` the model's;
-        ``state_splits`` each group's Mamba state splits (empty: not a re-sliced Mamba group)."""
+        ``state_splits`` each group's Mamba state splits (empty: not a re-sliced Mamba group);
+        ``kv_head_major_slots`` whether each group's spec packs KV heads head-major."""
         if len(rows) != len(layout.groups):
             raise ValueError(f"{len(rows)} layout rows for {len(layout.groups)} groups")
         if spaces is not None and len(spaces) != len(layout.groups):
@@ -261,6 +270,7 @@ class LayoutDescriptor:
                     state_splits=tuple(
                         s.to_wire() for s in (state_splits[gi] if state_splits else ())
                     ),
+                    kv_head_major_slots=bool(kv_head_major_slots and kv_head_major_slots[gi]),
                 )
             )
         return cls(
@@ -312,6 +322,7 @@ class LayoutDescriptor:
                     "kernel_rows": list(g.kernel_rows),
                     "kv_cache_layout": g.kv_cache_layout,
                     "state_splits": [list(t) for t in g.state_splits],
+                    "kv_head_major_slots": g.kv_head_major_slots,
                 }
                 for g in self.groups
             ],
@@ -345,6 +356,7 @@ class LayoutDescriptor:
                 kernel_rows=tuple(int(k) for k in g.get("kernel_rows", ())),
                 kv_cache_layout=str(g.get("kv_cache_layout", "")),
                 state_splits=tuple(tuple(int(x) for x in t) for t in g.get("state_splits", ())),
+                kv_head_major_slots=_flag(g.get("kv_head_major_slots", False)),
             )
             if int(g.get("num_layers", d.num_layers)) != d.num_layers:
                 raise ValueError(
@@ -363,6 +375,12 @@ class LayoutDescriptor:
             kv_identity=_identity_pairs(obj["kv_identity"]),
             total_kv_heads=int(obj.get("total_kv_heads", 0)),
         )
+
+
+def _flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"expected true or false, got {v!r}")
+    return v
 
 
 def _identity_pairs(identity: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -577,9 +595,10 @@ def find_mismatches(prefill: LayoutDescriptor, decode: LayoutDescriptor) -> list
                     "start both instances with the same --dtype / --kv-cache-dtype",
                 )
             )
-        if hetero:
+        if hetero and not replicated_on_every_rank(p.spec):
             out.extend(_heterogeneous_group_mismatches(g, p, d, prefill, decode))
             continue
+        # equal TP sizes, or a group every rank holds whole (MLA latent): block for block
         if p.block_formats != d.block_formats:
             out.append(
                 Mismatch(
@@ -654,6 +673,18 @@ def _heterogeneous_group_mismatches(
             )
         ]
     out = []
+    if p.kv_head_major_slots or d.kv_head_major_slots:
+        out.append(
+            Mismatch(
+                g,
+                "kv_head_major_slots",
+                p.kv_head_major_slots,
+                d.kv_head_major_slots,
+                "the attention backend packs each KV head's slots together (vLLM's "
+                "kv_head_major_slots), which hybridkv's head slicing does not cut; "
+                f"{same_tp}, or an attention backend without kv_head_major_slots",
+            )
+        )
     total = prefill.total_kv_heads
     if p.kv_heads * prefill.tp_size != total or d.kv_heads * decode.tp_size != total:
         out.append(

@@ -29,6 +29,18 @@ the handshake and :func:`mamba_slices` turns a pair into spans. Other Mamba kind
 The scheduler refuses Mamba models across sizes by default (:data:`MAMBA_TP_NOT_ENABLED`
 says why); the decode instance's ``allow_mamba_cross_tp`` enables it, and then only a layout
 ``pd_worker.mamba_reslice_problem`` accepts (every Mamba group GDN state) pairs.
+
+MLA latent caches (:data:`REPLICATED_SPECS`) are not split over ranks at all: vLLM computes
+the latent with a replicated projection, so every rank holds the same one latent row per
+token (``MLAAttentionSpec.num_kv_heads`` is 1 at any TP). A decode rank reads such a group
+whole from ONE prefill rank, :func:`latent_rank` (the first rank it reads anyway), and
+nothing of it from the others, while the other groups of the same READs are head- or
+state-sliced.
+
+Head slicing cuts a block as ``[H, N, C]`` per kernel row with one slot per KV head;
+vLLM 0.34 attention specs with ``kv_head_major_slots`` pack a page otherwise, so a group
+that has them does not pair across TP sizes (the handshake names the field,
+:func:`heterogeneous_tp_problem` takes ``vllm_compat.kv_head_major_problem``'s answer).
 """
 
 from __future__ import annotations
@@ -41,6 +53,10 @@ from dataclasses import dataclass
 HEAD_OUTERMOST_LAYOUTS = ("LBHNC", "BLHNC")  # vllm.v1.kv_cache_layout.KVCacheLayout names
 
 MAX_TP = 256
+
+# Spec type names (``block_layout.layout_rows``' "spec") whose cache every TP rank holds
+# whole: MLA's latent (vLLM 0.34 also says so with ``max_tp_shards=1`` on these specs).
+REPLICATED_SPECS = ("MLAAttentionSpec", "SlidingWindowMLASpec")
 
 
 @dataclass(frozen=True)
@@ -108,6 +124,23 @@ def rank_reads(
         if a < b:
             out.append(RankRead(p, a - lo, a - p * hp, b - a, False))
     return out
+
+
+def replicated_on_every_rank(spec: str) -> bool:
+    """Whether a group of spec type ``spec`` holds the same bytes on every TP rank."""
+    return spec in REPLICATED_SPECS
+
+
+def latent_rank(decode_rank: int, decode_tp: int, prefill_tp: int) -> int:
+    """The prefill rank decode rank ``decode_rank`` reads replicated groups from: the first
+    rank of its :func:`rank_reads` plan (its own when the sizes are equal), so no extra
+    handshake or lease; decode ranks reading disjoint prefill ranks spread over them."""
+    problem = ratio_problem(prefill_tp, decode_tp)
+    if problem:
+        raise ValueError(problem)
+    if not 0 <= decode_rank < decode_tp:
+        raise ValueError(f"decode rank {decode_rank} outside [0, {decode_tp})")
+    return decode_rank * prefill_tp // decode_tp
 
 
 def readers_of(prefill_rank: int, decode_tp: int, prefill_tp: int) -> int:
@@ -193,15 +226,23 @@ def heterogeneous_tp_problem(
     mamba_group_ids: Sequence[int],
     total_kv_heads: int,
     mamba_problem: str | None = MAMBA_TP_NOT_ENABLED,
+    head_problem: str | None = None,
 ) -> str | None:
     """Why a decode instance cannot pair with a prefill instance of another TP size
     (None: it can, or the sizes are equal). ``mamba_problem``: why this instance's
     Mamba state is not re-sliced (default :data:`MAMBA_TP_NOT_ENABLED`; a kind
     :func:`spec_state_splits` refuses); None lets GDN groups pair, the prefill side's
-    split then being checked field by field at the handshake."""
+    split then being checked field by field at the handshake. ``head_problem``: why its
+    attention blocks cannot be cut by heads (``vllm_compat.kv_head_major_problem``)."""
     problem = ratio_problem(prefill_tp, decode_tp)
     if problem or prefill_tp == decode_tp:
         return problem
+    if head_problem:
+        return (
+            f"prefill runs tensor_parallel_size={prefill_tp} and this decode instance {decode_tp}: "
+            f"{head_problem}; start both with the same --tensor-parallel-size, or an attention "
+            "backend whose spec has no kv_head_major_slots"
+        )
     if mamba_group_ids and mamba_problem:
         return (
             f"prefill runs tensor_parallel_size={prefill_tp} and this decode instance {decode_tp}: hybridkv "
@@ -417,8 +458,9 @@ def read_spans(
     ``splits()``); ``local_kernel_rows[g]`` this side's kernel rows per layer view.
     Attention groups get head ranges (:func:`head_slices`), Mamba groups the state
     parts (:func:`mamba_slices`; ``mamba_ranks`` overrides (decode rank, prefill rank)
-    there, for planted-fault benches). The one place the worker and the benches build
-    spans, so they cannot drift apart.
+    there, for planted-fault benches), replicated groups (MLA latent) the whole block from
+    :func:`latent_rank` and no span from any other prefill rank. The one place the worker
+    and the benches build spans, so they cannot drift apart.
     """
     if part.whole:
         return None
@@ -428,6 +470,11 @@ def read_spans(
     ):
         if not ids or mine is None or theirs is None:
             out.append(None)
+            continue
+        if replicated_on_every_rank(mine.spec):  # type: ignore[attr-defined]
+            # the same latent rows on every prefill rank: one rank's whole block, once
+            whole = part.prefill_rank == latent_rank(decode_rank, decode_tp, prefill_tp)
+            out.append(None if whole else [[] for _ in mine.block_bytes])  # type: ignore[attr-defined]
             continue
         if "Mamba" in mine.spec:  # type: ignore[attr-defined]
             lr, rr = mamba_ranks if mamba_ranks is not None else (decode_rank, part.prefill_rank)
@@ -455,6 +502,7 @@ __all__ = [
     "MAMBA_TP_CROSS_SWITCH",
     "MAMBA_TP_NOT_ENABLED",
     "MAX_TP",
+    "REPLICATED_SPECS",
     "RankRead",
     "StateSplit",
     "gdn_state_splits",
@@ -463,10 +511,12 @@ __all__ = [
     "head_slices",
     "heads_split_problem",
     "heterogeneous_tp_problem",
+    "latent_rank",
     "mamba_slices",
     "rank_reads",
     "ratio_problem",
     "readers_of",
     "region_rows",
+    "replicated_on_every_rank",
     "state_split_problem",
 ]

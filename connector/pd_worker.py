@@ -74,6 +74,7 @@ from hybridkv.connector.pd_transport import (
 )
 from hybridkv.store.cpu_affinity import unpinned
 from hybridkv.store.logs import get_logger
+from hybridkv.store.vllm_compat import kv_head_major_slots
 
 # A claim can arrive before the prefill worker's next step hands it the lease (the
 # scheduler issued the params at finish): decode asks again for CLAIM_WAIT_S
@@ -122,6 +123,12 @@ def group_state_splits(group) -> tuple[StateSplit, ...]:  # noqa: ANN001 - a vll
     except ValueError as e:
         logger.info("Mamba group state not re-sliced across TP sizes: %s", e)
         return ()
+
+
+def group_kv_head_major(group) -> bool:  # noqa: ANN001 - a vllm KVCacheGroupSpec
+    """Whether a group's attention spec packs KV heads head-major (vLLM 0.34's
+    ``kv_head_major_slots``): the handshake then refuses it across TP sizes."""
+    return any(kv_head_major_slots(sp) for sp in layer_specs(group))
 
 
 def mamba_reslice_problem(kv_cache_config) -> str | None:  # noqa: ANN001 - a vllm KVCacheConfig
@@ -231,6 +238,9 @@ class PDWorker:
             kv_heads=kv_heads,
             total_kv_heads=self._s.total_kv_heads,
             state_splits=[group_state_splits(g) for g in self._kv_cache_config.kv_cache_groups],
+            kv_head_major_slots=[
+                group_kv_head_major(g) for g in self._kv_cache_config.kv_cache_groups
+            ],
         )
         info = AgentInfo(
             engine_id=self._s.engine_id,

@@ -20,7 +20,9 @@ import torch
 from vllm.config import CacheConfig, ModelConfig, VllmConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec, MLAAttentionSpec
 
-from hybridkv.store.vllm_compat import get_kv_cache_configs
+from hybridkv.connector.block_layout import KVLayout
+from hybridkv.connector.pd_handshake import LayoutDescriptor
+from hybridkv.store.vllm_compat import get_kv_cache_configs, mamba_state_alignment
 
 K3_TEXT_CONFIG = {
     "architectures": ["KimiLinearForCausalLM"],
@@ -188,3 +190,116 @@ def k3_shape(
     page = max(s.page_size_bytes for s in specs.values())
     config = get_kv_cache_configs(cfg, [specs], [num_blocks * page * len(specs)])[0]
     return K3Shape(cfg, config, num_speculative_tokens, tp_size)
+
+
+# ---------------------------------------------------------------------- one TP rank's cache
+
+KDA_PROJECTION = 32 * 128  # linear_attn_config num_heads x head_dim: q, k and v each
+
+
+@dataclass
+class K3Rank:
+    """One TP rank's K3 KV cache as vLLM allocates it (FlashMLA's 64-token kernel blocks
+    under the MLA manager block, whole blocks for KDA; every group overlays one backing
+    allocation, ``raw``), and the handshake layout its P/D worker sends."""
+
+    shape: K3Shape
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    raw: torch.Tensor
+    descriptor: LayoutDescriptor
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout.from_kv_caches(self.shape.kv_cache_config, self.tensors)
+
+    def page(self, gid: int, block: int) -> torch.Tensor:
+        """The bytes of block ``block`` of group ``gid``'s layer (vLLM's placement:
+        ``offset + layer * layer_stride + block * block_stride``)."""
+        kc = self.shape.kv_cache_config
+        name = kc.kv_cache_groups[gid].layer_names[0]
+        spec = kc.kv_cache_groups[gid].kv_cache_spec
+        t = next(t for t in kc.kv_cache_tensors if name in t.layers)
+        start = t.offset + t.layers.index(name) * t.layer_stride + block * t.block_stride
+        return self.raw[start : start + spec.page_size_bytes]
+
+    def states(self, gid: int) -> tuple[torch.Tensor, ...]:
+        """A KDA group's (conv, recurrent) state views over every block, unpacked from the
+        pages by vLLM's own ``MambaBase.bind_kv_cache``."""
+        from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+        kc = self.shape.kv_cache_config
+        spec = kc.kv_cache_groups[gid].kv_cache_spec
+        first, second = self.page(gid, 0), self.page(gid, 1)
+        stride = second.data_ptr() - first.data_ptr()
+        start = first.data_ptr() - self.raw.data_ptr()
+        pages = self.raw[start : start + kc.num_blocks * stride].view(kc.num_blocks, 1, 1, stride)
+        layer = types.SimpleNamespace(
+            get_state_shape=lambda: spec.shapes,
+            get_state_dtype=lambda: spec.dtypes,
+            state_alignment=mamba_state_alignment(spec),
+        )
+        MambaBase.bind_kv_cache(layer, pages)
+        return layer.kv_cache
+
+
+def k3_rank(shape: K3Shape, rank: int, poison: int) -> K3Rank:
+    """Rank ``rank`` of ``shape``'s TP size, every byte ``poison``; its descriptor built as
+    ``PDWorker.register_kv_caches`` builds it (per-rank KV heads, the model's KV heads,
+    each KDA group's state splits, head-major packing)."""
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from hybridkv.connector.block_layout import layer_specs, layout_rows
+    from hybridkv.connector.pd_worker import group_kv_head_major, group_state_splits
+
+    kc = shape.kv_cache_config
+    kernel = [
+        g.kv_cache_spec.block_size if isinstance(g.kv_cache_spec, MambaSpec) else MLA_KERNEL_BLOCK
+        for g in kc.kv_cache_groups
+    ]
+    tensors = allocate_kv_cache(
+        kc,
+        torch.device("cpu"),
+        shape.vllm_config.cache_config.get_resolved_kv_cache_layout(),
+        kernel,
+    )
+    first = next(iter(tensors.values()))
+    raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
+    assert all(t.untyped_storage().data_ptr() == raw.data_ptr() for t in tensors.values())
+    raw.fill_(poison)
+    descriptor = LayoutDescriptor.from_kv(
+        KVLayout.from_kv_caches(kc, tensors),
+        layout_rows(kc),
+        shape.tp_size,
+        kv_heads=[
+            int(getattr(layer_specs(g)[0], "num_kv_heads", 0) or 0) for g in kc.kv_cache_groups
+        ],
+        total_kv_heads=shape.vllm_config.model_config.get_total_num_kv_heads(),
+        state_splits=[group_state_splits(g) for g in kc.kv_cache_groups],
+        kv_head_major_slots=[group_kv_head_major(g) for g in kc.kv_cache_groups],
+    )
+    return K3Rank(shape, rank, tensors, raw, descriptor)
+
+
+def kda_share(tp: int, rank: int, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """(conv channels, recurrent heads) of a TP1 KDA state that rank ``rank`` of TP ``tp``
+    holds, as vLLM's weight loading gives them: the fused q|k|v conv1d loader of
+    ``kimi_gdn_linear_attn`` (``_make_fused_conv1d_weight_loader``) applied to a weight
+    whose row i is i, and ``sharded_weight_loader(0)`` (``dt_bias``: one value per head)."""
+    from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn as kda
+    from vllm.model_executor.model_loader import weight_utils
+
+    channels = torch.full((3 * KDA_PROJECTION // tp, 1, 1), -1.0)
+    loader = kda._make_fused_conv1d_weight_loader([KDA_PROJECTION] * 3, tp, rank)
+    for shard in range(3):
+        loader(
+            channels,
+            torch.arange(KDA_PROJECTION, dtype=torch.float32)[:, None, None]
+            + shard * KDA_PROJECTION,
+            shard,
+        )
+    monkeypatch.setattr(weight_utils, "get_tensor_model_parallel_rank", lambda: rank)
+    heads = torch.full((32 // tp,), -1.0)
+    weight_utils.sharded_weight_loader(0)(heads, torch.arange(32, dtype=torch.float32))
+    assert bool((channels >= 0).all()) and bool((heads >= 0).all())
+    return channels[:, 0, 0].long(), heads.long()

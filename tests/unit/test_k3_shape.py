@@ -29,7 +29,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.utils.hashing import sha256
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -59,20 +67,27 @@ from hybridkv.connector.block_layout import KVLayout, layout_rows
 from hybridkv.connector.dense_reference import reconciled_computed_blocks_for_connector
 from hybridkv.connector.pd_auth import write_secret_file
 from hybridkv.connector.pd_handshake import LayoutDescriptor, find_mismatches
-from hybridkv.connector.pd_tp import spec_state_splits
+from hybridkv.connector.pd_metadata import PDHandshakeMetadata, PDWorkerMetadata
+from hybridkv.connector.pd_params import Refused
+from hybridkv.connector.pd_tp import latent_rank, rank_reads, read_spans, spec_state_splits
+from hybridkv.connector.pd_transport import read_descriptors
 from hybridkv.connector.store_staging import build_stager_pools
 from hybridkv.store.geometry import CoordinatorParams, GroupGeometry
 from hybridkv.store.mirror import StoreMirror
 from tests.unit.k3_shape import (
     DRAFTER_WINDOW,
+    KDA_PROJECTION,
     MAX_MODEL_LEN,
     MLA_KERNEL_BLOCK,
     NUM_KDA_GROUPS,
+    K3Rank,
     K3Shape,
+    k3_rank,
     k3_shape,
+    kda_share,
     write_k3_config,
 )
-from tests.unit.pd_real_scheduler import pd_request, prefill_leg
+from tests.unit.pd_real_scheduler import pd_request, prefill_leg, worker_reply
 
 NUM_SPEC = 2
 KDA = list(range(NUM_KDA_GROUPS))
@@ -271,9 +286,19 @@ def test_save_mask_keeps_every_local_hit_and_only_kda_checkpoints(shape):
 # ---------------------------------------------------------------------- P/D, real Scheduler
 
 
-def _pd_scheduler(model_dir: Path, shape: K3Shape, role: str) -> Scheduler:
-    """What ``EngineCore`` builds for a P/D instance over the K3 config (one step prefills
-    a whole prompt: the budget holds it)."""
+def _pd_scheduler(
+    model_dir: Path,
+    shape: K3Shape,
+    role: str,
+    *,
+    num_blocks: int | None = 400,
+    max_model_len: int = MAX_MODEL_LEN,
+    **extra: object,
+) -> Scheduler:
+    """What ``EngineCore`` builds for a P/D instance over the K3 config at the shape's TP
+    size (one step prefills a whole prompt: the budget holds it). ``num_blocks`` None: the
+    shape's own (block ids then address its allocation); ``extra``: more
+    ``kv_connector_extra_config``."""
     block, hash_block = _resolved(shape)
     vllm_config = VllmConfig(
         model_config=ModelConfig(
@@ -281,15 +306,16 @@ def _pd_scheduler(model_dir: Path, shape: K3Shape, role: str) -> Scheduler:
             skip_tokenizer_init=True,
             dtype="bfloat16",
             enforce_eager=True,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=max_model_len,
         ),
         cache_config=CacheConfig(
             block_size=hash_block, enable_prefix_caching=True, mamba_cache_mode="align"
         ),
+        parallel_config=ParallelConfig(tensor_parallel_size=shape.tp_size),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=32768,
             max_num_seqs=4,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=max_model_len,
             is_encoder_decoder=False,
         ),
         kv_transfer_config=KVTransferConfig(
@@ -297,10 +323,12 @@ def _pd_scheduler(model_dir: Path, shape: K3Shape, role: str) -> Scheduler:
             kv_role=role,
             kv_connector_module_path="hybridkv.connector",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"auth_secret_file": SECRET},
+            kv_connector_extra_config={"auth_secret_file": SECRET, **extra},
         ),
     )
-    kc = dataclasses.replace(shape.kv_cache_config, num_blocks=400)
+    kc = shape.kv_cache_config
+    if num_blocks is not None:
+        kc = dataclasses.replace(kc, num_blocks=num_blocks)
     vllm_config.cache_config.num_gpu_blocks = kc.num_blocks
     return Scheduler(
         vllm_config=vllm_config,
@@ -491,31 +519,302 @@ def test_k3_manager_block_depends_on_tp_size(k3_dir):
 
 
 def test_pd_across_tp_sizes_is_refused_with_the_causes_named(k3_dir):
-    """Prefill TP2 -> decode TP1 on K3: the handshake refuses (decode recomputes, never
-    reads wrong bytes). By default every group's block size differs (vLLM's alignment
-    depends on TP). With --block-size 2048 pinned on the prefill, only the two attention
-    groups remain: the MLA latent and the drafter's one KV head are replicated on every
-    rank (per-rank heads 1 x TP 2 is not the model config's 4). The KDA groups' GDN
-    state splits pair: their re-slice is accepted."""
+    """Prefill TP2 -> decode TP1 on K3 with its drafter: the handshake refuses (decode
+    recomputes, never reads wrong bytes). By default every group's block size differs
+    (vLLM's alignment depends on TP). With --block-size 2048 pinned on the prefill, only
+    the drafter's group remains: its one KV head is replicated on every rank (per-rank
+    heads 1 x TP 2 is not the model config's 4), and the handshake carries no KV-head count
+    of the drafter's own. The MLA latent pairs (read whole from one rank), and so do the
+    KDA groups' GDN state splits (re-sliced)."""
     default = _problems(k3_dir)
     assert {(w, n) for w, n in default if n == "block_size"} == {
         (f"group {g}", "block_size") for g in range(5)
     }
-    assert _problems(k3_dir, block_size=2048) == {
-        (f"group {MLA}", "kv_heads"),
-        (f"group {DRAFTER}", "kv_heads"),
+    assert _problems(k3_dir, block_size=2048) == {(f"group {DRAFTER}", "kv_heads")}
+
+
+# K3 without its drafter at one manager block on both TP sizes: 1920 is vLLM's own pick at
+# TP1 and is pinned with --block-size at TP2 (whose own pick is 1024, which a TP1 decode
+# refuses: test_pd_across_tp_sizes_refuses_unequal_blocks_naming_the_field).
+TP_BLOCK = 1920
+TP_MODEL_LEN = 8192
+POISON = 0xA5
+# The schedulers' ModelConfig bounds lengths and gives the connector the model's KV heads:
+# K3's num_key_value_heads, 4 (they decide each decode rank's plan of prefill ranks).
+_LLAMA_4KV = {**_LLAMA_64K, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16}
+
+
+@pytest.fixture(scope="module")
+def llama4_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("llama-4kv")
+    (d / "config.json").write_text(json.dumps(_LLAMA_4KV))
+    return d
+
+
+def _tp_shape(k3_dir, tp: int, block_size: int | None = TP_BLOCK) -> K3Shape:
+    return k3_shape(
+        k3_dir, 0, num_blocks=4, tp_size=tp, max_model_len=TP_MODEL_LEN, block_size=block_size
+    )
+
+
+def _tp_handover(
+    k3_dir,
+    llama4_dir,
+    prefill_tp: int,
+    decode_tp: int,
+    prefill_block: int | None = TP_BLOCK,
+    prompt_len: int = 7000,
+):
+    """One prefill leg through a real prefill Scheduler at ``prefill_tp`` (every rank's
+    handshake port known), handed to a real decode Scheduler at ``decode_tp`` with
+    allow_mamba_cross_tp on. Returns (prefill shape, decode shape, decode scheduler, the
+    decode request, its READ jobs, the hand-over in tokens)."""
+    pre, dec = _tp_shape(k3_dir, prefill_tp, prefill_block), _tp_shape(k3_dir, decode_tp)
+    prompt = _tokens(prompt_len, 21)
+    prefill = _pd_scheduler(
+        llama4_dir, pre, "kv_producer", num_blocks=None, max_model_len=TP_MODEL_LEN
+    )
+    prefill.connector.set_xfer_handshake_metadata(
+        {r: PDHandshakeMetadata("127.0.0.1", 45678 + r, r) for r in range(prefill_tp)}
+    )
+    req = pd_request("cmpl-k3tp-p", prompt, {"do_remote_decode": True}, pre.manager_block)
+    prefill.add_request(req)
+    out = prefill.schedule()
+    done = prefill.update_from_output(
+        out,
+        worker_reply(out, {req.request_id: [7]}, kv_connector_worker_meta=PDWorkerMetadata({})),
+    )
+    (params,) = [o.kv_transfer_params for eo in done.values() for o in eo.outputs]
+    assert params["remote_ports"] == [45678 + r for r in range(prefill_tp)]
+    decode = _pd_scheduler(
+        llama4_dir,
+        dec,
+        "kv_consumer",
+        num_blocks=None,
+        max_model_len=TP_MODEL_LEN,
+        allow_mamba_cross_tp=True,
+    )
+    dreq = pd_request(
+        "cmpl-k3tp-d",
+        prompt,
+        params | {"do_remote_prefill": True, "do_remote_decode": False},
+        dec.manager_block,
+    )
+    decode.add_request(dreq)
+    reads = decode.schedule().kv_connector_metadata.reads
+    return pre, dec, decode, dreq, reads, int(params["remote_num_tokens"])
+
+
+def _channels_first(conv: torch.Tensor) -> torch.Tensor:
+    """A conv state as (channels, state_len) whatever vLLM's conv layout (SD stores the
+    transpose)."""
+    return conv if is_conv_state_dim_first() else conv.transpose(-1, -2)
+
+
+class _TpWorld:
+    """The prefill ranks' caches holding one request's blocks, and decode ranks reading
+    them as ``PDWorker._read`` does (``rank_reads`` -> ``read_spans`` over the handshake
+    descriptors -> ``read_descriptors``), each row copied with memmove (what NIXL's READ
+    does). Each prefill MLA block is random bytes, the SAME on every prefill rank (vLLM
+    replicates the latent); each KDA state block a random TP1 state, of which every rank
+    holds its share (``kda_share``: vLLM's weight-loading split)."""
+
+    def __init__(self, pre: K3Shape, dec: K3Shape, job, monkeypatch) -> None:  # noqa: ANN001
+        self.pre, self.dec, self.job = pre, dec, job
+        self.share = {
+            (tp, r): kda_share(tp, r, monkeypatch)
+            for tp in {pre.tp_size, dec.tp_size}
+            for r in range(tp)
+        }
+        gen = torch.Generator().manual_seed(5)
+        groups = pre.kv_cache_config.kv_cache_groups
+        self.latent = {
+            b: torch.randint(
+                0,
+                256,
+                (groups[MLA].kv_cache_spec.page_size_bytes,),
+                dtype=torch.uint8,
+                generator=gen,
+            )
+            for b in job.remote_block_ids[MLA]
+        }
+        state_len = _channels_first(torch.empty(groups[KDA[0]].kv_cache_spec.shapes[0])).shape[-1]
+        self.state = {
+            (g, b): (
+                torch.randn(3 * KDA_PROJECTION, state_len, generator=gen).to(
+                    groups[g].kv_cache_spec.dtypes[0]
+                ),
+                torch.randn(32, 128, 128, generator=gen).to(groups[g].kv_cache_spec.dtypes[1]),
+            )
+            for g in KDA
+            for b in job.remote_block_ids[g]
+        }
+        self.ranks = []
+        for p in range(pre.tp_size):
+            rank = k3_rank(pre, p, POISON)
+            self._place(rank, {g: {b: b for b in job.remote_block_ids[g]} for g in [*KDA, MLA]})
+            self.ranks.append(rank)
+
+    def _place(self, rank: K3Rank, blocks: dict[int, dict[int, int]]) -> None:
+        """Write into ``rank`` what it holds of each source block ``src`` of group ``g`` at
+        block ``blocks[g][src]``: the latent whole, its share of a KDA state."""
+        for src, dst in blocks[MLA].items():
+            rank.page(MLA, dst).copy_(self.latent[src])
+        channels, heads = self.share[rank.shape.tp_size, rank.rank]
+        for g in KDA:
+            conv, ssm = rank.states(g)
+            for src, dst in blocks[g].items():
+                full_conv, full_ssm = self.state[g, src]
+                _channels_first(conv[dst]).copy_(full_conv[channels])
+                ssm[dst].copy_(full_ssm[heads])
+
+    def expected(self, decode_rank: int) -> torch.Tensor:
+        """Decode rank ``decode_rank``'s whole allocation after a correct READ: the latent
+        and its KDA shares in the local blocks, poison everywhere else (padding included)."""
+        want = k3_rank(self.dec, decode_rank, POISON)
+        j = self.job
+        pairs = {
+            g: dict(zip(j.remote_block_ids[g], j.local_block_ids[g], strict=True))
+            for g in [*KDA, MLA]
+        }
+        self._place(want, pairs)
+        return want.raw
+
+    def read(self, decode_rank: int, fault=None) -> tuple[torch.Tensor, int]:  # noqa: ANN001
+        """Decode rank ``decode_rank``'s allocation after its READs, and the MLA bytes they
+        moved. ``fault(part, spans, remote_ids)`` plants a fault into each READ's plan."""
+        dec = k3_rank(self.dec, decode_rank, POISON)
+        dtp, ptp = self.dec.tp_size, self.pre.tp_size
+        layout = dec.layout
+        rows = [() if g is None else g.kernel_rows for g in layout.groups]
+        mla_pages = [
+            (dec.page(MLA, b).data_ptr(), dec.page(MLA, b).data_ptr() + dec.page(MLA, b).numel())
+            for b in self.job.local_block_ids[MLA]
+        ]
+        mla_bytes = 0
+        for part in rank_reads(decode_rank, dtp, ptp, dec.descriptor.total_kv_heads):
+            src = self.ranks[part.prefill_rank]
+            assert find_mismatches(src.descriptor, dec.descriptor) == []
+            remote = [list(ids) for ids in self.job.remote_block_ids]
+            spans = read_spans(
+                part,
+                dec.descriptor.groups,
+                src.descriptor.groups,
+                rows,
+                remote,
+                dtp,
+                ptp,
+                decode_rank,
+            )
+            if fault is not None:
+                spans, remote = fault(part, spans, remote)
+            local_rows, remote_rows = read_descriptors(
+                layout.groups, src.layout.groups, remote, self.job.local_block_ids, slices=spans
+            )
+            for (la, n, _), (ra, _, _) in zip(
+                local_rows.tolist(), remote_rows.tolist(), strict=True
+            ):
+                ctypes.memmove(la, ra, n)
+                mla_bytes += n if any(lo <= la < hi for lo, hi in mla_pages) else 0
+        return dec.raw, mla_bytes
+
+
+def _mla_spans(spans, regions: int, whole: bool):  # noqa: ANN001, ANN202
+    """``spans`` with the MLA group's replaced: the whole block (None) or nothing."""
+    spans = list(spans) if spans is not None else [None] * (MLA + 1)
+    spans[MLA] = None if whole else [[] for _ in range(regions)]
+    return spans
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_pd_across_tp_sizes_reads_the_mla_latent_from_one_rank(
+    k3_dir, llama4_dir, monkeypatch, prefill_tp, decode_tp
+):
+    """K3 (MLA + three KDA groups) between TP sizes, through real prefill and decode
+    Schedulers: the handshake pairs every group; each decode rank's READs bring the MLA
+    latent whole from ONE prefill rank (``latent_rank``: prefill TP2 -> decode TP1 reads it
+    from rank 0 only, TP1 -> TP2 each decode rank from rank 0) and each KDA state as its
+    own share re-sliced from the prefill ranks', so its allocation equals the expected
+    image byte for byte (poison elsewhere), and the MLA bytes moved are the latent blocks
+    exactly once. Planted faults: the MLA block ids one block shifted, the latent read from
+    no rank (bytes differ), the latent read from every prefill rank (bytes equal, traffic
+    doubled: the count sees it)."""
+    pre, dec, decode, req, reads, handover = _tp_handover(k3_dir, llama4_dir, prefill_tp, decode_tp)
+    assert pre.manager_block == dec.manager_block == TP_BLOCK
+    assert len(reads) == 1 and req.num_computed_tokens == handover
+    job = reads[0]
+    assert job.remote_ports == [45678 + r for r in range(prefill_tp)]
+    n_mla = cdiv(handover, TP_BLOCK)
+    assert len(job.remote_block_ids[MLA]) == n_mla >= 2
+    assert all(len(job.remote_block_ids[g]) == 1 for g in KDA), "each KDA group: its state block"
+    world = _TpWorld(pre, dec, job, monkeypatch)
+    page = TP_BLOCK * 1152  # one latent row of 576 bf16 per token
+    for r in range(decode_tp):
+        assert latent_rank(r, decode_tp, prefill_tp) == 0
+        got, mla_bytes = world.read(r)
+        assert torch.equal(got, world.expected(r)), f"decode rank {r}"
+        assert mla_bytes == n_mla * page, f"decode rank {r}: the latent once"
+
+    def shifted(part, spans, remote):  # noqa: ANN001, ANN202
+        remote[MLA] = remote[MLA][1:] + remote[MLA][:1]
+        return spans, remote
+
+    def nowhere(part, spans, remote):  # noqa: ANN001, ANN202
+        return _mla_spans(spans, regions, whole=False), remote
+
+    def everywhere(part, spans, remote):  # noqa: ANN001, ANN202
+        return _mla_spans(spans, regions, whole=True), remote
+
+    regions = len(world.ranks[0].descriptor.groups[MLA].block_bytes)
+    want = world.expected(0)
+    assert not torch.equal(world.read(0, shifted)[0], want)
+    assert not torch.equal(world.read(0, nowhere)[0], want)
+    got, mla_bytes = world.read(0, everywhere)
+    assert torch.equal(got, want)  # the ranks' latents are equal: only the traffic differs
+    assert mla_bytes == prefill_tp * n_mla * page
+
+
+def test_pd_across_tp_sizes_refuses_unequal_blocks_naming_the_field(k3_dir, llama4_dir):
+    """Unequal manager blocks are refused, not handled: decode would have to map each of
+    the prefill side's block columns onto its own (the KDA state column and the MLA blocks
+    move with the block size), and neither the scheduler's pairing nor the handshake does.
+    vLLM's own block for K3 at TP2 (1024) against its TP1 block (1920): a TP1 decode's real
+    Scheduler refuses the TP2 prefill's hand-over of 5120 tokens (no READ: the prompt is
+    computed locally) naming its block_size, and the handshake names block_size for every
+    group (the MLA group's block bytes and kernel-block split follow from it)."""
+    pre, dec, decode, req, reads, handover = _tp_handover(
+        k3_dir, llama4_dir, 2, 1, prefill_block=None
+    )
+    assert (pre.manager_block, dec.manager_block, handover) == (1024, TP_BLOCK, 5120)
+    assert reads == []
+    refused = decode.connector._scheduler.params(req)
+    assert isinstance(refused, Refused) and "block_size=1920" in str(refused), refused
+    problems = find_mismatches(
+        k3_rank(pre, 0, POISON).descriptor, k3_rank(dec, 0, POISON).descriptor
+    )
+    assert {(m.where, m.name) for m in problems if m.name == "block_size"} == {
+        (f"group {g}", "block_size") for g in range(4)
+    }
+    assert {(m.where, m.name) for m in problems if m.name != "block_size"} == {
+        (f"group {MLA}", "block_formats"),
+        (f"group {MLA} layer 0", "block_bytes"),
     }
 
 
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "connector/pd_tp.py and pd_handshake._heterogeneous_group_mismatches model every attention "
-        "group as KV heads sharded over ranks (per-rank heads x TP must equal the model config's KV "
-        "heads); an MLA latent is one row per token REPLICATED on every rank (MLAAttentionSpec "
-        "num_kv_heads=1 at any TP), so between TP sizes decode should read it whole from one prefill "
-        "rank; today the MLA group is refused (kv_heads) and K3 P/D across TP sizes always recomputes"
+        "kv_transfer_params carry no block size: on a hand-over whose block ids fit both "
+        "block sizes (1024 tokens at 1024 vs 1920) the decode scheduler cannot verify the MAC "
+        "over the prompt's block hashes (hashed at 1024 on the prefill, 1920 here) and refuses "
+        "naming remote_mac with the fix 'the same auth_secret_file'; pd_params/pd_scheduler "
+        "would sign the prefill's group block sizes into the params and refuse a difference "
+        "first, naming block_size"
     ),
 )
-def test_pd_across_tp_sizes_reads_the_mla_latent_from_one_rank(k3_dir):
-    assert (f"group {MLA}", "kv_heads") not in _problems(k3_dir, block_size=2048)
+def test_pd_refusal_of_unequal_blocks_names_block_size_on_short_handovers(k3_dir, llama4_dir):
+    pre, dec, decode, req, reads, handover = _tp_handover(
+        k3_dir, llama4_dir, 2, 1, prefill_block=None, prompt_len=2500
+    )
+    assert (handover, reads) == (1024, [])
+    assert "block_size" in str(decode.connector._scheduler.params(req))

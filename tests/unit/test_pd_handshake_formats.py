@@ -72,4 +72,4 @@ def test_layouts_differing_only_in_block_format_are_refused_naming_the_fix():
 def test_equal_formats_pass_and_the_version_says_so():
     assert find_mismatches(_descriptor([16]), _descriptor([16])) == []
     assert find_mismatches(_descriptor(None), _descriptor(None)) == []
-    assert HANDSHAKE_VERSION == 8
+    assert HANDSHAKE_VERSION == 9

@@ -79,7 +79,7 @@ def test_an_answer_without_identity_is_refused_naming_the_version(model_dir):
     del old["kv_identity"]  # what a version-4 peer sends
     with pytest.raises(ValueError, match=f"HANDSHAKE_VERSION={HANDSHAKE_VERSION}"):
         LayoutDescriptor.from_json(old)
-    assert HANDSHAKE_VERSION == 8
+    assert HANDSHAKE_VERSION == 9
 
 
 def test_a_peer_without_a_config_is_refused(model_dir):
