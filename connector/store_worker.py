@@ -874,6 +874,14 @@ class StoreWorker:
         with self._lock:
             return self._stats.take()
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait (bounded) until no load or save job is queued or running: vLLM is about to
+        release the KV cache's memory, which their gathers and scatters read and write.
+        True if both queues went idle in time."""
+        deadline = time.monotonic() + timeout_s
+        loads_idle = self._loads.wait_idle(timeout_s)
+        return self._saves.wait_idle(max(0.0, deadline - time.monotonic())) and loads_idle
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Let queued saves finish (bounded), then stop the threads."""
         self._saves.wait_idle(timeout_s)

@@ -11,6 +11,10 @@ which enum) is :mod:`hybridkv.store.vllm_compat`'s concern.
   registers the KV cache (CPU) or its staging buffers with Mooncake:
   ``REGISTERS``. Both answers are the same for every role and device: vLLM asks
   the class before any instance exists.
+* ``unregister_kv_caches`` / ``restore_kv_caches`` (0.33/0.34; called on every
+  release of the KV cache's memory, not only sleep): P/D stops its transfers for
+  the engine's life; the store waits for its jobs that read or write the KV
+  cache and needs nothing on restore (``connector/kv_release.py`` says why).
 * ``supports_sleep_mode``: False. Sleep/wake, discard and the KV memory release
   re-commit the KV cache's physical memory; hybridkv's workers registered the
   old memory with NIXL / Mooncake and the P/D handshake has already advertised
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.connector import kv_release
 from hybridkv.store import vllm_compat
 
 if TYPE_CHECKING:
@@ -69,6 +74,14 @@ class PDConnectorHooks(_Declarations):
     """``HybridPDConnector``'s declarations (see the module docstring)."""
 
     _KV_CACHE_ACCESS = ("REGISTERS", "EXPORTS_FABRIC")
+    _worker: Any
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM releases the KV cache's memory: P/D transfers stop (``connector/kv_release``)."""
+        kv_release.release_pd_transfers(getattr(self, "_worker", None))
+
+    def restore_kv_caches(self) -> None:
+        kv_release.restore_pd_transfers(getattr(self, "_worker", None))
 
 
 class StoreConnectorHooks(_Declarations):
@@ -76,3 +89,8 @@ class StoreConnectorHooks(_Declarations):
 
     _KV_CACHE_ACCESS = ("REGISTERS",)
     _LOOKAHEAD_BLOCK_HASHES = True
+    _worker: Any
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM releases the KV cache's memory: wait for the store's jobs that touch it."""
+        kv_release.drain_store_jobs(getattr(self, "_worker", None))
