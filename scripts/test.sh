@@ -103,7 +103,7 @@ VLLM033_TESTS=(
     tests/unit/test_pd_mamba_speculative_blocks.py tests/unit/test_store_pins_and_reset.py
     tests/unit/test_pd_prefill_idle_steps.py tests/unit/test_pd_lease_budget_physical.py
     tests/unit/test_k3_shape.py tests/unit/test_matrix_scheduler.py tests/unit/test_coalesce.py
-    tests/unit/test_pd_drafter_lease_release.py
+    tests/unit/test_pd_drafter_lease_release.py tests/unit/test_pd_dp_handshake_ports.py
 )
 [ "${HYBRIDKV_VLLM033_ALL:-0}" = "1" ] && VLLM033_TESTS=(tests/unit)
 VLLM034_TESTS=()
