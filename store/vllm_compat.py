@@ -92,7 +92,10 @@ Differences that need no code (recorded so nobody adds a check for them):
   True), ``unregister_kv_caches`` and ``restore_kv_caches`` (default no-ops) in
   0.33; 0.32 never calls them. hybridkv's connectors answer False
   (``connector/vllm_hooks.py`` says why), which makes 0.33/0.34 refuse
-  ``--enable-sleep-mode`` at startup naming the connector.
+  ``--enable-sleep-mode`` at startup naming the connector. 0.34 also calls
+  the pair around ``release_kv_cache_memory``, checkpoints and weight updates
+  without asking; hybridkv defines both on every version
+  (``connector/kv_release.py``), so no version check is needed.
 * ``KVConnectorBase_V1.may_load_async(request)`` (0.34): whether a request may
   be loaded asynchronously ahead of a running slot (with
   ``--max-num-inflight-kv-loads``); the store connector answers from its
