@@ -19,7 +19,7 @@ or its one rank, reads its heads; a TP1 prefill's rank 0: both decode ranks read
 
 3 turns (600 / 908 / 1216 tokens, each prompt = previous prompt + answer + 300 tokens):
 * greedy tokens + top-5 logprobs == a recompute on the decode server under a fresh
-  ``cache_salt`` (engine_harness.compare: near-ties excused only when seen from both runs);
+  ``cache_salt`` (llm_engine.compare: near-ties excused only when seen from both runs);
 * provenance: each decode rank logged exactly one read line for the turn, naming its own
   prefill rank, blocks per group == what it lacked (the GDN state block at the hand-over +
   every full-attention block in [its own prefix hit, hand-over)), bytes == those whole
@@ -277,7 +277,7 @@ def _body(model: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
     }
 
 
-def _completion(r):  # noqa: ANN001, ANN202 - a requests.Response -> (engine_harness.Completion, cached tokens)
+def _completion(r):  # noqa: ANN001, ANN202 - a requests.Response -> (llm_engine.Completion, cached tokens)
     from hybridkv.cli.harness.llm_engine import Completion
 
     assert r.status_code == 200, r.text

@@ -28,7 +28,7 @@ The expected hit is vLLM 0.32's own rule, not a guess:
   scheduler block (two hash units here) below the non-EAGLE checkpoint, not one hash
   unit.
 
-Controls (``engine_harness.plausible_fault_runs``): the wrong-but-plausible object
+Controls (``llm_engine.plausible_fault_runs``): the wrong-but-plausible object
 must belong to a TARGET full-attention group. With greedy verification the output never
 depends on the drafter (a draft only changes how many tokens are accepted), so a wrong
 drafter block is invisible to the output comparison.

@@ -213,7 +213,7 @@ def test_tp2_three_turns_fault_and_missing_rank_object(kind, master, gemma3_tp2,
                 == 0
             )
             # Another tail while the verdict is a near-tie at output position 0 (it compared
-            # nothing: engine_harness.TIE_REDRAWS says why), as happens where the SSM state is bf16.
+            # nothing: llm_engine.TIE_REDRAWS says why), as happens where the SSM state is bf16.
             for tails in range(1, TIE_REDRAWS + 1):
                 reset_local_cache(llm)
                 cached, failed, cmp = served(llm, tail())
