@@ -71,9 +71,9 @@ The differences, and what each version does:
   child). The store connector answers True (its keys are the scheduler's own
   hashes; a lookup coordinator must get the same count:
   :func:`hash_lookahead_tokens`, :func:`coordinator_lookahead_kwargs`). 0.32
-  has no such hashes. -> :func:`prompt_hashed_tokens`: the prompt tokens whose
-  hashes cover prompt tokens only (what a decode instance, which has the prompt
-  but not prefill's sampled token, can hash).
+  has no such hashes. -> :func:`prompt_hashed_tokens`: how many prompt tokens
+  a hand-over may cover so that a decode instance, which has the prompt but not
+  prefill's sampled token, hashes each full block among them identically.
 
 * Device memory outside vLLM's budget. 0.34 leaves ``gpu_memory_utilization``
   None unless set and resolves it (``resolved_gpu_memory_utilization``: 1.0 with
@@ -359,14 +359,17 @@ def coordinator_lookahead_kwargs(num_hash_lookahead_tokens: int) -> dict[str, in
 
 
 def prompt_hashed_tokens(request: "Request", hash_block_size: int, lookahead: int) -> int:
-    """Tokens of the prompt covered by block hashes that hash prompt tokens only.
+    """The most prompt tokens a hand-over may cover so that each full hash block among them
+    has a hash that another instance holding only the prompt computes identically.
 
     With ``lookahead`` L > 0 a block's hash also covers the L tokens after it, so once the
-    request has sampled a token the last full prompt block's hash may cover that token,
-    which another instance holding only the prompt cannot compute. Without lookahead: every
-    full prompt block the request has hashed."""
-    full = max(0, request.num_prompt_tokens - lookahead) // hash_block_size
-    return min(full, len(request.block_hashes)) * hash_block_size
+    request has sampled a token the hash of a prompt block ending within L tokens of the
+    prompt's end covers that token. Such a block is left out of the full blocks (the bound
+    stops one token short of its end); without lookahead the bound is the prompt."""
+    n = request.num_prompt_tokens
+    if not lookahead:
+        return n
+    return min(n, (max(0, n - lookahead) // hash_block_size + 1) * hash_block_size - 1)
 
 
 def gpu_memory_utilization(cache_config: Any) -> tuple[float, bool]:
