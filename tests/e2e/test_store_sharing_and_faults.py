@@ -157,57 +157,6 @@ time.sleep(3600)
 """
 
 
-def test_objects_lost_between_lookup_and_load_recompute(tmp_path):
-    """The node holding the objects dies; the master still lists them (about 10 s)."""
-    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
-        holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE
-        )
-        try:
-            assert holder.stdout.readline().strip() == b"ready"
-            # global_segment_size 0: this engine stores nothing itself, every object lands in the holder.
-            llm = make_llm(
-                tiny_model("gemma3"),
-                store_transfer_config(
-                    {
-                        "master_address": master.address,
-                        "namespace": "lost",
-                        "global_segment_size": 0,
-                        "timeout_s": TIMEOUT_S,
-                        "lookup_timeout_s": LOOKUP_TIMEOUT_S,
-                    }
-                ),
-                disable_log_stats=False,
-            )
-            session = Session(seed=13)
-            session.extend(generate(llm, session.prompt).token_ids)
-            _, base_s = timed_generate(llm, session.prompt, cache_salt="lost-baseline")
-            reset_local_cache(llm)
-            holder.send_signal(signal.SIGKILL)
-            holder.wait()
-            hits_before = metric(llm, "vllm:hybridkv_store_lookup_hits")
-            got, elapsed = timed_generate(llm, session.prompt)
-            ref = generate(llm, session.prompt, cache_salt="lost-recompute")
-            print(
-                f"\nobjects lost: cached {got.num_cached_tokens}, {elapsed:.1f}s (healthy {base_s:.1f}s, "
-                f"bound {fault_bound(base_s):.1f}s), failed loads "
-                f"{metric(llm, 'vllm:hybridkv_store_failed_loads')}, causes {failure_causes(llm)}"
-            )
-            assert matches(got, ref)
-            # The lookup still found the objects (the master lists them) and a load was
-            # attempted and failed: one failed load. A hit counts only when its load
-            # succeeded (hits are counted once per request decision), so none.
-            assert metric(llm, "vllm:hybridkv_store_lookup_hits") - hits_before == 0
-            assert metric(llm, "vllm:hybridkv_store_failed_loads") == 1
-            assert elapsed <= fault_bound(base_s), (
-                "lost objects must cost at most the configured timeouts"
-            )
-            del llm
-        finally:
-            if holder.poll() is None:
-                holder.kill()
-
-
 def test_bad_config_fails_at_startup_naming_the_key(capfd):
     """A typo in the config line stops the engine at startup (unit tests cover every key)."""
     with pytest.raises(Exception):  # noqa: B017 - vLLM wraps the engine core's startup error
@@ -270,7 +219,43 @@ def test_chunked_prefill_and_preemption_under_a_small_cache():
     del llm
 
 
-def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_blocks():
+@pytest.fixture(scope="module")
+def holder_store():  # noqa: ANN201
+    """A master, a store node (``_HOLDER``: every object lands in its segment) and a gemma3
+    engine that stores nothing itself, with the fault tests' timeouts: one engine boot for the
+    hung-node test and then the lost-objects test (last: it kills the node). Each uses its
+    own session seed, so neither hits the other's objects."""
+    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE
+        )
+        try:
+            assert holder.stdout.readline().strip() == b"ready"
+            # global_segment_size 0: this engine stores nothing itself, every object lands in
+            # the holder.
+            llm = make_llm(
+                tiny_model("gemma3"),
+                store_transfer_config(
+                    {
+                        "master_address": master.address,
+                        "namespace": "holder",
+                        "global_segment_size": 0,
+                        "timeout_s": TIMEOUT_S,
+                        "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+                    }
+                ),
+                disable_log_stats=False,
+            )
+            yield master, holder, llm
+            del llm
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+
+
+def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_blocks(
+    holder_store,
+):  # noqa: ANN001
     """The node holding the objects stops answering (SIGSTOP) while a load reads from it.
 
     The read times out and the request recomputes at once; the abandoned read is
@@ -283,62 +268,67 @@ def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_b
     recompute's blocks from the local prefix cache (exact hit) and still equal the
     recompute; a different prompt (given whatever blocks are free) must match too.
     """
-    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
-        holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE
-        )
-        try:
-            assert holder.stdout.readline().strip() == b"ready"
-            llm = make_llm(
-                tiny_model("gemma3"),
-                store_transfer_config(
-                    {
-                        "master_address": master.address,
-                        "namespace": "hung",
-                        "global_segment_size": 0,
-                        "timeout_s": TIMEOUT_S,
-                        "lookup_timeout_s": LOOKUP_TIMEOUT_S,
-                    }
-                ),
-                disable_log_stats=False,
-            )
-            session = Session(seed=14)
-            session.extend(generate(llm, session.prompt).token_ids)
-            _, base_s = timed_generate(llm, session.prompt, cache_salt="hung-baseline")
-            reset_local_cache(llm)
-            freeze(holder.pid)
-            try:
-                failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
-                got, elapsed = timed_generate(llm, session.prompt)
-                failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
-                causes = failure_causes(llm)
-                ref = generate(llm, session.prompt, cache_salt="hung-recompute")
-            finally:
-                holder.send_signal(signal.SIGCONT)
-            time.sleep(2 * TIMEOUT_S)  # let the abandoned read finish into its pinned blocks
-            again = generate(llm, session.prompt)  # same prompt, no salt: the local prefix cache
-            other_prompt = Session(seed=15).prompt
-            other = generate(llm, other_prompt, cache_salt="hung-other")
-            other_ref = generate(llm, other_prompt, cache_salt="hung-other-2")
-            local_hit = (len(session.prompt) - 1) // ALIGN * ALIGN
-            print(
-                f"\nnode hung: cached {got.num_cached_tokens}, {elapsed:.1f}s (healthy {base_s:.1f}s, "
-                f"bound {fault_bound(base_s):.1f}s), failed loads +{failed:g}, causes {causes}; "
-                f"resend after resume: cached {again.num_cached_tokens} (local hit {local_hit})"
-            )
-            assert matches(got, ref)
-            assert failed == 1, "the load did not fail: this turn did not take the hung-node path"
-            assert causes.get("load_hkv_call_timeout", 0) >= 1, causes
-            assert elapsed <= fault_bound(base_s)
-            assert again.num_cached_tokens == local_hit, (
-                "the resend did not reuse the recompute's blocks"
-            )
-            assert matches(again, ref), "a late read landed in blocks the local prefix cache reuses"
-            assert matches(other, other_ref)
-            del llm
-        finally:
-            if holder.poll() is None:
-                holder.kill()
+    _master, holder, llm = holder_store
+    session = Session(seed=14)
+    session.extend(generate(llm, session.prompt).token_ids)
+    _, base_s = timed_generate(llm, session.prompt, cache_salt="hung-baseline")
+    reset_local_cache(llm)
+    freeze(holder.pid)
+    try:
+        failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
+        got, elapsed = timed_generate(llm, session.prompt)
+        failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
+        causes = failure_causes(llm)
+        ref = generate(llm, session.prompt, cache_salt="hung-recompute")
+    finally:
+        holder.send_signal(signal.SIGCONT)
+    time.sleep(2 * TIMEOUT_S)  # let the abandoned read finish into its pinned blocks
+    again = generate(llm, session.prompt)  # same prompt, no salt: the local prefix cache
+    other_prompt = Session(seed=15).prompt
+    other = generate(llm, other_prompt, cache_salt="hung-other")
+    other_ref = generate(llm, other_prompt, cache_salt="hung-other-2")
+    local_hit = (len(session.prompt) - 1) // ALIGN * ALIGN
+    print(
+        f"\nnode hung: cached {got.num_cached_tokens}, {elapsed:.1f}s (healthy {base_s:.1f}s, "
+        f"bound {fault_bound(base_s):.1f}s), failed loads +{failed:g}, causes {causes}; "
+        f"resend after resume: cached {again.num_cached_tokens} (local hit {local_hit})"
+    )
+    assert matches(got, ref)
+    assert failed == 1, "the load did not fail: this turn did not take the hung-node path"
+    assert causes.get("load_hkv_call_timeout", 0) >= 1, causes
+    assert elapsed <= fault_bound(base_s)
+    assert again.num_cached_tokens == local_hit, "the resend did not reuse the recompute's blocks"
+    assert matches(again, ref), "a late read landed in blocks the local prefix cache reuses"
+    assert matches(other, other_ref)
+
+
+def test_objects_lost_between_lookup_and_load_recompute(holder_store):  # noqa: ANN001
+    """The node holding the objects dies; the master still lists them (about 10 s).
+    (Runs after the hung-node test on the same engine and node: it kills the node.)"""
+    _master, holder, llm = holder_store
+    session = Session(seed=13)
+    session.extend(generate(llm, session.prompt).token_ids)
+    _, base_s = timed_generate(llm, session.prompt, cache_salt="lost-baseline")
+    reset_local_cache(llm)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    hits_before = metric(llm, "vllm:hybridkv_store_lookup_hits")
+    failed_before = metric(llm, "vllm:hybridkv_store_failed_loads")
+    got, elapsed = timed_generate(llm, session.prompt)
+    ref = generate(llm, session.prompt, cache_salt="lost-recompute")
+    failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
+    print(
+        f"\nobjects lost: cached {got.num_cached_tokens}, {elapsed:.1f}s (healthy {base_s:.1f}s, "
+        f"bound {fault_bound(base_s):.1f}s), failed loads +{failed:g}, "
+        f"causes {failure_causes(llm)}"
+    )
+    assert matches(got, ref)
+    # The lookup still found the objects (the master lists them) and a load was
+    # attempted and failed: one failed load. A hit counts only when its load
+    # succeeded (hits are counted once per request decision), so none.
+    assert metric(llm, "vllm:hybridkv_store_lookup_hits") - hits_before == 0
+    assert failed == 1
+    assert elapsed <= fault_bound(base_s), "lost objects must cost at most the configured timeouts"
 
 
 def _session_dense_keys(key_log, seen: int) -> list[str]:
