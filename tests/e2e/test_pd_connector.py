@@ -253,7 +253,23 @@ def _signal_all(pids: set[int], sig: int) -> None:
             pass
 
 
-def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, capfd):
+@pytest.fixture(scope="module")
+def doomed_prefill():  # noqa: ANN201
+    """One gemma3 prefill engine over ``UCX_TLS=tcp`` for the two tests that SIGKILL their
+    prefill instance (one boot for both): the killed-during-the-read test (first: it freezes
+    and kills it) and the policy-fail test, whose prefill leg runs here at boot (seed 26), so
+    it has its ``kv_transfer_params`` from an instance that is dead when its decode sees them
+    (it sends the SIGKILL itself too). Yields (engine, its pids, those params)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UCX_TLS", "tcp")
+        prefill, pids = _start_prefill(tiny_model("gemma3"))
+    yield prefill, pids, _prefill(prefill, Session(seed=26).prompt)
+    shutdown(prefill)
+
+
+def test_prefill_instance_killed_during_the_read_decode_recomputes(
+    monkeypatch, capfd, doomed_prefill
+):  # noqa: ANN001
     """The prefill instance dies while decode's READ is in flight.
 
     Over ``UCX_TLS=tcp`` (as between hosts) a READ needs the target's progress
@@ -268,7 +284,7 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
 
     monkeypatch.setenv("UCX_TLS", "tcp")
     model = tiny_model("gemma3")
-    prefill, prefill_pids = _start_prefill(model)
+    prefill, prefill_pids, _ = doomed_prefill
     decode = make_llm(model, pd_config("kv_consumer", read_timeout_s=20), disable_log_stats=False)
     session = Session(seed=25)
     params = _prefill(prefill, session.prompt)  # turn 1: handshake + first READ over tcp
@@ -320,7 +336,7 @@ def test_prefill_instance_killed_during_the_read_decode_recomputes(monkeypatch, 
     del decode
 
 
-def test_with_policy_fail_a_failed_read_fails_only_that_request(capfd):
+def test_with_policy_fail_a_failed_read_fails_only_that_request(capfd, doomed_prefill):  # noqa: ANN001
     """``kv_load_failure_policy=fail``: the request whose READ failed (prefill killed)
     ends with finish_reason 'error' and no tokens, never output computed on partial KV,
     and the decode engine goes on serving."""
@@ -330,11 +346,10 @@ def test_with_policy_fail_a_failed_read_fails_only_that_request(capfd):
     from vllm.inputs import TokensPrompt
 
     model = tiny_model("gemma3")
-    prefill, prefill_pids = _start_prefill(model)
+    _prefill_llm, prefill_pids, params = doomed_prefill  # params: seed 26's prefill leg
     decode_cfg = pd_config("kv_consumer") | {"kv_load_failure_policy": "fail"}
     decode = make_llm(model, decode_cfg, disable_log_stats=False)
     session = Session(seed=26)
-    params = _prefill(prefill, session.prompt)
     _signal_all(prefill_pids, _signal.SIGKILL)
     sp = SamplingParams(
         temperature=0.0,
