@@ -75,9 +75,10 @@ logger = get_logger(__name__, "P/D")
 # 8: every body carries ``ts`` (the caller's wall clock) beside its nonce; a body outside
 #    the replay window or with a nonce seen in it is refused (pd_replay). A ClaimLease for a
 #    lease the worker does not hold yet is answered at once with ``retry_s``.
-# 9: each group's ``kv_head_major_slots`` (vLLM 0.34 packing), refused across TP sizes;
-#    MLA latent groups (pd_tp.REPLICATED_SPECS) pair across TP sizes, read whole from
-#    one prefill rank, where version 8 refused them (kv_heads).
+# 9: each group's ``num_head_slots`` and ``kv_head_major_slots`` (vLLM 0.34 page packing);
+#    slots not grouped by KV head are refused across TP sizes. MLA latent groups
+#    (pd_tp.REPLICATED_SPECS) pair across TP sizes, read whole from one prefill rank, where
+#    version 8 refused them (kv_heads).
 HANDSHAKE_VERSION = 9
 
 SERVICE = "hybridkv.pd.Handshake"
@@ -173,8 +174,10 @@ class GroupDescriptor:
     # Mamba groups: each state's split on this rank (pd_tp.StateSplit.to_wire); empty when
     # the state kind is not re-sliced (then only equal TP sizes pair).
     state_splits: tuple[tuple[int, ...], ...] = ()
-    # vLLM 0.34 attention specs packing each KV head's slots together (kv_head_major_slots):
-    # not the [H, N, C] rows head slicing cuts, so such a group pairs only at equal TP sizes.
+    # vLLM 0.34 page packing: slots per page where it diverges from one per KV head (0: one
+    # per head), and whether they are grouped by head. Head slicing cuts one run per head, so
+    # slots not grouped by head pair only at equal TP sizes.
+    num_head_slots: int = 0
     kv_head_major_slots: bool = False
 
     def splits(self) -> tuple[StateSplit, ...]:
@@ -232,7 +235,7 @@ class LayoutDescriptor:
         kv_heads: Sequence[int] | None = None,
         total_kv_heads: int = 0,
         state_splits: Sequence[Sequence[StateSplit]] | None = None,
-        kv_head_major_slots: Sequence[bool] | None = None,
+        head_slots: Sequence[tuple[int, bool]] | None = None,
     ) -> "LayoutDescriptor":
         """Combine the worker's addresses (``KVLayout``) with the spec facts of
         ``block_layout.layout_rows(kv_cache_config)``; ``spaces`` is each group's
@@ -240,7 +243,8 @@ class LayoutDescriptor:
         ``kv_identity`` is ``store.keys.kv_identity(vllm_config)``; ``kv_heads`` each
         group's KV heads on this rank (0 for state groups), ``total_kv_heads`` the model's;
         ``state_splits`` each group's Mamba state splits (empty: not a re-sliced Mamba group);
-        ``kv_head_major_slots`` whether each group's spec packs KV heads head-major."""
+        ``head_slots`` each group's (``num_head_slots``, ``kv_head_major_slots``)
+        (``pd_worker.group_head_slots``)."""
         if len(rows) != len(layout.groups):
             raise ValueError(f"{len(rows)} layout rows for {len(layout.groups)} groups")
         if spaces is not None and len(spaces) != len(layout.groups):
@@ -270,7 +274,8 @@ class LayoutDescriptor:
                     state_splits=tuple(
                         s.to_wire() for s in (state_splits[gi] if state_splits else ())
                     ),
-                    kv_head_major_slots=bool(kv_head_major_slots and kv_head_major_slots[gi]),
+                    num_head_slots=int(head_slots[gi][0]) if head_slots else 0,
+                    kv_head_major_slots=bool(head_slots[gi][1]) if head_slots else False,
                 )
             )
         return cls(
@@ -322,6 +327,7 @@ class LayoutDescriptor:
                     "kernel_rows": list(g.kernel_rows),
                     "kv_cache_layout": g.kv_cache_layout,
                     "state_splits": [list(t) for t in g.state_splits],
+                    "num_head_slots": g.num_head_slots,
                     "kv_head_major_slots": g.kv_head_major_slots,
                 }
                 for g in self.groups
@@ -356,6 +362,7 @@ class LayoutDescriptor:
                 kernel_rows=tuple(int(k) for k in g.get("kernel_rows", ())),
                 kv_cache_layout=str(g.get("kv_cache_layout", "")),
                 state_splits=tuple(tuple(int(x) for x in t) for t in g.get("state_splits", ())),
+                num_head_slots=int(g.get("num_head_slots", 0)),
                 kv_head_major_slots=_flag(g.get("kv_head_major_slots", False)),
             )
             if int(g.get("num_layers", d.num_layers)) != d.num_layers:
@@ -673,18 +680,21 @@ def _heterogeneous_group_mismatches(
             )
         ]
     out = []
-    if p.kv_head_major_slots or d.kv_head_major_slots:
-        out.append(
-            Mismatch(
-                g,
-                "kv_head_major_slots",
-                p.kv_head_major_slots,
-                d.kv_head_major_slots,
-                "the attention backend packs each KV head's slots together (vLLM's "
-                "kv_head_major_slots), which hybridkv's head slicing does not cut; "
-                f"{same_tp}, or an attention backend without kv_head_major_slots",
+    for side, x in (("prefill", p), ("decode", d)):
+        if x.num_head_slots and not x.kv_head_major_slots:
+            out.append(
+                Mismatch(
+                    g,
+                    "num_head_slots",
+                    p.num_head_slots,
+                    d.num_head_slots,
+                    f"the {side} side's attention backend packs {x.num_head_slots} slots per page "
+                    f"for {x.kv_heads} KV heads without grouping them by head "
+                    "(kv_head_major_slots false), so a head's bytes are not one run that head "
+                    f"slicing can cut; {same_tp}, or a backend whose slots are grouped by KV head",
+                )
             )
-        )
+            break
     total = prefill.total_kv_heads
     if p.kv_heads * prefill.tp_size != total or d.kv_heads * decode.tp_size != total:
         out.append(

@@ -37,10 +37,11 @@ whole from ONE prefill rank, :func:`latent_rank` (the first rank it reads anyway
 nothing of it from the others, while the other groups of the same READs are head- or
 state-sliced.
 
-Head slicing cuts a block as ``[H, N, C]`` per kernel row with one slot per KV head;
-vLLM 0.34 attention specs with ``kv_head_major_slots`` pack a page otherwise, so a group
-that has them does not pair across TP sizes (the handshake names the field,
-:func:`heterogeneous_tp_problem` takes ``vllm_compat.kv_head_major_problem``'s answer).
+Head slicing cuts each kernel row ``[H, N, C]`` into one run per KV head. vLLM 0.34 pages
+may hold ``num_head_slots`` slots instead of one per head: grouped by head
+(``kv_head_major_slots``, e.g. each head's K and V slots side by side) every head is still
+one run and slices exactly; slots not grouped by head are refused across TP sizes (the
+handshake names ``num_head_slots``).
 """
 
 from __future__ import annotations
@@ -226,23 +227,15 @@ def heterogeneous_tp_problem(
     mamba_group_ids: Sequence[int],
     total_kv_heads: int,
     mamba_problem: str | None = MAMBA_TP_NOT_ENABLED,
-    head_problem: str | None = None,
 ) -> str | None:
     """Why a decode instance cannot pair with a prefill instance of another TP size
     (None: it can, or the sizes are equal). ``mamba_problem``: why this instance's
     Mamba state is not re-sliced (default :data:`MAMBA_TP_NOT_ENABLED`; a kind
     :func:`spec_state_splits` refuses); None lets GDN groups pair, the prefill side's
-    split then being checked field by field at the handshake. ``head_problem``: why its
-    attention blocks cannot be cut by heads (``vllm_compat.kv_head_major_problem``)."""
+    split then being checked field by field at the handshake."""
     problem = ratio_problem(prefill_tp, decode_tp)
     if problem or prefill_tp == decode_tp:
         return problem
-    if head_problem:
-        return (
-            f"prefill runs tensor_parallel_size={prefill_tp} and this decode instance {decode_tp}: "
-            f"{head_problem}; start both with the same --tensor-parallel-size, or an attention "
-            "backend whose spec has no kv_head_major_slots"
-        )
     if mamba_group_ids and mamba_problem:
         return (
             f"prefill runs tensor_parallel_size={prefill_tp} and this decode instance {decode_tp}: hybridkv "

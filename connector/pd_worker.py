@@ -125,10 +125,13 @@ def group_state_splits(group) -> tuple[StateSplit, ...]:  # noqa: ANN001 - a vll
         return ()
 
 
-def group_kv_head_major(group) -> bool:  # noqa: ANN001 - a vllm KVCacheGroupSpec
-    """Whether a group's attention spec packs KV heads head-major (vLLM 0.34's
-    ``kv_head_major_slots``): the handshake then refuses it across TP sizes."""
-    return any(kv_head_major_slots(sp) for sp in layer_specs(group))
+def group_head_slots(group) -> tuple[int, bool]:  # noqa: ANN001 - a vllm KVCacheGroupSpec
+    """(``num_head_slots``, ``kv_head_major_slots``) of a group's attention spec: vLLM 0.34's
+    slots per page where packing diverges from one per KV head (0: one per head, or no such
+    field), and whether they are grouped by head. The handshake refuses slots not grouped
+    by head across TP sizes (a head's bytes are then not one run)."""
+    spec = layer_specs(group)[0]
+    return int(getattr(spec, "num_head_slots", None) or 0), kv_head_major_slots(spec)
 
 
 def mamba_reslice_problem(kv_cache_config) -> str | None:  # noqa: ANN001 - a vllm KVCacheConfig
@@ -238,9 +241,7 @@ class PDWorker:
             kv_heads=kv_heads,
             total_kv_heads=self._s.total_kv_heads,
             state_splits=[group_state_splits(g) for g in self._kv_cache_config.kv_cache_groups],
-            kv_head_major_slots=[
-                group_kv_head_major(g) for g in self._kv_cache_config.kv_cache_groups
-            ],
+            head_slots=[group_head_slots(g) for g in self._kv_cache_config.kv_cache_groups],
         )
         info = AgentInfo(
             engine_id=self._s.engine_id,

@@ -250,7 +250,7 @@ def k3_rank(shape: K3Shape, rank: int, poison: int) -> K3Rank:
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from hybridkv.connector.block_layout import layer_specs, layout_rows
-    from hybridkv.connector.pd_worker import group_kv_head_major, group_state_splits
+    from hybridkv.connector.pd_worker import group_head_slots, group_state_splits
 
     kc = shape.kv_cache_config
     kernel = [
@@ -276,7 +276,7 @@ def k3_rank(shape: K3Shape, rank: int, poison: int) -> K3Rank:
         ],
         total_kv_heads=shape.vllm_config.model_config.get_total_num_kv_heads(),
         state_splits=[group_state_splits(g) for g in kc.kv_cache_groups],
-        kv_head_major_slots=[group_kv_head_major(g) for g in kc.kv_cache_groups],
+        head_slots=[group_head_slots(g) for g in kc.kv_cache_groups],
     )
     return K3Rank(shape, rank, tensors, raw, descriptor)
 

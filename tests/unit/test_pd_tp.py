@@ -25,7 +25,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from hybridkv.connector.block_layout import KVLayout, layout_rows
 from hybridkv.connector.pd_auth import DeploymentKey
-from hybridkv.connector.pd_handshake import LayoutDescriptor, find_mismatches
+from hybridkv.connector.pd_handshake import GroupDescriptor, LayoutDescriptor, find_mismatches
 from hybridkv.connector.pd_params import (
     LocalLayout,
     PromptView,
@@ -38,18 +38,22 @@ from hybridkv.connector.pd_tp import (
     RankRead,
     head_slices,
     heterogeneous_tp_problem,
+    latent_rank,
     rank_reads,
+    read_spans,
     readers_of,
     region_rows,
 )
 from hybridkv.connector.pd_transport import read_descriptors
+from hybridkv.connector.pd_worker import group_head_slots
 from hybridkv.store.vllm_compat import get_kv_cache_config_from_groups
 
 TOTAL_HEADS = 4
 POISON = 0xA5
 
 
-def _groups(heads: int) -> list[KVCacheGroupSpec]:
+def _groups(heads: int, **packing: object) -> list[KVCacheGroupSpec]:
+    """``packing``: vLLM 0.34's page packing fields of both specs (none: one slot per head)."""
     return [
         KVCacheGroupSpec(
             ["sw.0", "sw.1"],
@@ -59,26 +63,30 @@ def _groups(heads: int) -> list[KVCacheGroupSpec]:
                 head_size=64,
                 dtype=torch.bfloat16,
                 sliding_window=64,
+                **packing,
             ),
         ),
         KVCacheGroupSpec(
             ["fa.0", "fa.1"],
             FullAttentionSpec(
-                block_size=32, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16
+                block_size=32, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16, **packing
             ),
         ),
     ]
 
 
 class Cache:
-    """One rank's KV cache (``heads`` KV heads per layer, 16 blocks)."""
+    """One rank's KV cache (``heads`` KV heads per layer, 16 blocks; ``packing``: see
+    :func:`_groups`, a function of ``heads``)."""
 
-    def __init__(self, heads: int) -> None:
+    def __init__(self, heads: int, packing=None) -> None:  # noqa: ANN001
         cfg = VllmConfig()
         cfg.cache_config.kv_cache_layout = "LBHNC"
         page = 32 * heads * 128 * 2
         self.heads = heads
-        self.config = get_kv_cache_config_from_groups(cfg, _groups(heads), 16 * page * 2)
+        groups = _groups(heads, **(packing(heads) if packing else {}))
+        assert all(g.kv_cache_spec.page_size_bytes == page for g in groups)
+        self.config = get_kv_cache_config_from_groups(cfg, groups, 16 * page * 2)
         self.caches = allocate_kv_cache(
             self.config, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout()
         )
@@ -94,6 +102,7 @@ class Cache:
             tp,
             kv_heads=[self.heads] * 2,
             total_kv_heads=TOTAL_HEADS,
+            head_slots=[group_head_slots(g) for g in self.config.kv_cache_groups],
         )
 
 
@@ -266,6 +275,102 @@ def test_heterogeneous_problem_names_mamba_groups():
     assert "--tensor-parallel-size" in msg
     assert heterogeneous_tp_problem(2, 2, (0,), 2, "not GDN") is None  # equal sizes copy whole
     assert "do not split evenly" in heterogeneous_tp_problem(4, 1, (), 2)
+
+
+def test_latent_rank_is_the_one_rank_each_decode_rank_reads_the_mla_latent_from():
+    """Every pair of TP sizes one divides: of the prefill ranks a decode rank reads
+    (rank_reads), read_spans moves an MLA latent group whole from exactly one, latent_rank,
+    and nothing of it from the others. Planted: ``decode_rank % prefill_tp`` (one plausible
+    choice) names, for decode rank 1 of TP2 reading TP4, rank 1, which that decode rank
+    never reads (its plan is ranks 2 and 3): its latent would stay unread."""
+    mla = GroupDescriptor(
+        0, "MLAAttentionSpec", 64, "torch.bfloat16", None, (64 * 1152,), kv_heads=1
+    )
+    for ptp, dtp in [
+        (p, d) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8) if p % d == 0 or d % p == 0
+    ]:
+        for r in range(dtp):
+            plan = rank_reads(r, dtp, ptp, 8)
+            lr = latent_rank(r, dtp, ptp)
+            whole = []
+            for part in plan:
+                spans = read_spans(part, [mla], [mla], [(1,)], [[3]], dtp, ptp, r)
+                whole.append(spans is None or spans[0] is None)
+                assert whole[-1] or spans == [[[]]], (ptp, dtp, r, spans)
+            assert whole == [part.prefill_rank == lr for part in plan], (ptp, dtp, r)
+    assert [latent_rank(r, 2, 4) for r in range(2)] == [0, 2]
+    assert [latent_rank(r, 4, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert 1 % 4 not in [part.prefill_rank for part in rank_reads(1, 2, 4, 8)]
+
+
+needs_head_major_slots = pytest.mark.skipif(
+    "kv_head_major_slots" not in getattr(FullAttentionSpec, "__dataclass_fields__", {}),
+    reason="attention specs carry kv_head_major_slots from vLLM 0.34 on: this vLLM builds no "
+    "head-major page (the 0.34 pass runs this test)",
+)
+
+
+def _head_major(heads: int) -> dict:
+    """Each KV head's K and V as two adjacent slots (vLLM's H2ND, kv_head_major_slots), as
+    MiniMax-M3's sparse backend customises its spec (bf16 content here)."""
+    return {"num_head_slots": 2 * heads, "state_content_bytes": 64 * 2, "kv_head_major_slots": True}
+
+
+def _slot_major(heads: int) -> dict:
+    """Two slots (K, V) each holding every head's content, not grouped by head."""
+    return {"num_head_slots": 2, "state_content_bytes": heads * 64 * 2}
+
+
+def _split(packing, slot_of_heads) -> tuple[Cache, list[Cache]]:  # noqa: ANN001
+    """A TP1 cache with random bytes and the two TP2 ranks vLLM's split gives it:
+    ``slot_of_heads(t, p)`` is rank ``p``'s part of TP1 view ``t`` (``[B, slots, N, C]``)."""
+    full = Cache(TOTAL_HEADS, packing)
+    gen = torch.Generator().manual_seed(8)
+    full.raw.copy_(torch.randint(0, 256, (full.raw.numel(),), dtype=torch.uint8, generator=gen))
+    ranks = [Cache(TOTAL_HEADS // 2, packing) for _ in range(2)]
+    for p, rank in enumerate(ranks):
+        for name, t in rank.caches.items():
+            t.view(torch.int16).copy_(slot_of_heads(full.caches[name].view(torch.int16), p))
+    return full, ranks
+
+
+@needs_head_major_slots
+def test_head_major_slots_pair_across_tp_sizes_and_slice_exactly():
+    """vLLM 0.34 pages whose slots are grouped by KV head (kv_head_major_slots: head h's K
+    and V slots side by side) keep every head one run, so head slicing serves them: the
+    handshake pairs TP2 with TP1 and the decode blocks equal the TP1 blocks exactly."""
+    full, ranks = _split(_head_major, lambda t, p: t[:, 4 * p : 4 * p + 4])
+    assert [g.kv_head_major_slots for g in full.descriptor(1).groups] == [True, True]
+    assert find_mismatches(ranks[0].descriptor(2), full.descriptor(1)) == []
+    decode = Cache(TOTAL_HEADS, _head_major)
+    for part in rank_reads(0, 1, 2, TOTAL_HEADS):
+        src = ranks[part.prefill_rank]
+        _apply(decode, src, REMOTE_IDS, LOCAL_IDS, _spans(decode, src, part))
+    assert _expected_ok(decode, full, lambda name, r: full.caches[name][r])
+
+
+def test_slots_not_grouped_by_head_are_refused_across_tp_sizes_naming_the_field():
+    """Two slots (K, V) each holding every head's content (``num_head_slots``, in vLLM
+    0.32 to 0.34): a head's bytes are not one run. The handshake refuses TP2 -> TP1 naming num_head_slots and the fix (equal TP sizes still
+    pair: whole blocks); ignoring the refusal, head slicing moves other heads' bytes."""
+    n = 64  # int16 words of one head's content in a slot
+    full, ranks = _split(_slot_major, lambda t, p: t[..., 2 * n * p : 2 * n * p + 2 * n])
+    problems = find_mismatches(ranks[0].descriptor(2), full.descriptor(1))
+    fix = (
+        "the prefill side's attention backend packs 2 slots per page for 2 KV heads without "
+        "grouping them by head (kv_head_major_slots false), so a head's bytes are not one run "
+        "that head slicing can cut; start both instances with the same --tensor-parallel-size, "
+        "or a backend whose slots are grouped by KV head"
+    )
+    assert [(m.field, m.prefill, m.decode, m.fix) for m in problems] == [
+        (f"group {g} num_head_slots", 2, 2, fix) for g in range(2)
+    ]
+    assert find_mismatches(ranks[0].descriptor(2), ranks[1].descriptor(2)) == []
+    decode = Cache(TOTAL_HEADS, _slot_major)
+    for part in rank_reads(0, 1, 2, TOTAL_HEADS):
+        src = ranks[part.prefill_rank]
+        _apply(decode, src, REMOTE_IDS, LOCAL_IDS, _spans(decode, src, part))
+    assert not _expected_ok(decode, full, lambda name, r: full.caches[name][r])
 
 
 # ------------------------------------------------------------------- remote_ports in kv_transfer_params
