@@ -75,7 +75,7 @@ logger = get_logger(__name__, "P/D")
 # 8: every body carries ``ts`` (the caller's wall clock) beside its nonce; a body outside
 #    the replay window or with a nonce seen in it is refused (pd_replay). A ClaimLease for a
 #    lease the worker does not hold yet is answered at once with ``retry_s``.
-# 9: each group's ``num_head_slots`` and ``kv_head_major_slots`` (vLLM 0.34 page packing);
+# 9: each group's ``num_head_slots`` and ``kv_head_major_slots`` (attention page packing);
 #    slots not grouped by KV head are refused across TP sizes. MLA latent groups
 #    (pd_tp.REPLICATED_SPECS) pair across TP sizes, read whole from one prefill rank, where
 #    version 8 refused them (kv_heads).
@@ -174,8 +174,8 @@ class GroupDescriptor:
     # Mamba groups: each state's split on this rank (pd_tp.StateSplit.to_wire); empty when
     # the state kind is not re-sliced (then only equal TP sizes pair).
     state_splits: tuple[tuple[int, ...], ...] = ()
-    # vLLM 0.34 page packing: slots per page where it diverges from one per KV head (0: one
-    # per head), and whether they are grouped by head. Head slicing cuts one run per head, so
+    # Attention page packing: slots per page where it diverges from one per KV head (0: one
+    # per head), and whether they are grouped by head (vLLM 0.34's kv_head_major_slots). Head slicing cuts one run per head, so
     # slots not grouped by head pair only at equal TP sizes.
     num_head_slots: int = 0
     kv_head_major_slots: bool = False

@@ -37,9 +37,9 @@ whole from ONE prefill rank, :func:`latent_rank` (the first rank it reads anyway
 nothing of it from the others, while the other groups of the same READs are head- or
 state-sliced.
 
-Head slicing cuts each kernel row ``[H, N, C]`` into one run per KV head. vLLM 0.34 pages
-may hold ``num_head_slots`` slots instead of one per head: grouped by head
-(``kv_head_major_slots``, e.g. each head's K and V slots side by side) every head is still
+Head slicing cuts each kernel row ``[H, N, C]`` into one run per KV head. An attention spec
+may pack ``num_head_slots`` slots instead of one per head: grouped by head (vLLM 0.34's
+``kv_head_major_slots``, e.g. each head's K and V slots side by side) every head is still
 one run and slices exactly; slots not grouped by head are refused across TP sizes (the
 handshake names ``num_head_slots``).
 """

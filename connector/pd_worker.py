@@ -126,10 +126,10 @@ def group_state_splits(group) -> tuple[StateSplit, ...]:  # noqa: ANN001 - a vll
 
 
 def group_head_slots(group) -> tuple[int, bool]:  # noqa: ANN001 - a vllm KVCacheGroupSpec
-    """(``num_head_slots``, ``kv_head_major_slots``) of a group's attention spec: vLLM 0.34's
-    slots per page where packing diverges from one per KV head (0: one per head, or no such
-    field), and whether they are grouped by head. The handshake refuses slots not grouped
-    by head across TP sizes (a head's bytes are then not one run)."""
+    """(``num_head_slots``, ``kv_head_major_slots``) of a group's attention spec: the slots per
+    page where packing diverges from one per KV head (0: one per head, or not attention), and
+    whether they are grouped by head (vLLM 0.34; False before). The handshake refuses slots
+    not grouped by head across TP sizes (a head's bytes are then not one run)."""
     spec = layer_specs(group)[0]
     return int(getattr(spec, "num_head_slots", None) or 0), kv_head_major_slots(spec)
 
