@@ -112,7 +112,8 @@ for t in "${VLLM033_TESTS[@]}"; do
 done
 VLLM034_TESTS+=(
     tests/unit/test_vllm034_declarations.py tests/unit/test_vllm034_hit_limits.py
-    tests/unit/test_vllm034_block_copies.py
+    tests/unit/test_vllm034_block_copies.py tests/unit/test_vllm034_lookahead.py
+    tests/unit/test_vllm034_staging_budget.py tests/unit/test_vllm034_kv_release.py
 )
 
 check() {  # pytest exit code -> ours (5 = nothing collected is a failure)

@@ -321,25 +321,6 @@ def mamba_state_alignment(spec: Any) -> int:
     return int(getattr(spec, "state_alignment", 1))
 
 
-def kv_head_major_problem(kv_cache_config: "KVCacheConfig") -> str | None:
-    """Why cross-TP head slicing cannot serve this KV cache (None: nothing head-major).
-
-    0.34 attention specs with ``kv_head_major_slots`` pack each KV head's K and V slots
-    together (``H2ND``); hybridkv's head slicing cuts a block as ``[H, N, C]`` per K/V
-    region, which would move another head's bytes there. 0.32/0.33: never.
-    """
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        specs = getattr(spec, "kv_cache_specs", None)
-        for s in specs.values() if isinstance(specs, dict) else (spec,):
-            if kv_head_major_slots(s):
-                return (
-                    f"KV cache group {gid} packs KV heads head-major (kv_head_major_slots), which "
-                    "hybridkv's head slicing cannot cut"
-                )
-    return None
-
-
 def hash_lookahead_tokens(owner: Any) -> int:
     """``num_hash_lookahead_tokens`` of a ``VllmConfig`` or ``BlockPool`` (0.33+); 0 where
     vLLM has no lookahead hashes (0.32)."""

@@ -104,18 +104,12 @@ def test_cached_block_ids_are_the_blocks_vllm_would_hit():
 
 def test_head_major_slots_and_state_alignment_default_to_the_older_layout():
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     plain = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
     assert vllm_compat.kv_head_major_slots(plain) is False
     assert vllm_compat.mamba_state_alignment(mamba(64)) == 1
 
-    def cfg(s):  # noqa: ANN001, ANN202
-        return KVCacheConfig(
-            num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], s)]
-        )
-
-    assert vllm_compat.kv_head_major_problem(cfg(plain)) is None
     if "kv_head_major_slots" in FullAttentionSpec.__dataclass_fields__:  # 0.34
         packed = FullAttentionSpec(
             block_size=16,
@@ -124,10 +118,7 @@ def test_head_major_slots_and_state_alignment_default_to_the_older_layout():
             dtype=torch.float16,
             kv_head_major_slots=True,
         )
-        assert vllm_compat.kv_head_major_problem(cfg(packed)) == (
-            "KV cache group 0 packs KV heads head-major (kv_head_major_slots), which hybridkv's head "
-            "slicing cannot cut"
-        )
+        assert vllm_compat.kv_head_major_slots(packed) is True
 
 
 def test_model_runner_output_builds_on_this_vllm():
