@@ -126,9 +126,18 @@ def covered_hashes(
 
 
 def issue_remote_prefill(
-    p: RemotePrefill, key: DeploymentKey | None, block_hashes: Sequence[bytes], hash_block_size: int
+    p: RemotePrefill,
+    key: DeploymentKey | None,
+    block_hashes: Sequence[bytes],
+    hash_block_size: int,
+    group_block_sizes: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Prefill side: the wire form of ``p``, signed when there is a key."""
+    """Prefill side: the wire form of ``p``, signed when there is a key.
+
+    ``group_block_sizes`` (the prefill's block size per KV cache group) travels unsigned: decode
+    compares it with its own first, so that a deployment whose two sides chose different block
+    sizes is refused naming them; the MAC, computed over hashes at the prefill's block size,
+    would otherwise be the first check to fail and name the secret."""
     out: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -141,6 +150,8 @@ def issue_remote_prefill(
         "remote_lease_id": p.lease_id,
         "remote_ports": list(p.rank_ports),
     }
+    if group_block_sizes:
+        out["remote_block_sizes"] = [int(b) for b in group_block_sizes]
     if key is not None:
         hashes = covered_hashes(block_hashes, p.num_tokens, hash_block_size)
         assert hashes is not None, "the prefill side signs only tokens it hashed"
@@ -190,6 +201,30 @@ def _str(
     if pattern is not None and not pattern.match(v):
         return Refused(name, f"{_short(v)} has characters outside {pattern.pattern}", _SAME_PARAMS)
     return v
+
+
+def _block_sizes(raw: dict, local: LocalLayout) -> Refused | None:
+    """A refusal when the prefill's block sizes (sent unsigned, optional) are not this
+    instance's: its block ids and hashes then mean other tokens here."""
+    name = "remote_block_sizes"
+    v = raw.get(name)
+    if v is None:
+        return None
+    if (
+        not isinstance(v, list)
+        or len(v) > 64
+        or not all(isinstance(b, int) and not isinstance(b, bool) for b in v)
+    ):
+        return Refused(name, f"is {_short(v)}, not a list of block sizes", _SAME_PARAMS)
+    if tuple(v) != tuple(local.group_block_sizes):
+        return Refused(
+            name,
+            f"is {_short(v)}, but this instance's KV cache groups have block_size "
+            f"{list(local.group_block_sizes)}",
+            "serve prefill and decode with the same block sizes: the same model, --block-size, "
+            "speculative config and, where vLLM aligns blocks to a Mamba state's page, TP size",
+        )
+    return None
 
 
 def _block_ids(
@@ -318,6 +353,9 @@ def parse_kv_transfer_params(
             "is true on an instance that is not a decode instance",
             "send the decode leg to an instance with kv_role kv_consumer or kv_both",
         )
+    sizes = _block_sizes(raw, local)
+    if sizes is not None:
+        return sizes
     fields: dict[str, Any] = {
         "engine_id": _str(raw, "remote_engine_id", MAX_ENGINE_ID_CHARS),
         "request_id": _str(raw, "remote_request_id", MAX_REQUEST_ID_CHARS),

@@ -465,3 +465,34 @@ def test_parse_is_total_on_the_local_layout_bounds():
     assert isinstance(r, Refused) and r.field == "remote_num_tokens"  # 48 tokens, 2 hashes of 16
     assert covered_hashes([b"a", b"b"], 33, 16) == [b"a", b"b"]
     assert PURPOSE_PARAMS.startswith("hybridkv-pd-params")
+
+
+def test_block_sizes_that_differ_from_this_instances_are_refused_naming_them(secret_file):
+    """A prefill whose KV cache groups chose other block sizes (vLLM aligns a Mamba state's page
+    per TP size and speculative config) is refused naming the block sizes, before the MAC (whose
+    hashes were taken at the prefill's block size) fails and names the secret."""
+    key = load_key(secret_file, False)
+    local = LocalLayout(False, True, (1920, 1920), 64, 1920)
+    prompt = PromptView(4000, [bytes([i]) * 32 for i in range(2)])
+    p = RemotePrefill("e", "r", "h", 1, ((1, 2), (3, 4)), 3840, "0" * 32, (1,))
+    same = issue_remote_prefill(p, key, prompt.block_hashes, 1920, (1920, 1920))
+    assert same["remote_block_sizes"] == [1920, 1920]
+    assert parse_kv_transfer_params(same, prompt, local, key) == p
+    other = issue_remote_prefill(p, key, prompt.block_hashes, 1920, (1024, 1024))
+    r = parse_kv_transfer_params(other, prompt, local, key)
+    assert r == Refused(
+        "remote_block_sizes",
+        "is [1024, 1024], but this instance's KV cache groups have block_size [1920, 1920]",
+        "serve prefill and decode with the same block sizes: the same model, --block-size, "
+        "speculative config and, where vLLM aligns blocks to a Mamba state's page, TP size",
+    )
+    for bad in ("1920", [1920, True], [1920.0, 1920], list(range(65))):
+        r = parse_kv_transfer_params(same | {"remote_block_sizes": bad}, prompt, local, key)
+        assert isinstance(r, Refused) and r.field == "remote_block_sizes", (bad, r)
+    # Optional and unsigned: a set without it is judged by its MAC as before.
+    assert (
+        parse_kv_transfer_params(
+            {k: v for k, v in same.items() if k != "remote_block_sizes"}, prompt, local, key
+        )
+        == p
+    )
