@@ -17,7 +17,7 @@ def engines_start_by_fork():
     platform's spawn, which imports vLLM again in every engine core and worker (8-13 s of a core
     each here; cli/harness/engine_start.py says how and why it is the same code). This is the suite's
     default (to keep the e2e tests within their time budget); ``HYBRIDKV_ENGINE_START=spawn pytest tests/e2e`` runs
-    vLLM's own spawn path instead, and the demo test keeps that path either way.
+    vLLM's own spawn path instead, and the store demo test keeps that path either way.
     The fork server starts here, before any test takes the set of its engines' pids (a fork
     server started by an engine's boot would be counted, and killed, as that engine's)."""
     chosen = os.environ.get(engine_start.ENV)

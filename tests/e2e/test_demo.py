@@ -11,14 +11,17 @@ from hybridkv.cli.harness.engine_start import ENV as ENGINE_START_ENV
 from hybridkv.cli.main import main
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def vllms_own_spawn(monkeypatch):  # noqa: ANN001, ANN201
-    """The README's command as a user runs it: the servers' engine processes start the way
+    """The README's command as a user runs it: the server's engine processes start the way
     vLLM's CPU platform starts them (spawn), while the other e2e tests start theirs by fork
-    (the suite's default: tests/e2e/conftest.py, cli/harness/engine_start.py)."""
+    (the suite's default: tests/e2e/conftest.py, cli/harness/engine_start.py). The store demo
+    keeps vLLM's spawn path covered; the P/D demo takes the suite's default (its two servers'
+    engine cores and workers would each import vLLM again, 8-13 s of a core apiece)."""
     monkeypatch.setenv(ENGINE_START_ENV, "spawn")
 
 
+@pytest.mark.usefixtures("vllms_own_spawn")
 def test_demo_serves_store_hits_that_match_recompute(tmp_path, capsys):
     out = tmp_path / "demo.json"
     assert (
