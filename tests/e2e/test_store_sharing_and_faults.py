@@ -219,13 +219,24 @@ def test_chunked_prefill_and_preemption_under_a_small_cache():
     del llm
 
 
+def _stuck_calls(worker) -> int:  # noqa: ANN001 - runs in the engine's worker
+    """Store calls the worker's backend abandoned after their timeout that have not returned."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker._client.stuck_calls
+
+
 @pytest.fixture(scope="module")
 def holder_store():  # noqa: ANN201
     """A master, a store node (``_HOLDER``: every object lands in its segment) and a gemma3
     engine that stores nothing itself, with the fault tests' timeouts: one engine boot for the
     hung-node test and then the lost-objects test (last: it kills the node). Each uses its
     own session seed, so neither hits the other's objects."""
-    with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master,
+    ):
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(_stuck_calls)
         holder = subprocess.Popen(
             [sys.executable, "-c", _HOLDER, master.address], stdout=subprocess.PIPE
         )
@@ -280,9 +291,15 @@ def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_b
         failed = metric(llm, "vllm:hybridkv_store_failed_loads") - failed_before
         causes = failure_causes(llm)
         ref = generate(llm, session.prompt, cache_salt="hung-recompute")
+        stuck = sum(llm.collective_rpc(_stuck_calls))  # the abandoned read, still pending
     finally:
         holder.send_signal(signal.SIGCONT)
-    time.sleep(2 * TIMEOUT_S)  # let the abandoned read finish into its pinned blocks
+    # Let the abandoned read finish into its pinned blocks: its store call has returned when
+    # the worker's backend counts no stuck call (bounded as before, 2 x timeout_s).
+    resumed = time.monotonic()
+    while any(llm.collective_rpc(_stuck_calls)) and time.monotonic() < resumed + 2 * TIMEOUT_S:
+        time.sleep(0.1)
+    landed_s = time.monotonic() - resumed
     again = generate(llm, session.prompt)  # same prompt, no salt: the local prefix cache
     other_prompt = Session(seed=15).prompt
     other = generate(llm, other_prompt, cache_salt="hung-other")
@@ -291,11 +308,13 @@ def test_store_node_hung_during_a_load_recomputes_and_never_writes_into_reused_b
     print(
         f"\nnode hung: cached {got.num_cached_tokens}, {elapsed:.1f}s (healthy {base_s:.1f}s, "
         f"bound {fault_bound(base_s):.1f}s), failed loads +{failed:g}, causes {causes}; "
-        f"resend after resume: cached {again.num_cached_tokens} (local hit {local_hit})"
+        f"{stuck} pending read(s) landed {landed_s:.1f}s after resume; resend after resume: cached "
+        f"{again.num_cached_tokens} (local hit {local_hit})"
     )
     assert matches(got, ref)
     assert failed == 1, "the load did not fail: this turn did not take the hung-node path"
     assert causes.get("load_hkv_call_timeout", 0) >= 1, causes
+    assert stuck >= 1, "no abandoned read was pending when the node resumed"
     assert elapsed <= fault_bound(base_s)
     assert again.num_cached_tokens == local_hit, "the resend did not reuse the recompute's blocks"
     assert matches(again, ref), "a late read landed in blocks the local prefix cache reuses"
