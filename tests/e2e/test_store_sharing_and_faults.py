@@ -201,8 +201,9 @@ def test_chunked_prefill_and_preemption_under_a_small_cache():
         disable_log_stats=False,
     )
     sessions = [Session(seed=100 + i, first_tokens=1100, growth_tokens=300) for i in range(4)]
-    # Long answers: running requests grow by 3 blocks each and the pool runs out.
-    first = _generate_many(llm, [s.prompt for s in sessions], max_tokens=300, top_k=False)
+    # Answers of 150 tokens: each running request grows from 9 to 10 blocks (1100 -> 1250
+    # tokens) and the pool runs out.
+    first = _generate_many(llm, [s.prompt for s in sessions], max_tokens=150, top_k=False)
     preemptions = metric(llm, "vllm:num_preemptions")
     for s, c in zip(sessions, first):
         s.extend(c.token_ids)
