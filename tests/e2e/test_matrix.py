@@ -1,28 +1,29 @@
-"""The deployment matrix with a speculative drafter, on the real CPU engine.
+"""The deployment matrix on the real CPU engine, with and without a speculative drafter.
 
-One pair of real vLLM CPU engines (gemma4 target: sliding + two full-attention groups at
-different block sizes, plus an EAGLE head whose layer forms a third full-attention group,
-``eagle-gemma4``), each with hybridkv's P/D + store MultiConnector (the prefill's
-[HybridPDConnector, HybridStoreConnector], the decode's [HybridStoreConnector,
-HybridPDConnector]: tests/e2e/test_pd_store_multiconnector.py), one real mooncake_master.
-Three sessions of three agentic turns run against it, one per deployment:
+Per variant, one pair of real vLLM CPU engines, each with hybridkv's P/D + store
+MultiConnector (the prefill's [HybridPDConnector, HybridStoreConnector], the decode's
+[HybridStoreConnector, HybridPDConnector]: tests/e2e/test_pd_store_multiconnector.py), one real
+mooncake_master. Variants: gemma4 (sliding + two full-attention groups at different block
+sizes) with an EAGLE head whose layer forms a third full-attention group (``eagle-gemma4``),
+and gemma4 without it. Three sessions of three agentic turns run against each pair, one per
+deployment:
 
 * ``store``: requests to the decode engine alone (no hand-over); its local prefix cache is
   reset before each turn, so the hit must come back from the store.
 * ``pd``: prefill leg, then the prefill's store objects of that prompt removed from the
   master, the decode's cache reset: the hand-over must come over NIXL.
 * ``pd+store``: prefill leg, its saves landed, the decode's cache reset: the store child
-  serves the hand-over (it is queried first) and the peer only releases its lease.
+  serves (it is queried first): without a drafter the whole hand-over, with one the EAGLE
+  checkpoint a scheduler block below it.
 
 Per turn: prompt, the decode engine's own hit by source from vLLM's
 ``prompt_tokens_cached_by_source`` (host = store load, p2p = NIXL READ, device = local),
-the expected hit, and greedy output equal to a recompute under a fresh ``cache_salt``.
+the expected hit (vLLM's ``get_mamba_prefill_checkpoint_position``, with the EAGLE block drop
+when the drafter is on), and greedy output equal to a recompute under a fresh ``cache_salt``.
 After each P/D leg every prefill block is free again within a quarter of the lease (the lease
 ended, the saves acknowledged), learned at the prefill's next step.
-The mode is ``block + drafter``; the drafter-free ``block`` cells of the same deployments
-are tests/e2e/test_store_connector.py, test_pd_connector.py, test_pd_store_multiconnector.py.
-``partial`` is the same as ``block`` on this model: vLLM 0.32 applies
-``--prefix-match-unit`` to Mamba-align groups only.
+The mode is ``block`` / ``block + drafter``; ``partial`` is the same as ``block`` on gemma4:
+vLLM 0.32 applies ``--prefix-match-unit`` to Mamba-align groups only.
 
 The Mamba hybrid with a drafter cannot run on this engine: vLLM 0.32's align-mode pre-copy
 before each step with speculative decoding (``mamba_utils.run_fused_precopy``) is a Triton
@@ -107,11 +108,12 @@ def _print(title: str, rows: list[dict]) -> None:
         )
 
 
-def _store_session(decode, align: int) -> list[dict]:
-    """The store deployment: the decode engine alone, its cache reset before every turn."""
+def _store_session(decode, align: int, drop: bool) -> list[dict]:
+    """The store deployment: the decode engine alone, its cache reset before every turn. The
+    hit is the previous prompt's checkpoint (one scheduler block lower with the EAGLE drop)."""
     session, rows, prev = Session(seed=43, first_tokens=FIRST, growth_tokens=GROWTH), [], 0
     for turn in range(1, 4):
-        expected = get_mamba_prefill_checkpoint_position(prev, align, True) if prev else 0
+        expected = get_mamba_prefill_checkpoint_position(prev, align, drop) if prev else 0
         reset_local_cache(decode)
         before = _snapshot(decode)
         got = generate(decode, session.prompt)
@@ -173,22 +175,38 @@ def _pd_session(
     return rows
 
 
-def test_gemma4_with_drafter_in_every_deployment(monkeypatch, tmp_path):
+# variant -> (tiny model, drafter kind or None, extra engine args on both engines).
+VARIANTS: dict[str, tuple[str, str | None, dict]] = {
+    "gemma4-drafter": ("gemma4", "eagle-gemma4", {}),
+    "gemma4": ("gemma4", None, {}),
+}
+RELEASES: dict[
+    str, list
+] = {}  # "variant deployment" -> seconds until the prefill's blocks were free
+
+
+def _every_deployment(variant: str, monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
+    """One prefill + decode pair of ``variant``, the three deployments as sessions against it."""
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(kv_cache_layout)
+    kind, drafter, engine_args = VARIANTS[variant]
     t0 = time.monotonic()
-    model = tiny_model("gemma4")
-    spec = _drafter("eagle-gemma4")
+    model = tiny_model(kind)
+    spec = _drafter(drafter) if drafter else None
     with EmbeddedMaster(default_kv_lease_ttl_ms=2_000) as master:
         key_log = Path(tempfile.mkdtemp(prefix="hkv-matrix-keys-")) / "prefill_keys.log"
         with engine_output_to(tmp_path / "engines.log"):
             prefill = make_llm(
-                model, prefill_config(master.address, str(key_log)), speculative_config=spec
+                model,
+                prefill_config(master.address, str(key_log)),
+                speculative_config=spec,
+                **engine_args,
             )
             decode = make_llm(
                 model,
                 decode_config(master.address),
                 speculative_config=spec,
                 disable_log_stats=False,
+                **engine_args,
             )
         booted = time.monotonic() - t0
         try:
@@ -198,16 +216,16 @@ def test_gemma4_with_drafter_in_every_deployment(monkeypatch, tmp_path):
                 f"\ngroups: {[(g['spec'], g['block_size'], g['head_size']) for g in groups]}, "
                 f"scheduler block {layout['scheduler_block_size']}"
             )
-            # Sliding + two target full-attention block sizes + the drafter's own group.
-            assert [g["spec"] for g in groups].count("FullAttentionSpec") == 3, groups
-            assert (
-                len({g["block_size"] for g in groups if g["spec"] == "FullAttentionSpec"}) == 3
-            ), groups
-            assert layout["eagle_block_drop"]
+            drop = layout["eagle_block_drop"]
+            assert drop == bool(drafter), layout
+            if drafter:
+                # Sliding + two target full-attention block sizes + the drafter's own group.
+                full = [g for g in groups if g["spec"] == "FullAttentionSpec"]
+                assert len(full) == 3 and len({g["block_size"] for g in full}) == 3, groups
             align = layout["scheduler_block_size"]
             assert align == math.lcm(*(g["block_size"] for g in groups))
             results = {
-                "store": _store_session(decode, align),
+                "store": _store_session(decode, align, drop),
                 "pd+store": _pd_session(
                     prefill, decode, key_log, master.address, True, seed=41, align=align
                 ),
@@ -220,12 +238,18 @@ def test_gemma4_with_drafter_in_every_deployment(monkeypatch, tmp_path):
             del prefill, decode
     elapsed = time.monotonic() - t0
     RELEASES.update(
-        {d: [r.get("release_s") for r in rows] for d, rows in results.items() if d != "store"}
+        {
+            f"{variant} {d}": [r.get("release_s") for r in rows]
+            for d, rows in results.items()
+            if d != "store"
+        }
     )
+    mode = "block + drafter" if drafter else "block"
     for deployment, rows in results.items():
         _print(
-            f"gemma4 + EAGLE drafter, {deployment}, block + drafter (boot {booted:.0f} s, "
-            f"module {elapsed:.0f} s; prefill blocks free after {RELEASES.get(deployment)} s)",
+            f"{variant}, {deployment}, {mode} (scheduler block {align}, boot {booted:.0f} s, "
+            f"module {elapsed:.0f} s; prefill blocks free after "
+            f"{RELEASES.get(f'{variant} {deployment}')} s)",
             rows,
         )
     for deployment, rows in results.items():
@@ -239,17 +263,18 @@ def test_gemma4_with_drafter_in_every_deployment(monkeypatch, tmp_path):
             elif deployment == "pd":
                 assert (r["cached"], r["source"]) == (r["expected"], "peer"), r
             else:
-                # MultiConnector loads from the first child that offers tokens, the store: with
+                # MultiConnector loads from the first child that offers tokens, the store. With
                 # the drafter its hit is the EAGLE checkpoint, one scheduler block below the
-                # hand-over (the peer holds the whole hand-over); when that is 0 the peer serves.
-                store_hit = r["expected"] - align
+                # hand-over (the peer holds the whole hand-over; when that is 0 the peer
+                # serves); without it the store's checkpoint is the hand-over itself.
+                store_hit = r["expected"] - align if drop else r["expected"]
                 assert (r["cached"], r["source"]) == (
                     (store_hit, "store") if store_hit else (r["expected"], "peer")
                 ), r
         assert rows[1]["cached"] > 0 and rows[2]["cached"] > rows[1]["cached"], rows
         observe(
             TABLE,
-            f"gemma4-{deployment}-block-drafter",
+            f"{kind}-{deployment}-block" + ("-drafter" if drafter else ""),
             {
                 "turns": ", ".join(f"{r['cached']}/{r['prompt']} ({r['source']})" for r in rows),
                 "result": "pass",
@@ -257,14 +282,17 @@ def test_gemma4_with_drafter_in_every_deployment(monkeypatch, tmp_path):
         )
 
 
-RELEASES: dict[
-    str, list
-] = {}  # deployment -> seconds until the prefill's blocks were all free, per turn
+def test_gemma4_with_drafter_in_every_deployment(monkeypatch, tmp_path):  # noqa: ANN001
+    _every_deployment("gemma4-drafter", monkeypatch, tmp_path)
 
 
-def test_gemma4_with_drafter_prefill_frees_its_blocks_after_the_read():
-    """Reads the release times test_gemma4_with_drafter_in_every_deployment recorded."""
-    assert RELEASES, "the deployment test did not run"
+def test_gemma4_in_every_deployment(monkeypatch, tmp_path):  # noqa: ANN001
+    _every_deployment("gemma4", monkeypatch, tmp_path)
+
+
+def test_every_deployments_prefill_frees_its_blocks_after_the_read():
+    """Reads the release times the deployment tests above recorded."""
+    assert RELEASES, "no deployment test ran"
     for deployment, secs in RELEASES.items():
         assert all(s is not None and s < LEASE_S / 4 for s in secs), (deployment, secs)
 
