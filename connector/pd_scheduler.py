@@ -56,6 +56,7 @@ from hybridkv.connector.pd_params import (
     parse_kv_transfer_params,
 )
 from hybridkv.connector.pd_tp import MAMBA_TP_NOT_ENABLED
+from hybridkv.store import vllm_compat
 from hybridkv.store.geometry import state_column
 from hybridkv.store.logs import get_logger
 
@@ -270,6 +271,7 @@ class PDScheduler:
         from vllm.v1.request import RequestStatus
 
         parsed = self.params(request)
+        cut = request.request_id in self._truncated
         self._forget(request.request_id)
         if not isinstance(parsed, RemoteDecode):
             return False, None
@@ -303,6 +305,17 @@ class PDScheduler:
         hash_bs = self.local_layout().hash_block_size
         # Sign only what this request hashed (a prompt's last partial block has no hash).
         num_tokens = min(request.num_computed_tokens, len(request.block_hashes) * hash_bs)
+        if not cut:
+            # With lookahead hashes, the sampled token is in the hash of a prompt block ending
+            # within the lookahead of the prompt's end; decode, holding the prompt only, never
+            # computes that hash. A cut prompt was hashed before the cut (vLLM hashes a request
+            # when it is built), over prompt tokens only: every hash it has, decode computes.
+            num_tokens = min(
+                num_tokens,
+                vllm_compat.prompt_hashed_tokens(
+                    request, hash_bs, vllm_compat.hash_lookahead_tokens(self._block_pool)
+                ),
+            )
         for gid in self._mamba:
             if gid < len(remote) and gid < len(self._group_block_sizes):
                 # Hand over the table up to the state column: the speculative-decoding scratch

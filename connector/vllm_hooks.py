@@ -28,12 +28,14 @@ which enum) is :mod:`hybridkv.store.vllm_compat`'s concern.
   the token after the block, so it never equals a legacy one and a legacy
   engine's objects never hit), it saves and looks up only blocks whose hash
   exists, and its mirror's coordinator is built with the scheduler's lookahead
-  count and EAGLE setting (``store/geometry.py``). P/D: False. The prefill
-  side signs and hands over every block its request has hashed; after the
-  sampled token, the last full prompt block's lookahead hash covers that
-  token, which decode (holding the prompt only) cannot hash, so decode would
-  refuse a hand-over of a prompt that ends on a block boundary. It answers True
-  once the hand-over is bounded by ``vllm_compat.prompt_hashed_tokens``.
+  count and EAGLE setting (``store/geometry.py``). P/D: True. A prefill that
+  computes its whole prompt samples a token, and the lookahead hash of a prompt
+  block ending within the lookahead of the prompt's end covers that token, which
+  decode (holding the prompt only) cannot hash: such a prefill signs and hands
+  over only ``vllm_compat.prompt_hashed_tokens`` tokens, whose hashes decode
+  computes identically. A prefill that cuts its prompt (sliding window, Mamba)
+  hashed it before the cut, over prompt tokens only, and hands over as before
+  (its Mamba state is h(cut), so the bound must not move).
 * ``may_load_async`` (vLLM 0.34, asked when a request enters the waiting
   queues, before any lookup): vLLM's default for both, ``do_remote_prefill`` in
   the request's ``kv_transfer_params``. A store hit is unknown until the
@@ -74,6 +76,7 @@ class PDConnectorHooks(_Declarations):
     """``HybridPDConnector``'s declarations (see the module docstring)."""
 
     _KV_CACHE_ACCESS = ("REGISTERS", "EXPORTS_FABRIC")
+    _LOOKAHEAD_BLOCK_HASHES = True
     _worker: Any
 
     def unregister_kv_caches(self) -> None:

@@ -75,10 +75,10 @@ def test_kv_cache_access_per_connector(role, device):
 def test_sleep_mode_declined_and_lookahead_hashes_per_connector(role):
     """Sleep/wake re-commits KV memory that hybridkv's workers registered and advertised to
     peers, so both classes answer False (vLLM then refuses --enable-sleep-mode at startup).
-    Lookahead block hashes: the store True (its keys are the scheduler's hashes), P/D False
-    (decode cannot hash the sampled token a prefill's last lookahead hash covers); a
-    MultiConnector answers True only if every child does."""
-    answers = {HybridPDConnector: False, HybridStoreConnector: True}
+    Lookahead block hashes: both True (the store's keys are the scheduler's hashes; P/D hands
+    over only blocks whose hashes decode computes); a MultiConnector answers True only if every
+    child does."""
+    answers = {HybridPDConnector: True, HybridStoreConnector: True}
     for cls, lookahead in answers.items():
         cfg = _config(cls.__name__, role, "cuda")
         if hasattr(KVConnectorBase_V1, "supports_sleep_mode"):
@@ -89,7 +89,7 @@ def test_sleep_mode_declined_and_lookahead_hashes_per_connector(role):
         cls = KVConnectorFactory.get_connector_class(multi)
         assert cls.supports_sleep_mode(multi) is False
         if hasattr(cls, "supports_lookahead_block_hashes"):  # 0.34
-            assert cls.supports_lookahead_block_hashes(multi) is False
+            assert cls.supports_lookahead_block_hashes(multi) is True
             store_and_sibling = _multi(
                 role, "cuda", "HybridStoreConnector", "MooncakeStoreConnector"
             )
