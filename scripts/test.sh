@@ -114,6 +114,7 @@ VLLM034_TESTS+=(
     tests/unit/test_vllm034_declarations.py tests/unit/test_vllm034_hit_limits.py
     tests/unit/test_vllm034_block_copies.py tests/unit/test_vllm034_lookahead.py
     tests/unit/test_vllm034_staging_budget.py tests/unit/test_vllm034_kv_release.py
+    tests/unit/test_vllm034_pd_lookahead.py
 )
 
 check() {  # pytest exit code -> ours (5 = nothing collected is a failure)

@@ -122,7 +122,11 @@ def _prefill_scheduler(models: tuple[Path, Path], transfer: KVTransferConfig) ->
         max_num_batched_tokens=4096,
         eagle_draft=(draft, NUM_SPEC),
     )
-    assert (sched.num_lookahead_tokens, sched.use_eagle_block_drop) == (NUM_SPEC, True)
+    # With lookahead hashes (vLLM 0.34, both connectors opting in) vLLM takes no EAGLE drop.
+    assert (sched.num_lookahead_tokens, sched.use_eagle_block_drop) == (
+        NUM_SPEC,
+        vllm_compat.hash_lookahead_tokens(sched) == 0,
+    )
     sched.connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata("127.0.0.1", 45678, 0)})
     return sched
 
