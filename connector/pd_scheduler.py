@@ -341,6 +341,7 @@ class PDScheduler:
             self._key,
             request.block_hashes,
             hash_bs,
+            self._group_block_sizes,
         )
 
     # ---------------------------------------------------------------- decode

@@ -788,7 +788,8 @@ def test_pd_across_tp_sizes_refuses_unequal_blocks_naming_the_field(k3_dir, llam
     assert (pre.manager_block, dec.manager_block, handover) == (1024, TP_BLOCK, 5120)
     assert reads == []
     refused = decode.connector._scheduler.params(req)
-    assert isinstance(refused, Refused) and "block_size=1920" in str(refused), refused
+    assert isinstance(refused, Refused) and refused.field == "remote_block_sizes", refused
+    assert f"is {[1024] * 4}, but this instance's KV cache groups have block_size " in str(refused)
     problems = find_mismatches(
         k3_rank(pre, 0, POISON).descriptor, k3_rank(dec, 0, POISON).descriptor
     )
@@ -801,20 +802,10 @@ def test_pd_across_tp_sizes_refuses_unequal_blocks_naming_the_field(k3_dir, llam
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "kv_transfer_params carry no block size: on a hand-over whose block ids fit both "
-        "block sizes (1024 tokens at 1024 vs 1920) the decode scheduler cannot verify the MAC "
-        "over the prompt's block hashes (hashed at 1024 on the prefill, 1920 here) and refuses "
-        "naming remote_mac with the fix 'the same auth_secret_file'; pd_params/pd_scheduler "
-        "would sign the prefill's group block sizes into the params and refuse a difference "
-        "first, naming block_size"
-    ),
-)
 def test_pd_refusal_of_unequal_blocks_names_block_size_on_short_handovers(k3_dir, llama4_dir):
     pre, dec, decode, req, reads, handover = _tp_handover(
         k3_dir, llama4_dir, 2, 1, prefill_block=None, prompt_len=2500
     )
     assert (handover, reads) == (1024, [])
-    assert "block_size" in str(decode.connector._scheduler.params(req))
+    refused = decode.connector._scheduler.params(req)
+    assert isinstance(refused, Refused) and refused.field == "remote_block_sizes", refused
