@@ -203,6 +203,11 @@ def _str(
     return v
 
 
+def _sizes(sizes: Sequence[int]) -> str:
+    """``block_size=N`` when every group has N, else the list."""
+    return f"block_size={sizes[0]}" if len(set(sizes)) == 1 else f"block_size={list(sizes)}"
+
+
 def _block_sizes(raw: dict, local: LocalLayout) -> Refused | None:
     """A refusal when the prefill's block sizes (sent unsigned, optional) are not this
     instance's: its block ids and hashes then mean other tokens here."""
@@ -219,8 +224,8 @@ def _block_sizes(raw: dict, local: LocalLayout) -> Refused | None:
     if tuple(v) != tuple(local.group_block_sizes):
         return Refused(
             name,
-            f"is {_short(v)}, but this instance's KV cache groups have block_size "
-            f"{list(local.group_block_sizes)}",
+            f"is {_short(v)}: the prefill's KV cache groups have {_sizes(v)}, this instance's "
+            f"{_sizes(local.group_block_sizes)}",
             "serve prefill and decode with the same block sizes: the same model, --block-size, "
             "speculative config and, where vLLM aligns blocks to a Mamba state's page, TP size",
         )

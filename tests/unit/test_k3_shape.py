@@ -789,7 +789,7 @@ def test_pd_across_tp_sizes_refuses_unequal_blocks_naming_the_field(k3_dir, llam
     assert reads == []
     refused = decode.connector._scheduler.params(req)
     assert isinstance(refused, Refused) and refused.field == "remote_block_sizes", refused
-    assert f"is {[1024] * 4}, but this instance's KV cache groups have block_size " in str(refused)
+    assert "groups have block_size=1024, this instance's block_size=1920" in str(refused)
     problems = find_mismatches(
         k3_rank(pre, 0, POISON).descriptor, k3_rank(dec, 0, POISON).descriptor
     )

@@ -482,7 +482,8 @@ def test_block_sizes_that_differ_from_this_instances_are_refused_naming_them(sec
     r = parse_kv_transfer_params(other, prompt, local, key)
     assert r == Refused(
         "remote_block_sizes",
-        "is [1024, 1024], but this instance's KV cache groups have block_size [1920, 1920]",
+        "is [1024, 1024]: the prefill's KV cache groups have block_size=1024, this instance's "
+        "block_size=1920",
         "serve prefill and decode with the same block sizes: the same model, --block-size, "
         "speculative config and, where vLLM aligns blocks to a Mamba state's page, TP size",
     )
