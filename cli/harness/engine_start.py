@@ -13,7 +13,7 @@ parent/child tree under a server.
 
 Asked for by ``HYBRIDKV_ENGINE_START=fork`` (unset or ``spawn``: vLLM's own spawn). The e2e
 tests set it unless the caller chose (tests/e2e/conftest.py, for the start time it saves); the
-demo test keeps vLLM's own spawn path:
+store demo test keeps vLLM's own spawn path:
 
 - a server: ``python -m hybridkv.cli.harness.engine_start vllm.entrypoints.openai.api_server ARGS``
   (what :class:`hybridkv.cli.server.VllmServer` runs then): the API server forks its engine
