@@ -88,6 +88,7 @@ PD_PARAM_KEYS = {
     "remote_mac",
     "remote_prefill_cached_tokens",
     "remote_ports",
+    "remote_block_sizes",
 }
 # The pair's deployment secret (signs kv_transfer_params and the side channel), fresh per run.
 SECRET_FILE = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-multi-e2e-")) / "secret"))
