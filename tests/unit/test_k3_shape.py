@@ -88,25 +88,14 @@ from tests.unit.k3_shape import (
     write_k3_config,
 )
 from tests.unit.pd_real_scheduler import pd_request, prefill_leg, worker_reply
+from tests.unit.tiny_vllm_config import TINY_LLAMA
 
 NUM_SPEC = 2
 KDA = list(range(NUM_KDA_GROUPS))
 MLA, DRAFTER = NUM_KDA_GROUPS, NUM_KDA_GROUPS + 1
 SECRET = str(write_secret_file(Path(tempfile.mkdtemp(prefix="hkv-k3-")) / "secret"))
-_LLAMA_64K = {  # the scheduler's ModelConfig only bounds lengths: a tiny local Llama config
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "max_position_embeddings": MAX_MODEL_LEN,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16",
-}
+# The scheduler's ModelConfig only bounds lengths: the tiny local Llama config, 64k positions.
+_LLAMA_64K = {**TINY_LLAMA, "max_position_embeddings": MAX_MODEL_LEN}
 
 
 @pytest.fixture(scope="module")

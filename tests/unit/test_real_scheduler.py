@@ -49,6 +49,7 @@ from hybridkv.connector.store_metadata import StoreConnectorMetadata, StoreWorke
 from hybridkv.store import vllm_compat
 from hybridkv.store.embedded_master import EmbeddedMaster
 from hybridkv.store.mooncake_backend import MooncakeBackend
+from tests.unit.tiny_vllm_config import TINY_LLAMA
 
 UNIT = 16
 WINDOW = Geometry(
@@ -58,20 +59,6 @@ TWO_DENSE = Geometry(
     specs=[fa(16), fa(32), mamba(32)], hash_block_size=UNIT, num_blocks=600, max_model_len=4096
 )
 PROMPT = random.Random(7).choices(range(3, 30000), k=1000)
-_TINY_LLAMA = {  # a tiny local config.json: vLLM needs a ModelConfig, no hub is reachable
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16",
-}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +66,7 @@ def store(tmp_path_factory):
     """A real master, a client holding a segment (the store's memory), a tiny model dir."""
     init_none_hash(sha256)
     model_dir = tmp_path_factory.mktemp("tiny-llama")
-    (model_dir / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
     with (
         EmbeddedMaster() as master,
         MooncakeBackend(master.address, global_segment_size=64 << 20) as holder,
