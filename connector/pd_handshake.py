@@ -1010,7 +1010,6 @@ class _Channels:
 
 
 CONNECT_MARGIN_MS = 1000  # see _Channels.get
-RPC_ATTEMPT_S = 10.0  # one attempt of a side-channel call (see _call); its answer takes ms
 MAX_PEER_CHANNELS = 64  # as many as the NIXL peers a decode worker keeps (PDWorker MAX_PEERS)
 _channels = _Channels(MAX_PEER_CHANNELS)
 
@@ -1019,34 +1018,22 @@ def _call(
     address: str, method: str, obj: dict[str, Any], timeout_s: float, key: DeploymentKey | None
 ) -> bytes:
     """One authenticated unary call: a nonce in the body, the MAC in the metadata, the
-    answer's MAC checked (raises :class:`HandshakeError` if it is missing or wrong).
-
-    Each attempt is bounded by ``RPC_ATTEMPT_S`` within ``timeout_s``: an attempt that gets no
-    answer is sent again, with a fresh nonce, on a new channel (a call on a cached channel has
-    gone unanswered for its whole bound while the same peer answered new channels at once).
-    Every method is safe to send twice: a release is idempotent, a second claim is refused as
-    claimed already (the request recomputes), agent info is read-only."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        attempt_s = max(0.001, min(RPC_ATTEMPT_S, deadline - time.monotonic()))
-        body = json.dumps({**obj, "nonce": secrets.token_hex(16), "ts": time.time()}).encode()
-        metadata = () if key is None else ((MAC_METADATA, request_mac(key, method, body)),)
-        channel = _channels.get(address, attempt_s)
-        try:
-            answer, call = channel.unary_unary(
-                f"/{SERVICE}/{method}",
-                request_serializer=lambda b: b,
-                response_deserializer=lambda b: b,
-            ).with_call(body, timeout=attempt_s, metadata=metadata)
-            break
-        except grpc.RpcError as e:
-            if (
-                e.code() != grpc.StatusCode.FAILED_PRECONDITION
-            ):  # a refusal is an answer: the channel is fine
-                _channels.drop(address, channel)
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline:
-                continue
-            raise
+    answer's MAC checked (raises :class:`HandshakeError` if it is missing or wrong)."""
+    body = json.dumps({**obj, "nonce": secrets.token_hex(16), "ts": time.time()}).encode()
+    metadata = () if key is None else ((MAC_METADATA, request_mac(key, method, body)),)
+    channel = _channels.get(address, timeout_s)
+    try:
+        answer, call = channel.unary_unary(
+            f"/{SERVICE}/{method}",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        ).with_call(body, timeout=timeout_s, metadata=metadata)
+    except grpc.RpcError as e:
+        if (
+            e.code() != grpc.StatusCode.FAILED_PRECONDITION
+        ):  # a refusal is an answer: the channel is fine
+            _channels.drop(address, channel)
+        raise
     if key is not None and not key.verify(
         _metadata_value(call.trailing_metadata()),
         PURPOSE_RPC_ANSWER,
