@@ -42,12 +42,12 @@ from hybridkv.store.mooncake_backend import MooncakeBackend
 from hybridkv.store.session import release_all
 from tests.freeze import freeze
 from tests.unit.test_real_scheduler import (
-    _TINY_LLAMA,
     WINDOW,
     _request,
     _run_to_completion,
     _scheduler,
 )
+from tests.unit.tiny_vllm_config import TINY_LLAMA
 
 CLIENT_TTL_S = 2  # the master's --client_ttl: how long a silent client keeps its segment
 
@@ -75,7 +75,7 @@ def tiny_model(tmp_path):
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
     init_none_hash(sha256)
-    (tmp_path / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     return tmp_path
 
 

@@ -15,7 +15,7 @@ from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 
 from hybridkv.cli.harness.kv_manager import Geometry, fa, make_request, mamba, run_prefill, sw
 from hybridkv.store import vllm_compat
-from tests.unit.test_real_scheduler import _TINY_LLAMA
+from tests.unit.tiny_vllm_config import TINY_LLAMA
 
 GEO = Geometry(
     specs=[fa(16), sw(16, 64), mamba(64)], hash_block_size=16, num_blocks=400, max_model_len=4096
@@ -68,7 +68,7 @@ def test_eagle_drop_groups_are_the_groups_vllm_gives_the_eagle_drop(use_eagle):
 def test_kv_cache_configs_group_layers_like_the_engine(tmp_path):
     """Two full-attention layers + a sliding-window layer: the helper must reach vLLM's
     grouping on either version."""
-    (tmp_path / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     cfg = VllmConfig(
         model_config=ModelConfig(
             model=str(tmp_path),
